@@ -1,0 +1,197 @@
+"""LatentMoE block of the K3 MoE layers (``block_sparse_moe``; spec §3 "MoE block").
+
+Parameter names below are relative to ``model.layers.{i}.block_sparse_moe.`` and match the
+checkpoint, except the routed experts, which the loader stacks (docs/DESIGN.md):
+
+| name | shape | dtype |
+|---|---|---|
+| ``gate.weight`` | ``[E, hidden]`` | model dtype |
+| ``gate.e_score_correction_bias`` | ``[E]`` | float32 |
+| ``routed_expert_down_proj.weight`` | ``[L, hidden]`` | model dtype |
+| ``routed_expert_norm.weight`` | ``[L]`` (only with ``latent_moe_use_norm``) | model dtype |
+| ``routed_expert_up_proj.weight`` | ``[hidden, L]`` | model dtype |
+| ``shared_experts.{gate,up}_proj.weight`` / ``down_proj.weight`` | ``[S, hidden]`` / ``[hidden, S]`` | model dtype |
+| ``experts.w1`` / ``w3`` ``.weight_packed`` / ``.weight_scale`` | ``[E, I, L/2]`` / ``[E, I, L/32]`` | uint8 |
+| ``experts.w2.weight_packed`` / ``.weight_scale`` | ``[E, L, I/2]`` / ``[E, L, I/32]`` | uint8 |
+| (bf16 experts) ``experts.w{1,3}.weight`` / ``experts.w2.weight`` | ``[E, I, L]`` / ``[E, L, I]`` | model dtype |
+
+(E = num_experts, L = latent_size, I = moe_intermediate_size,
+S = moe_intermediate_size × num_shared_experts.)
+
+Dtype flow (mirrors mlx-lm 0.32.2 ``KimiK3SparseMoE`` / ``SwitchGLU`` / ``_situ`` for the
+bf16 path; in fp32 every cast is a no-op):
+
+1. router: ``logits = x32 @ gate.weight32ᵀ`` in **fp32** (spec "router in fp32"; mlx-lm
+   instead rounds the gate matmul to bf16 before its fp32 sigmoid), then
+   :func:`schedules.moe_generic.moe_route_kernel` (sigmoid, top-k of score + bias, lowest index
+   wins ties, renormalize with +1e-20, × routed_scaling_factor); the weights are rounded to
+   the model dtype (mlx-lm casts them to the input dtype).
+2. ``z = routed_expert_down_proj x`` (model dtype).
+3. ``g, u = w1 z, w3 z`` per chosen expert (MXFP4 gather GEMV, fp32 accumulation, rounded to
+   the model dtype as mlx's quantized matmul output); ``a = SiTU(g, u)`` in fp32, rounded to
+   the model dtype; ``o = w2 a`` (fp32 accumulation, rounded to the model dtype).
+4. ``y = Σ_k w_k · o_k`` accumulated in **fp32** (spec; mlx-lm multiplies/sums in bf16),
+   rounded to the model dtype; ``y = routed_expert_norm(y)`` (fp32 normalize, cast, × w);
+   ``y = routed_expert_up_proj y``.
+5. ``out = y + shared_experts(x)`` in the model dtype.
+"""
+
+from __future__ import annotations
+
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import Tensor, op
+
+from relax_modules.layers import RMSNorm, SiTUMLP, situ_glu
+from schedules import moe_generic as mg
+
+def _private(func):
+    """Drop the PrimFunc's ``global_symbol`` so Relax names it (tensor_ir_op ``name_hint``)."""
+    return func.without_attr("global_symbol")
+
+
+__all__ = ["MoEGate", "MXFP4StackedLinear", "StackedLinear", "RoutedExperts", "LatentMoE"]
+
+
+class MoEGate(nn.Module):
+    """Router parameters ``gate.weight [E, hidden]`` (model dtype) and
+    ``gate.e_score_correction_bias [E]`` (fp32); forward gives ``(expert_ids [T, k] int32,
+    weights [T, k] fp32)``."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int,
+                 routed_scaling_factor: float, renormalize: bool, dtype: str):
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.routed_scaling_factor = routed_scaling_factor
+        self.renormalize = renormalize
+        self.weight = nn.Parameter((num_experts, hidden_size), dtype=dtype)
+        self.e_score_correction_bias = nn.Parameter((num_experts,), dtype="float32")
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        n = x.shape[0]
+        logits = op.matmul(
+            op.astype(x, "float32"), op.permute_dims(op.astype(self.weight, "float32"), [1, 0]),
+            out_dtype="float32",
+        )
+        kernel = mg.moe_route_kernel(self.num_experts, self.top_k, self.routed_scaling_factor,
+                                     self.renormalize)
+        ids, w = op.tensor_ir_op(
+            _private(kernel), "moe_route", [logits, self.e_score_correction_bias],
+            [Tensor.placeholder([n, self.top_k], "int32"),
+             Tensor.placeholder([n, self.top_k], "float32")],
+        )
+        return ids, w
+
+
+class MXFP4StackedLinear(nn.Module):
+    """Stacked MXFP4 experts ``weight_packed [E, N, K/2]``, ``weight_scale [E, N, K/32]``
+    (uint8). forward(x ``[T, K]`` or ``[T, k, K]``, ids ``[T, k]`` int32) -> ``[T, k, N]``
+    in ``out_dtype`` (fp32 accumulation)."""
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, top_k: int):
+        self.E, self.K, self.N, self.top_k = num_experts, in_features, out_features, top_k
+        self.weight_packed = nn.Parameter((num_experts, out_features, in_features // 2), dtype="uint8")
+        self.weight_scale = nn.Parameter((num_experts, out_features, in_features // mg.MXFP4_GROUP),
+                                         dtype="uint8")
+
+    def forward(self, x: Tensor, ids: Tensor, out_dtype: str) -> Tensor:
+        per_choice = len(x.shape) == 3
+        kernel = mg.mxfp4_gather_gemv_kernel(self.N, self.K, self.E, self.top_k, per_choice,
+                                             x.dtype, out_dtype)
+        return op.tensor_ir_op(
+            _private(kernel), "moe_mxfp4_gemv", [x, self.weight_packed, self.weight_scale, ids],
+            Tensor.placeholder([x.shape[0], self.top_k, self.N], out_dtype),
+        )
+
+
+class StackedLinear(nn.Module):
+    """Unquantized stacked experts ``weight [E, N, K]`` (model dtype); same forward as
+    :class:`MXFP4StackedLinear`."""
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, top_k: int, dtype: str):
+        self.E, self.K, self.N, self.top_k = num_experts, in_features, out_features, top_k
+        self.weight = nn.Parameter((num_experts, out_features, in_features), dtype=dtype)
+
+    def forward(self, x: Tensor, ids: Tensor, out_dtype: str) -> Tensor:
+        per_choice = len(x.shape) == 3
+        kernel = mg.gather_gemv_kernel(self.N, self.K, self.E, self.top_k, per_choice,
+                                       self.weight.dtype, x.dtype, out_dtype)
+        return op.tensor_ir_op(
+            _private(kernel), "moe_gemv", [x, self.weight, ids],
+            Tensor.placeholder([x.shape[0], self.top_k, self.N], out_dtype),
+        )
+
+
+class RoutedExperts(nn.Module):
+    """``experts.w1`` (gate), ``w3`` (up): L -> I; ``w2`` (down): I -> L. SiTU-GLU experts.
+
+    forward(z ``[T, L]``, ids ``[T, k]``) -> ``[T, k, L]`` in the model dtype.
+    """
+
+    def __init__(self, num_experts: int, latent: int, inter: int, top_k: int, mxfp4: bool,
+                 beta: float, beta_lin: float, dtype: str):
+        self.dtype = dtype
+        self.beta, self.beta_lin = beta, beta_lin
+        if mxfp4:
+            self.w1 = MXFP4StackedLinear(num_experts, latent, inter, top_k)
+            self.w3 = MXFP4StackedLinear(num_experts, latent, inter, top_k)
+            self.w2 = MXFP4StackedLinear(num_experts, inter, latent, top_k)
+        else:
+            self.w1 = StackedLinear(num_experts, latent, inter, top_k, dtype)
+            self.w3 = StackedLinear(num_experts, latent, inter, top_k, dtype)
+            self.w2 = StackedLinear(num_experts, inter, latent, top_k, dtype)
+
+    def forward(self, z: Tensor, ids: Tensor) -> Tensor:
+        g = self.w1(z, ids, self.dtype)
+        u = self.w3(z, ids, self.dtype)
+        a = situ_glu(g, u, self.beta, self.beta_lin)  # fp32 inside, model dtype out
+        return self.w2(a, ids, self.dtype)
+
+
+class LatentMoE(nn.Module):
+    """K3 ``block_sparse_moe`` (spec §3 MoE block; see the module docstring for the dtype flow).
+
+    forward(x ``[T, hidden]`` model dtype, T symbolic) -> ``[T, hidden]`` model dtype.
+    Built from a :class:`k3_compile.config.K3Config`.
+    """
+
+    def __init__(self, config, dtype: str = "float32"):
+        c = config
+        self.dtype = dtype
+        self.hidden = c.hidden_size
+        self.latent = c.routed_expert_hidden_size is not None
+        L = c.latent_size
+        self.gate = MoEGate(c.hidden_size, c.num_experts, c.num_experts_per_token,
+                            c.routed_scaling_factor, c.moe_renormalize, dtype)
+        if self.latent:
+            self.routed_expert_down_proj = nn.Linear(c.hidden_size, L, bias=False, dtype=dtype)
+            self.routed_expert_up_proj = nn.Linear(L, c.hidden_size, bias=False, dtype=dtype)
+            self.routed_expert_norm = (RMSNorm(L, c.rms_norm_eps, dtype)
+                                       if c.latent_moe_use_norm else None)
+        else:
+            self.routed_expert_norm = None
+        self.experts = RoutedExperts(
+            c.num_experts, L, c.moe_intermediate_size, c.num_experts_per_token,
+            c.quantization.experts_mxfp4, c.activation_situ_beta, c.activation_situ_linear_beta,
+            dtype,
+        )
+        self.shared_experts = (
+            SiTUMLP(c.hidden_size, c.shared_expert_intermediate_size, c.activation_situ_beta,
+                    c.activation_situ_linear_beta, dtype)
+            if c.num_shared_experts else None
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        ids, w = self.gate(x)
+        if self.dtype != "float32":
+            w = op.astype(op.astype(w, self.dtype), "float32")  # mlx: weights.astype(in_type)
+        z = self.routed_expert_down_proj(x) if self.latent else x
+        o = self.experts(z, ids)  # [T, k, L]
+        y = op.sum(op.astype(o, "float32") * op.unsqueeze(w, -1), axis=1)  # fp32 accumulation
+        y = op.astype(y, self.dtype)
+        if self.routed_expert_norm is not None:
+            y = self.routed_expert_norm(y)
+        if self.latent:
+            y = self.routed_expert_up_proj(y)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y
