@@ -390,7 +390,7 @@ def slot_reset_kernel(inner: tuple[int, ...]):
     R = _flat(inner)
 
     @T.prim_func(private=True)
-    def slot_reset(pool_h: T.handle, slot: T.int32):
+    def slot_reset(pool_h: T.handle, slot: T.int64):
         T.func_attr({"tir.noalias": True})
         n_layer, n_slot = T.int64(), T.int64()
         pool = T.match_buffer(pool_h, (n_layer, n_slot, R), "float32")
@@ -404,12 +404,12 @@ def slot_reset_kernel(inner: tuple[int, ...]):
 def slot_copy_kernel(inner: tuple[int, ...]):
     """Copy slot ``src`` to slot ``dst`` of a pool ``[L, S, R]`` float32 in every layer (fork).
 
-    PrimFunc arguments: ``pool [L, S, R]`` (in place, arg 0), ``src`` int32, ``dst`` int32.
+    PrimFunc arguments: ``pool [L, S, R]`` (in place, arg 0), ``src`` int64, ``dst`` int64.
     """
     R = _flat(inner)
 
     @T.prim_func(private=True)
-    def slot_copy(pool_h: T.handle, src: T.int32, dst: T.int32):
+    def slot_copy(pool_h: T.handle, src: T.int64, dst: T.int64):
         T.func_attr({"tir.noalias": True})
         n_layer, n_slot = T.int64(), T.int64()
         pool = T.match_buffer(pool_h, (n_layer, n_slot, R), "float32")

@@ -1,0 +1,210 @@
+"""The KDA (Kimi Delta Attention) layer, spec ``K3-ARCHITECTURE.md`` §3 "KDA layer".
+
+Works on the flat ragged batch of ``docs/DESIGN.md``: ``x [T, hidden]`` with a
+:class:`~relax_modules.common.ForwardMeta`; the per-sequence state lives in the pooled tensors
+``kda_state [n_kda_layers, max_slots, H, K, V]`` and ``conv_state
+[n_kda_layers, max_slots, 3, W-1, H*K]`` (float32), updated in place by the TIR kernels of
+``schedules/kda_generic.py`` and returned so the writes stay live.
+
+Parameter names are the checkpoint's under ``self_attn.`` (the parent module names this layer
+``self_attn``). Also here: :class:`KDAStateOps`, the slot reset / fork functions the runtime
+calls on the pools.
+"""
+
+from __future__ import annotations
+
+from tvm import tirx as tir
+from tvm.relax.frontend import nn
+from tvm.relax.frontend.nn import op
+
+from k3_compile.config import K3Config
+from relax_modules.common import ForwardMeta
+from schedules.kda_generic import (
+    kda_chunk_prefill_kernel,
+    kda_decode_kernel,
+    short_conv_kernel,
+    slot_copy_kernel,
+    slot_reset_kernel,
+)
+
+L2_NORM_EPS = 1e-6  # spec §3 step 2 (fla's l2norm eps)
+CONV_Q, CONV_K, CONV_V = 0, 1, 2  # index into conv_state dim 2
+
+
+class ShortConv1d(nn.Module):
+    """Holds ``*_conv1d.weight`` ``[H*K, 1, W]`` float32 (depthwise, no bias)."""
+
+    def __init__(self, channels: int, kernel_size: int):
+        self.weight = nn.Parameter((channels, 1, kernel_size), "float32")
+
+
+class HeadRMSNormWeight(nn.Module):
+    """Holds ``o_norm.weight`` ``[K]`` float32."""
+
+    def __init__(self, head_dim: int):
+        self.weight = nn.Parameter((head_dim,), "float32")
+
+
+def _i32(v: int) -> tir.IntImm:
+    return tir.IntImm("int32", v)
+
+
+class KimiDeltaAttention(nn.Module):
+    """KDA layer (spec §3). H = ``kda_num_heads``, K = V = ``kda_head_dim``, W = conv width.
+
+    Parameters (checkpoint names under ``self_attn.``; Linear weights ``[out, in]``, no bias):
+    ``q_proj``, ``k_proj``, ``v_proj`` [H*K, hidden]; ``{q,k,v}_conv1d.weight`` [H*K, 1, W] f32;
+    ``f_a_proj`` [K, hidden]; ``f_b_proj`` [H*K, K]; ``b_proj`` [H, hidden];
+    ``A_log`` [H] f32; ``dt_bias`` [H*K] f32; ``o_norm.weight`` [K] f32;
+    ``g_proj`` [H*K, hidden]; ``o_proj`` [hidden, H*K]. Others in the model dtype.
+    """
+
+    def __init__(self, config: K3Config, dtype: str = "float32"):
+        self.H = H = config.kda_num_heads
+        self.K = K = config.kda_head_dim
+        self.W = W = config.short_conv_kernel_size
+        self.lower_bound = config.gate_lower_bound
+        self.eps = config.rms_norm_eps
+        self.dtype = dtype
+        hidden, HK = config.hidden_size, H * K
+
+        self.q_proj = nn.Linear(hidden, HK, bias=False, dtype=dtype)
+        self.k_proj = nn.Linear(hidden, HK, bias=False, dtype=dtype)
+        self.v_proj = nn.Linear(hidden, HK, bias=False, dtype=dtype)
+        self.q_conv1d = ShortConv1d(HK, W)
+        self.k_conv1d = ShortConv1d(HK, W)
+        self.v_conv1d = ShortConv1d(HK, W)
+        self.f_a_proj = nn.Linear(hidden, K, bias=False, dtype=dtype)
+        self.f_b_proj = nn.Linear(K, HK, bias=False, dtype=dtype)
+        self.b_proj = nn.Linear(hidden, H, bias=False, dtype=dtype)
+        self.A_log = nn.Parameter((H,), "float32")
+        self.dt_bias = nn.Parameter((HK,), "float32")
+        self.o_norm = HeadRMSNormWeight(K)
+        self.g_proj = nn.Linear(hidden, HK, bias=False, dtype=dtype)
+        self.o_proj = nn.Linear(HK, hidden, bias=False, dtype=dtype)
+
+    # -- pieces ------------------------------------------------------------------------
+    def _short_conv(self, x, conv, which, meta, conv_state, kda_index):
+        """Step 1 for one projection: SiLU(causal depthwise conv1d(x)) → [T, H*K] f32."""
+        kernel = short_conv_kernel(self.H * self.K, self.W, self.dtype)
+        conv_state, y = op.tensor_ir_inplace_op(
+            kernel,
+            "kda_short_conv",
+            [x, conv.weight, meta.cu_seqlens, meta.token_seq, meta.seq_slots, conv_state,
+             _i32(kda_index), _i32(which)],
+            [5, -1],
+            [nn.Tensor.placeholder(conv_state.shape, "float32"),
+             nn.Tensor.placeholder(x.shape, "float32")],
+        )
+        return y, conv_state
+
+    def _l2_normalize(self, x):
+        """x / sqrt(Σ x² + 1e-6) over the last axis (f32)."""
+        return x / op.sqrt(op.sum(op.square(x), axis=-1, keepdims=True) + L2_NORM_EPS)
+
+    def _decay_gate(self, f):
+        """Step 3: log-space per-channel decay g [T, H, K] f32 from f = f_b(f_a(x)) [T, H, K]."""
+        a = op.reshape(op.exp(self.A_log), (1, self.H, 1))
+        z = f + op.reshape(self.dt_bias, (1, self.H, self.K))
+        if self.lower_bound is not None:
+            return op.sigmoid(a * z) * self.lower_bound        # lb·σ(exp(A_log)·(f + dt_bias))
+        return op.negative(a * op.softplus(z))                 # −exp(A_log)·softplus(f + dt_bias)
+
+    # -- forward -----------------------------------------------------------------------
+    def forward(self, x: nn.Tensor, meta: ForwardMeta, kda_state: nn.Tensor,
+                conv_state: nn.Tensor, kda_index: int, decode: bool):
+        """x [T, hidden] (model dtype) → (out [T, hidden], kda_state, conv_state).
+
+        ``decode``: every sequence has exactly one token (T == B, token b ↔ sequence b) and the
+        recurrent kernel is used; otherwise the chunked prefill kernel.
+        """
+        H, K = self.H, self.K
+        T = x.shape[0]
+        # 1. q, k, v = SiLU(causal depthwise conv1d(W x)), conv state = last W-1 inputs
+        q, conv_state = self._short_conv(self.q_proj(x), self.q_conv1d, CONV_Q, meta,
+                                         conv_state, kda_index)
+        k, conv_state = self._short_conv(self.k_proj(x), self.k_conv1d, CONV_K, meta,
+                                         conv_state, kda_index)
+        v, conv_state = self._short_conv(self.v_proj(x), self.v_conv1d, CONV_V, meta,
+                                         conv_state, kda_index)
+        q, k, v = (op.reshape(t, (T, H, K)) for t in (q, k, v))
+        # 2. q, k L2-normalized per head (eps 1e-6); q scaled by K^-1/2 (inside the kernel)
+        q, k = self._l2_normalize(q), self._l2_normalize(k)
+        # 3. decay gate in log space, per channel
+        f = op.astype(op.reshape(self.f_b_proj(self.f_a_proj(x)), (T, H, K)), "float32")
+        g = self._decay_gate(f)
+        # 4. β = σ(b_proj x) per head
+        beta = op.sigmoid(op.astype(self.b_proj(x), "float32"))
+        # 5. the delta-rule recurrence on S = kda_state[kda_index, slot] (in place)
+        scale = K ** -0.5
+        o_ty = nn.Tensor.placeholder((T, H, K), "float32")
+        s_ty = nn.Tensor.placeholder(kda_state.shape, "float32")
+        if decode:
+            kda_state, o = op.tensor_ir_inplace_op(
+                kda_decode_kernel(H, K, K, scale), "kda_decode",
+                [q, k, v, g, beta, meta.seq_slots, kda_state, _i32(kda_index)],
+                [6, -1], [s_ty, o_ty])
+        else:
+            kda_state, o = op.tensor_ir_inplace_op(
+                kda_chunk_prefill_kernel(H, K, K, scale), "kda_chunk_prefill",
+                [q, k, v, g, beta, meta.cu_seqlens, meta.seq_slots, kda_state,
+                 _i32(kda_index)],
+                [7, -1], [s_ty, o_ty])
+        # 6. o = RMSNorm_{o_norm}(o) · σ(g_proj x) per head (fp32), then o_proj
+        o = op.rms_norm(o, self.o_norm.weight, axes=-1, epsilon=self.eps)
+        gate = op.sigmoid(op.astype(op.reshape(self.g_proj(x), (T, H, K)), "float32"))
+        o = op.astype(op.reshape(o * gate, (T, H * K)), self.dtype)
+        return self.o_proj(o), kda_state, conv_state
+
+
+class KDAStateOps(nn.Module):
+    """Slot operations on the KDA pools, for the runtime (all layers at once, in place).
+
+    Export with ``export_tvm(spec={"reset_slot": {"kda_state": ..., "conv_state": ...,
+    "slot": nn.spec.Int()}, "fork_slot": {..., "src": nn.spec.Int(), "dst": nn.spec.Int()}})``.
+    Rollback is done by the runtime from snapshots (not here).
+    """
+
+    def __init__(self, config: K3Config):
+        H, K, W = config.kda_num_heads, config.kda_head_dim, config.short_conv_kernel_size
+        self.kda_inner = (H, K, K)
+        self.conv_inner = (3, W - 1, H * K)
+
+    @staticmethod
+    def _flat(pool, inner):
+        return op.reshape(pool, (pool.shape[0], pool.shape[1], _prod(inner)))
+
+    def reset_slot(self, kda_state: nn.Tensor, conv_state: nn.Tensor, slot: tir.PrimExpr):
+        """kda_state[:, slot] = 0; conv_state[:, slot] = 0. Returns both pools."""
+        out = []
+        for pool, inner in ((kda_state, self.kda_inner), (conv_state, self.conv_inner)):
+            flat = self._flat(pool, inner)
+            flat = op.tensor_ir_inplace_op(
+                slot_reset_kernel(inner), "kda_slot_reset", [flat, _as_i64(slot)], [0],
+                nn.Tensor.placeholder(flat.shape, "float32"))
+            out.append(op.reshape(flat, pool.shape))
+        return tuple(out)
+
+    def fork_slot(self, kda_state: nn.Tensor, conv_state: nn.Tensor, src: tir.PrimExpr,
+                  dst: tir.PrimExpr):
+        """pool[:, dst] = pool[:, src] for both pools. Returns both pools."""
+        out = []
+        for pool, inner in ((kda_state, self.kda_inner), (conv_state, self.conv_inner)):
+            flat = self._flat(pool, inner)
+            flat = op.tensor_ir_inplace_op(
+                slot_copy_kernel(inner), "kda_slot_copy", [flat, _as_i64(src), _as_i64(dst)],
+                [0], nn.Tensor.placeholder(flat.shape, "float32"))
+            out.append(op.reshape(flat, pool.shape))
+        return tuple(out)
+
+
+def _prod(xs) -> int:
+    p = 1
+    for x in xs:
+        p *= int(x)
+    return p
+
+
+def _as_i64(e):
+    """A slot index: a Python int or an int64 symbolic var (``nn.spec.Int()``)."""
+    return tir.IntImm("int64", e) if isinstance(e, int) else e

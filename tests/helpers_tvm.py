@@ -1,0 +1,94 @@
+"""Shared helpers for tests that compile Relax / TIR on the CPU (llvm target).
+
+- :func:`compile_vm` — ``export_tvm`` output → a ``relax.VirtualMachine`` on ``tvm.cpu()``.
+- :func:`compile_prim` — one PrimFunc → a callable packed function.
+- :func:`param_args` — the trailing parameter arguments, in ``params`` order, from a dict.
+- :func:`ragged_meta` — the int32 ForwardMeta arrays (docs/DESIGN.md) for sequence lengths.
+- :func:`nd` — numpy → ``tvm.runtime.Tensor`` on the CPU.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tvm
+from tvm import relax
+
+LLVM = tvm.target.Target({"kind": "llvm"})
+
+
+def nd(a) -> tvm.runtime.Tensor:
+    """numpy array → tvm tensor on the CPU (bfloat16 numpy arrays via ml_dtypes work too)."""
+    return tvm.runtime.tensor(np.ascontiguousarray(a), device=tvm.cpu())
+
+
+def compile_vm(mod: tvm.IRModule) -> relax.VirtualMachine:
+    """Compile an exported Relax module for llvm and load it in a CPU VirtualMachine."""
+    ex = tvm.compile(mod, target=LLVM)
+    return relax.VirtualMachine(ex, tvm.cpu())
+
+
+def compile_prim(func, name: str = "main"):
+    """Compile one PrimFunc for llvm; returns the packed function."""
+    return tvm.compile(func.with_attr("global_symbol", name), target=LLVM)[name]
+
+
+def param_args(params, values: dict) -> list:
+    """Parameter tensors in the order of ``export_tvm``'s ``params`` list.
+
+    ``values`` maps parameter name → numpy array (cast to the parameter's dtype here).
+    Raises KeyError naming any missing parameter.
+    """
+    out = []
+    for name, p in params:
+        if name not in values:
+            raise KeyError(f"no value for parameter {name!r}")
+        a = np.asarray(values[name])
+        if str(a.dtype) != p.dtype:
+            if p.dtype == "bfloat16":
+                import ml_dtypes
+
+                a = a.astype(ml_dtypes.bfloat16)
+            else:
+                a = a.astype(p.dtype)
+        if tuple(a.shape) != tuple(int(s) for s in p.shape):
+            raise ValueError(f"parameter {name!r}: shape {a.shape} != {tuple(p.shape)}")
+        out.append(nd(a))
+    return out
+
+
+def ragged_meta(lens, slots=None, start_pos=None, max_pages: int = 1) -> dict:
+    """ForwardMeta arrays (all int32) for a flat batch of sequences with lengths ``lens``.
+
+    ``slots`` defaults to ``range(B)``; ``start_pos[b]`` is the number of tokens of sequence
+    ``b`` seen in earlier forwards (default 0). ``page_table`` is all -1 (unused here).
+    """
+    lens = [int(n) for n in lens]
+    B = len(lens)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype("int32")
+    start_pos = [0] * B if start_pos is None else list(start_pos)
+    return {
+        "cu_seqlens": cu,
+        "token_seq": np.repeat(np.arange(B), lens).astype("int32"),
+        "token_pos": np.concatenate(
+            [np.arange(n) + p for n, p in zip(lens, start_pos)] or [np.zeros(0)]).astype("int32"),
+        "seq_slots": np.asarray(range(B) if slots is None else slots, dtype="int32"),
+        "page_table": np.full((B, max_pages), -1, dtype="int32"),
+        "last_token": (cu[1:] - 1).astype("int32"),
+    }
+
+
+META_FIELDS = ("cu_seqlens", "token_seq", "token_pos", "seq_slots", "page_table", "last_token")
+
+
+def meta_spec() -> dict:
+    """``nn.spec`` entries for the ForwardMeta tensors (symbolic T, B, B+1 as "B1", pages)."""
+    from tvm.relax.frontend import nn
+
+    return {
+        "cu_seqlens": nn.spec.Tensor(["B1"], "int32"),
+        "token_seq": nn.spec.Tensor(["T"], "int32"),
+        "token_pos": nn.spec.Tensor(["T"], "int32"),
+        "seq_slots": nn.spec.Tensor(["B"], "int32"),
+        "page_table": nn.spec.Tensor(["B", "P"], "int32"),
+        "last_token": nn.spec.Tensor(["B"], "int32"),
+    }
