@@ -251,6 +251,15 @@ class K3Config:
         return _parse_text(raw, text, model_type, where, source)
 
 
+_ABSENT_MEANS_OFF: dict[str, Any] = {
+    "routed_expert_hidden_size": None,
+    "latent_moe_use_norm": False,
+    "mla_use_output_gate": False,
+    "num_shared_experts": 0,
+    "first_k_dense_replace": 0,
+}
+
+
 def _parse_text(raw: dict, text: dict, model_type: str, where: str, source: str) -> K3Config:
     defaults = K3Config()
 
@@ -300,6 +309,12 @@ def _parse_text(raw: dict, text: dict, model_type: str, where: str, source: str)
             kw[name] = v
     if "num_key_value_heads" not in kw:
         kw["num_key_value_heads"] = kw["num_attention_heads"]
+    # Feature fields whose absence means "feature off" in the public modeling code
+    # (mlx-lm kimi_k3.TextArgs): a config without them is not a LatentMoE / gated / shared-
+    # expert / dense-first model, whatever K3's own values are.
+    for name, off in _ABSENT_MEANS_OFF.items():
+        if name not in kw and text.get(name) is None:
+            kw[name] = off
 
     # Token ids: text_config first, then top level.
     for name in ("bos_token_id", "pad_token_id"):
@@ -318,8 +333,11 @@ def _parse_text(raw: dict, text: dict, model_type: str, where: str, source: str)
         raise ConfigError(f"{source}: field '{where}eos_token_id' = {eos!r}: expected int or list of int")
 
     lac = text.get("linear_attn_config")
-    if not isinstance(lac, dict):
+    if lac is None:
         raise ConfigError(f"{source}: missing required field '{where}linear_attn_config'")
+    if not isinstance(lac, dict):
+        raise ConfigError(f"{source}: field '{where}linear_attn_config' = {lac!r} has the wrong type; "
+                          "expected an object")
     p = f"{where}linear_attn_config."
     kw["kda_num_heads"] = get("num_heads", int, required=True, obj=lac, prefix=p)
     kw["kda_head_dim"] = get("head_dim", int, required=True, obj=lac, prefix=p)
@@ -341,7 +359,7 @@ def _parse_text(raw: dict, text: dict, model_type: str, where: str, source: str)
     if qk is not None and qk != kw["qk_nope_head_dim"] + kw["qk_rope_head_dim"]:
         raise ConfigError(
             f"{source}: field '{where}qk_head_dim' = {qk} != qk_nope_head_dim + qk_rope_head_dim "
-            f"({kw['qk_nope_head_dim']} + {kw['qk_rope_head_dim']}): head dims do not multiply out"
+            f"({kw['qk_nope_head_dim']} + {kw['qk_rope_head_dim']}): head dims do not add up"
         )
     pd = get("projection_dim", int, obj=lac, prefix=p)
     if pd is not None and pd != kw["kda_num_heads"] * kw["kda_head_dim"]:
@@ -379,8 +397,14 @@ def _parse_quant(raw: dict, text: dict, where: str, source: str) -> QuantConfig:
             f"{list(SUPPORTED_QUANT_FORMATS)}"
         )
     group_size = MXFP4_GROUP_SIZE
-    for gname, group in (qc.get("config_groups") or {}).items():
-        w = (group or {}).get("weights") or {}
+    groups = qc.get("config_groups") or {}
+    if not isinstance(groups, dict):
+        raise ConfigError(f"{source}: field '{qwhere}.config_groups' must be an object")
+    for gname, group in groups.items():
+        if not isinstance(group, dict) or not isinstance(group.get("weights") or {}, dict):
+            raise ConfigError(f"{source}: field '{qwhere}.config_groups.{gname}' must be an object "
+                              "with a 'weights' object")
+        w = group.get("weights") or {}
         gfmt = group.get("format", fmt)
         if gfmt not in SUPPORTED_QUANT_FORMATS:
             raise ConfigError(f"{source}: '{qwhere}.config_groups.{gname}.format' = {gfmt!r} is not supported")
@@ -410,6 +434,13 @@ def _validate(c: K3Config, where: str, source: str) -> None:
                  "kda_head_dim", "attn_res_block_size", "short_conv_kernel_size"):
         if getattr(c, name) <= 0:
             raise err(f"field '{where}{name}' must be positive, got {getattr(c, name)}")
+    for name in ("rms_norm_eps", "mla_layernorm_eps"):
+        if not getattr(c, name) > 0:
+            raise err(f"field '{where}{name}' must be positive, got {getattr(c, name)}")
+    if c.num_experts > 0 and c.moe_intermediate_size <= 0:
+        raise err(f"field '{where}moe_intermediate_size' must be positive, got {c.moe_intermediate_size}")
+    if c.first_k_dense_replace < 0:
+        raise err(f"field '{where}first_k_dense_replace' must be >= 0, got {c.first_k_dense_replace}")
     if c.hidden_act != "situ":
         raise err(f"field '{where}hidden_act' = {c.hidden_act!r}; only 'situ' is supported")
     if c.moe_router_activation_func != "sigmoid":
