@@ -41,6 +41,7 @@ import binascii
 import codecs
 import functools
 import json
+import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -198,6 +199,9 @@ def _split_long_runs(text: str, max_run: int) -> Iterator[str]:
     Each yielded piece contains no run of more than ``max_run`` characters that are all
     whitespace or all non-whitespace; the pieces concatenate back to ``text``.
     """
+    if not _long_run_re(max_run).search(text):  # fast path: nothing to cut
+        yield text
+        return
     start = 0
     run_len = 0
     run_is_space: bool | None = None
@@ -213,6 +217,12 @@ def _split_long_runs(text: str, max_run: int) -> Iterator[str]:
             start = i
             run_len = 1
     yield text[start:]
+
+
+@functools.lru_cache(maxsize=4)
+def _long_run_re(max_run: int) -> re.Pattern[str]:
+    # Python's str-pattern \s matches exactly the characters for which str.isspace() is true.
+    return re.compile(rf"\s{{{max_run + 1}}}|\S{{{max_run + 1}}}")
 
 
 def _plain_copy(value: Any) -> Any:

@@ -480,3 +480,12 @@ def test_bad_ids(tmp_path):
         tok.decode(["a"])
     with pytest.raises(TypeError):
         tok.encode(b"bytes")
+
+
+def test_split_long_runs():
+    from k3_compile.tokenizer import _split_long_runs
+
+    text = "a" * 7 + " " * 3 + "bb" + "\n" * 8
+    pieces = list(_split_long_runs(text, 3))
+    assert pieces == ["aaa", "aaa", "a   bb\n\n\n", "\n\n\n", "\n\n"]
+    assert list(_split_long_runs("ab  c", 3)) == ["ab  c"]
