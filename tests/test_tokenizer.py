@@ -341,6 +341,7 @@ def test_nano_chat_template_equals_transformers(nano):
     assert nano.apply_chat_template(chats[0]).endswith("<|im_assistant|>assistant<|im_middle|>")
 
 
+@needs_nano
 def test_chat_template_environment_follows_transformers(tmp_path):
     """trim/lstrip blocks, raise_exception, non-escaping tojson, as transformers' environment."""
     from transformers import PreTrainedTokenizerFast
