@@ -293,7 +293,8 @@ class CheckpointReader:
         dt = _DTYPES[e.dtype][0]
         if e.nbytes == 0:
             return np.zeros(e.shape, dt)
-        return np.memmap(self.files[e.shard], dtype=dt, mode="r", offset=e.start, shape=e.shape)
+        mm = np.memmap(self.files[e.shard], dtype=dt, mode="r", offset=e.start, shape=e.shape)
+        return mm.view(np.ndarray)  # plain read-only ndarray; the mapping lives as its base
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:

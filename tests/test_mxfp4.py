@@ -174,7 +174,7 @@ def test_stacked_experts_and_kernel_layout():
     w = mxfp4.dequantize(p, s)
     assert w.shape == (3, 8, 64)
     np.testing.assert_array_equal(w[1], mxfp4.dequantize(p[1], s[1]))
-    kp, ks = mxfp4.to_kernel_layout(p[:, :, ::1].transpose(0, 1, 2)[:, ::2], s[:, ::2])
+    kp, ks = mxfp4.to_kernel_layout(p[:, ::2], s[:, ::2])  # non-contiguous views
     assert kp.flags.c_contiguous and ks.flags.c_contiguous
     np.testing.assert_array_equal(kp, p[:, ::2])
     np.testing.assert_array_equal(ks, s[:, ::2])
