@@ -13,6 +13,8 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 
 __all__ = [
+    "Linear",
+    "matmul_fp32acc",
     "rsqrt",
     "mean_last",
     "rms_normalize_fp32",
@@ -39,6 +41,33 @@ def rms_normalize_fp32(x: Tensor, eps: float) -> Tensor:
     """``x32 * rsqrt(mean(x32²) + eps)`` in float32 (no weight). ``[..., D]`` any float → fp32."""
     x32 = op.astype(x, "float32")
     return x32 * rsqrt(mean_last(x32 * x32) + eps)
+
+
+# --------------------------------------------------------------------------- Linear
+def matmul_fp32acc(a: Tensor, b: Tensor, name: str = "matmul") -> Tensor:
+    """``a @ b`` accumulated in fp32, result in ``a``'s dtype.
+
+    Relax ``matmul`` with ``out_dtype=None`` accumulates in the input dtype: for bfloat16 that
+    is a bf16 accumulator (measured: errors up to 0.5 on outputs of magnitude 4 at K=96 on llvm).
+    """
+    out = op.matmul(a, b, out_dtype="float32")
+    return out if a.dtype == "float32" else op.astype(out, a.dtype)
+
+
+class Linear(nn.Module):
+    """Bias-free linear ``y = x Wᵀ`` with ``weight [out, in]`` (the checkpoint layout).
+
+    Same parameter name as ``nn.Linear`` (``weight``), but accumulates in fp32 for every model
+    dtype (see :func:`matmul_fp32acc`). ``x [..., in]`` → ``[..., out]``, model dtype.
+    """
+
+    def __init__(self, in_features: int, out_features: int, dtype: str = "float32"):
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter((out_features, in_features), dtype=dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return matmul_fp32acc(x, op.permute_dims(self.weight, [1, 0]))
 
 
 # --------------------------------------------------------------------------- RMSNorm
@@ -93,9 +122,9 @@ class SiTUMLP(nn.Module):
                  dtype: str = "float32"):
         self.beta = beta
         self.beta_lin = beta_lin
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False, dtype=dtype)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False, dtype=dtype)
+        self.gate_proj = Linear(hidden_size, intermediate_size, dtype)
+        self.up_proj = Linear(hidden_size, intermediate_size, dtype)
+        self.down_proj = Linear(intermediate_size, hidden_size, dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(situ_glu(self.gate_proj(x), self.up_proj(x), self.beta, self.beta_lin))
@@ -119,5 +148,4 @@ class LMHead(nn.Module):
         self.weight = nn.Parameter((vocab_size, hidden_size), dtype=dtype)
 
     def forward(self, h: Tensor) -> Tensor:
-        logits = op.matmul(h, op.permute_dims(self.weight, [1, 0]))
-        return op.astype(logits, "float32")
+        return op.matmul(h, op.permute_dims(self.weight, [1, 0]), out_dtype="float32")

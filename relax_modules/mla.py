@@ -36,7 +36,7 @@ from k3_compile.config import K3Config
 from schedules.mla_generic import mla_append_kernel, mla_attend_kernel
 
 from .common import ForwardMeta
-from .layers import RMSNorm
+from .layers import Linear, RMSNorm, matmul_fp32acc
 
 __all__ = ["GatedMLA"]
 
@@ -61,15 +61,14 @@ class GatedMLA(nn.Module):
         self.dtype = dtype
         self.scale = 1.0 / math.sqrt(c.qk_nope_head_dim + c.qk_rope_head_dim)   # (128+64)^-½
         H, hidden = c.num_attention_heads, c.hidden_size
-        self.q_a_proj = nn.Linear(hidden, c.q_lora_rank, bias=False, dtype=dtype)
+        self.q_a_proj = Linear(hidden, c.q_lora_rank, dtype)
         self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.mla_layernorm_eps, dtype)
-        self.q_b_proj = nn.Linear(c.q_lora_rank, H * c.qk_head_dim, bias=False, dtype=dtype)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, c.mla_cache_dim, bias=False, dtype=dtype)
+        self.q_b_proj = Linear(c.q_lora_rank, H * c.qk_head_dim, dtype)
+        self.kv_a_proj_with_mqa = Linear(hidden, c.mla_cache_dim, dtype)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.mla_layernorm_eps, dtype)
-        self.kv_b_proj = nn.Linear(c.kv_lora_rank, H * (c.qk_nope_head_dim + c.v_head_dim),
-                                   bias=False, dtype=dtype)
-        self.g_proj = nn.Linear(hidden, H * c.v_head_dim, bias=False, dtype=dtype)
-        self.o_proj = nn.Linear(H * c.v_head_dim, hidden, bias=False, dtype=dtype)
+        self.kv_b_proj = Linear(c.kv_lora_rank, H * (c.qk_nope_head_dim + c.v_head_dim), dtype)
+        self.g_proj = Linear(hidden, H * c.v_head_dim, dtype)
+        self.o_proj = Linear(H * c.v_head_dim, hidden, dtype)
 
     def forward(self, x: Tensor, meta: ForwardMeta, mla_cache: Tensor, mla_index: int):
         """``x [T, hidden]`` (after input_layernorm), ``mla_cache [NL, NP, PS, L+rope]`` →
@@ -94,7 +93,7 @@ class GatedMLA(nn.Module):
 
         # kv_b absorption: W_UK [H, nope, L], W_UV [H, v, L]
         w_uk, w_uv = op.split(op.reshape(self.kv_b_proj.weight, [H, nope + dv, L]), [nope], axis=1)
-        q_lat = op.matmul(op.permute_dims(q_nope, [1, 0, 2]), w_uk)          # [H, T, L]
+        q_lat = matmul_fp32acc(op.permute_dims(q_nope, [1, 0, 2]), w_uk)          # [H, T, L]
         q_lat = op.permute_dims(q_lat, [1, 0, 2])                            # [T, H, L]
 
         # latent causal attention over the paged cache (fp32 softmax)
@@ -104,7 +103,7 @@ class GatedMLA(nn.Module):
             out=Tensor.placeholder([n_tok, H, L], self.dtype))
 
         # attn[t,h] = W_UV[h] · o_lat[t,h]
-        attn = op.matmul(op.permute_dims(o_lat, [1, 0, 2]), op.permute_dims(w_uv, [0, 2, 1]))
+        attn = matmul_fp32acc(op.permute_dims(o_lat, [1, 0, 2]), op.permute_dims(w_uv, [0, 2, 1]))
         attn = op.reshape(op.permute_dims(attn, [1, 0, 2]), [n_tok, H * dv])  # [T, H·v]
 
         # output gate attn · σ(g_proj x), then o_proj

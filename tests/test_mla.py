@@ -10,6 +10,7 @@ import math
 import sys
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -114,8 +115,8 @@ def test_kernels_match_numpy(kernels):
 
 # --------------------------------------------------------------------------- the layer
 class _Wrap(nn.Module):
-    def __init__(self):
-        self.self_attn = GatedMLA(CFG, PAGE_SIZE, "float32")
+    def __init__(self, dtype):
+        self.self_attn = GatedMLA(CFG, PAGE_SIZE, dtype)
 
     def forward(self, x, cu_seqlens, token_seq, token_pos, seq_slots, page_table, last_token,
                 mla_cache):
@@ -127,15 +128,24 @@ def _i32(*shape):
     return nn.spec.Tensor(list(shape), "int32")
 
 
-@pytest.fixture(scope="module")
-def layer():
+NP_DTYPE = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+# |layer - float64 reference| bounds (outputs are O(1), max ≈ 1.8). Measured on llvm x86:
+# fp32 max 7.4e-7; bf16 (weights, activations and cache bf16, fp32 accumulation) max 9.4e-3.
+LAYER_TOL = {"float32": dict(rtol=1e-5, atol=5e-6), "bfloat16": dict(rtol=0.0, atol=2.5e-2)}
+# prefill→decode and batched-vs-alone: measured bit-identical in both dtypes; allow ~1 ulp.
+SAME_TOL = {"float32": dict(rtol=1e-6, atol=1e-7), "bfloat16": dict(rtol=8e-3, atol=1e-3)}
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def layer(request):
+    dtype = request.param
     spec = {"forward": {
-        "x": nn.spec.Tensor(["T", CFG.hidden_size], "float32"),
+        "x": nn.spec.Tensor(["T", CFG.hidden_size], dtype),
         "cu_seqlens": _i32("B_plus_1"), "token_seq": _i32("T"), "token_pos": _i32("T"),
         "seq_slots": _i32("B"), "page_table": _i32("B", "max_pages"), "last_token": _i32("B"),
-        "mla_cache": nn.spec.Tensor([N_MLA_LAYERS, "num_pages", PAGE_SIZE, L + R], "float32"),
+        "mla_cache": nn.spec.Tensor([N_MLA_LAYERS, "num_pages", PAGE_SIZE, L + R], dtype),
     }}
-    mod, params = _Wrap().export_tvm(spec=spec)
+    mod, params = _Wrap(dtype).export_tvm(spec=spec)
     vm = tvm.relax.VirtualMachine(_compile(mod), DEV)
     rng = np.random.default_rng(0)
     weights = {}
@@ -145,20 +155,25 @@ def layer():
             w = 1.0 + 0.2 * rng.standard_normal(shape)
         else:
             w = rng.standard_normal(shape) / math.sqrt(shape[1])
-        weights[name.removeprefix("self_attn.")] = w.astype(np.float32)
+        weights[name.removeprefix("self_attn.")] = w.astype(NP_DTYPE[dtype])
     args = [_t(weights[name.removeprefix("self_attn.")]) for name, _ in params]
 
     def run(x, meta, cache):
-        out, new_cache = vm["forward"](_t(x), *[_t(m) for m in meta], cache, *args)
-        return out.numpy(), new_cache
+        out, new_cache = vm["forward"](_t(x.astype(NP_DTYPE[dtype])), *[_t(m) for m in meta],
+                                       cache, *args)
+        return out.numpy().astype(np.float32), new_cache
 
+    run.dtype = dtype
+    run.new_cache = lambda num_pages=48: _t(
+        np.zeros((N_MLA_LAYERS, num_pages, PAGE_SIZE, L + R), NP_DTYPE[dtype]))
+    weights = {k: v.astype(np.float32) for k, v in weights.items()}   # exact bf16 values
     return run, weights
 
 
 def torch_reference(x: np.ndarray, w: dict) -> np.ndarray:
     """Spec §3 Gated MLA of ONE whole sequence, non-absorbed, float64. x [n, hidden]."""
     W = {k: torch.tensor(v, dtype=torch.float64) for k, v in w.items()}
-    x = torch.tensor(x, dtype=torch.float64)
+    x = torch.tensor(x.astype(np.float32), dtype=torch.float64)
     n = x.shape[0]
 
     def rms(v, weight, eps):
@@ -178,30 +193,25 @@ def torch_reference(x: np.ndarray, w: dict) -> np.ndarray:
     return (o @ W["o_proj.weight"].T).numpy()
 
 
-def _new_cache(num_pages=48):
-    return _t(np.zeros((N_MLA_LAYERS, num_pages, PAGE_SIZE, L + R), np.float32))
-
-
-def _xs(lens, seed=2):
+def _xs(lens, seed=2, dtype="float32"):
+    """Random inputs, rounded to the model dtype (so the reference sees the same values)."""
     rng = np.random.default_rng(seed)
-    return [rng.standard_normal((n, CFG.hidden_size)).astype(np.float32) for n in lens]
-
-
-LAYER_ATOL = 2e-5
+    return [rng.standard_normal((n, CFG.hidden_size)).astype(NP_DTYPE[dtype]).astype(np.float32)
+            for n in lens]
 
 
 def test_ragged_prefill_matches_torch(layer):
     run, weights = layer
     lens = [1, 7, 63, 64, 65, 200]
-    xs = _xs(lens)
+    xs = _xs(lens, dtype=run.dtype)
     pool = PagePool(48, seed=3)
     meta = make_meta([(i, 0, n) for i, n in enumerate(lens)], pool)
-    cache = _new_cache()
+    cache = run.new_cache()
     out, cache = run(np.concatenate(xs), meta, cache)
     cu = meta[0]
     for i, x in enumerate(xs):
         want = torch_reference(x, weights)
-        np.testing.assert_allclose(out[cu[i]:cu[i + 1]], want, rtol=1e-4, atol=LAYER_ATOL)
+        np.testing.assert_allclose(out[cu[i]:cu[i + 1]], want, **LAYER_TOL[run.dtype])
     # the other layer's slice of the pool is untouched
     assert not cache.numpy()[1 - MLA_INDEX].any()
 
@@ -210,15 +220,15 @@ def test_prefill_then_decode_equals_whole_prefill(layer):
     run, weights = layer
     lens = [7, 65]
     n_dec = 3
-    xs = _xs(lens, seed=4)
+    xs = _xs(lens, seed=4, dtype=run.dtype)
     # whole prefill
     pool = PagePool(48, seed=5)
     whole, _ = run(np.concatenate(xs), make_meta([(i, 0, n) for i, n in enumerate(lens)], pool),
-                   _new_cache())
+                   run.new_cache())
     cu = np.cumsum([0] + lens)
     # prefill all but the last n_dec tokens, then decode one token per sequence per step
     pool = PagePool(48, seed=6)
-    cache = _new_cache()
+    cache = run.new_cache()
     pre = [n - n_dec for n in lens]
     out, cache = run(np.concatenate([x[:p] for x, p in zip(xs, pre)]),
                      make_meta([(i, 0, p) for i, p in enumerate(pre)], pool), cache)
@@ -227,19 +237,19 @@ def test_prefill_then_decode_equals_whole_prefill(layer):
         x_step = np.stack([x[p] for x, p in zip(xs, pos)])
         out, cache = run(x_step, make_meta([(i, p, 1) for i, p in enumerate(pos)], pool), cache)
         for i, p in enumerate(pos):
-            np.testing.assert_allclose(out[i], whole[cu[i] + p], rtol=1e-5, atol=2e-6)
+            np.testing.assert_allclose(out[i], whole[cu[i] + p], **SAME_TOL[run.dtype])
     np.testing.assert_allclose(whole[cu[1]:cu[2]], torch_reference(xs[1], weights),
-                               rtol=1e-4, atol=LAYER_ATOL)
+                               **LAYER_TOL[run.dtype])
 
 
 def test_two_sequences_together_equal_each_alone(layer):
     run, _ = layer
-    xs = _xs([40, 23], seed=7)
+    xs = _xs([40, 23], seed=7, dtype=run.dtype)
     steps = [(0, 30, 15), (30, 5, 5), (35, 5, 3)]   # (start, n for seq 0, n for seq 1) per forward
     # alone
     alone = []
     for i, x in enumerate(xs):
-        pool, cache, outs = PagePool(48, seed=8 + i), _new_cache(), []
+        pool, cache, outs = PagePool(48, seed=8 + i), run.new_cache(), []
         start = 0
         for s in steps:
             n = s[1 + i]
@@ -248,7 +258,7 @@ def test_two_sequences_together_equal_each_alone(layer):
             start += n
         alone.append(np.concatenate(outs))
     # together (same forward holds both; seq 1 first in the batch to mix the order)
-    pool, cache = PagePool(48, seed=10), _new_cache()
+    pool, cache = PagePool(48, seed=10), run.new_cache()
     got = [[], []]
     st = [0, 0]
     for s in steps:
@@ -259,4 +269,4 @@ def test_two_sequences_together_equal_each_alone(layer):
         got[0].append(o[n1:])
         st = [st[0] + n0, st[1] + n1]
     for i in range(2):
-        np.testing.assert_allclose(np.concatenate(got[i]), alone[i], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.concatenate(got[i]), alone[i], **SAME_TOL[run.dtype])
