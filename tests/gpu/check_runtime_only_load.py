@@ -22,6 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 OUT_DIR = ROOT / "dist" / "runtime_only_check"
 LIB = OUT_DIR / "matmul_add_sm90a.so"
+# Negative control: the same module as TVM stores it by default here (CUDA source).
+SRC_LIB = OUT_DIR / "matmul_add_sm90a_source.so"
 K, N = 256, 512
 
 
@@ -48,8 +50,13 @@ def build() -> None:
             return z
 
     spec = get_target("cuda-sm90a")
-    ex = device_code.build_cuda(Module, spec)
     OUT_DIR.mkdir(parents=True, exist_ok=True)
+    # Plain tvm.compile first (before build_cuda loads the CUDA runtime into this process).
+    tvm.compile(Module, target=spec.tvm_target()).export_library(str(SRC_LIB))
+    print(device_code.describe_library(SRC_LIB))
+    if not device_code.library_has_source_only(SRC_LIB):
+        SRC_LIB.unlink()  # TVM compiled at build time here (a CUDA driver is present)
+    ex = device_code.build_cuda(Module, spec)
     ex.export_library(str(LIB))
     print(device_code.describe_library(LIB))
     assert not device_code.library_has_source_only(LIB), "library still holds CUDA source"
@@ -67,6 +74,7 @@ def run() -> None:
     import numpy as np
     import tvm
     import tvm_ffi
+    import tvm.runtime.vm  # noqa: F401  (not imported by `import tvm`)
 
     from k3_compile import device_code
 
@@ -77,7 +85,12 @@ def run() -> None:
     print("loaded", lib_path)
     cb = tvm_ffi.get_global_func("tvm_callback_cuda_compile", allow_missing=True)
     print("tvm_callback_cuda_compile registered:", cb is not None)
-    assert cb is None, "a CUDA compile callback is registered: the check would prove nothing"
+    # Whatever registered it, replace it by one that fails: loading must not compile.
+    def _no_compile(code):
+        raise RuntimeError("CUDA compile requested at load time")
+
+    tvm_ffi.register_global_func("tvm_callback_cuda_compile", _no_compile, override=True)
+    print("tvm_callback_cuda_compile replaced by a function that raises")
 
     dev = tvm.runtime.device("cuda", 0)
     print("device:", dev, "exists:", dev.exist, "compute:", dev.compute_version)
@@ -97,6 +110,14 @@ def run() -> None:
         print(f"n={n}: shape {out.shape}, max abs err {err:.3e}")
         np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-3)
     print(f"RUNTIME-ONLY LOAD OK (worst max abs err {worst:.3e})")
+    if SRC_LIB.exists():
+        print("control:", device_code.describe_library(SRC_LIB))
+        try:
+            tvm.runtime.vm.VirtualMachine(tvm.runtime.load_module(str(SRC_LIB)), dev)
+            print("control: the CUDA-source library loaded too (unexpected)")
+        except Exception as err:  # pylint: disable=broad-except
+            print("control: the CUDA-source library fails to load as expected:",
+                  str(err).strip().splitlines()[-1][:200])
 
 
 if __name__ == "__main__":
