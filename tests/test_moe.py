@@ -375,9 +375,13 @@ def test_block_bf16_vs_torch(moe_bf16, n_tokens):
     assert _rel_err(got, ref) < 1e-2  # measured: 0 or 1 bf16 ulp
 
 
-def test_block_fp32_vs_mlx(moe_fp32):
-    """mlx-lm's KimiK3SparseMoE with the same (dequantized, fp32) weights."""
+@pytest.mark.parametrize("mlx_experts", ["dense", "mxfp4"])
+def test_block_fp32_vs_mlx(moe_fp32, mlx_experts):
+    """mlx-lm's KimiK3SparseMoE with the same weights: experts either dequantized (fp32
+    SwitchLinear) or quantized with mlx's own ``mode="mxfp4"`` reading our packed bytes (as
+    mlx-lm's ``sanitize`` does: ``weight_packed.view(uint32)``, ``weight_scale`` as scales)."""
     import mlx.core as mx
+    import mlx.nn as mnn
     from mlx_lm.models.kimi_k3 import KimiK3SparseMoE
 
     cfg, vm, names = moe_fp32
@@ -392,17 +396,34 @@ def test_block_fp32_vs_mlx(moe_fp32):
         routed_scaling_factor=cfg.routed_scaling_factor, moe_renormalize=True,
     )
     m = KimiK3SparseMoE(args)
-    dense = dense_experts(p)
     weights = [(k, mx.array(np.asarray(v, np.float32))) for k, v in p.items()
                if "experts.w" not in k and k != "gate.e_score_correction_bias"]
-    weights += [("e_score_correction_bias", mx.array(p["gate.e_score_correction_bias"])),
-                ("switch_mlp.gate_proj.weight", mx.array(dense["w1"])),
-                ("switch_mlp.up_proj.weight", mx.array(dense["w3"])),
-                ("switch_mlp.down_proj.weight", mx.array(dense["w2"]))]
+    weights.append(("e_score_correction_bias", mx.array(p["gate.e_score_correction_bias"])))
+    pairs = (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
+    if mlx_experts == "dense":
+        dense = dense_experts(p)
+        weights += [(f"switch_mlp.{dst}.weight", mx.array(dense[src])) for src, dst in pairs]
+    else:
+        mnn.quantize(m, group_size=32, bits=4, mode="mxfp4",
+                     class_predicate=lambda path, mod: "switch_mlp" in path and hasattr(mod, "to_quantized"))
+        for src, dst in pairs:
+            weights.append((f"switch_mlp.{dst}.weight", mx.array(p[f"experts.{src}.weight_packed"]).view(mx.uint32)))
+            weights.append((f"switch_mlp.{dst}.scales", mx.array(p[f"experts.{src}.weight_scale"])))
     m.load_weights(weights, strict=True)
     ref = np.array(m(mx.array(x)))
     got = run_moe(vm, names, p, x, "float32")
-    assert _rel_err(got, ref) < 1e-5
+    assert _rel_err(got, ref) < 1e-5  # measured ~5e-7
+
+
+def test_dequant_vs_mlx_mxfp4():
+    import mlx.core as mx
+
+    rng = np.random.default_rng(1)
+    pk, sc = random_mxfp4(rng, (3, 16, 64), 100, 150)
+    d = mx.dequantize(mx.array(pk).view(mx.uint32), mx.array(sc), group_size=32, bits=4, mode="mxfp4")
+    d = np.array(d.astype(mx.float32))
+    assert np.array_equal(_bits(d), _bits(ct_dequant(pk, sc)))
+    assert np.array_equal(_bits(d), _bits(mg.mxfp4_dequant_reference(pk, sc)))
 
 
 def test_block_dense_experts_fp32():
