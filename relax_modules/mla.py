@@ -50,7 +50,7 @@ class GatedMLA(nn.Module):
     [H·(nope+v), L], ``g_proj`` [H·v, hidden], ``o_proj`` [hidden, H·v]; all model dtype.
     """
 
-    def __init__(self, config: K3Config, page_size: int, dtype: str = "float32"):
+    def __init__(self, config: K3Config, page_size: int, dtype: str = "float32", gpu: bool = False):
         c = config
         self.num_heads = c.num_attention_heads
         self.qk_nope_head_dim = c.qk_nope_head_dim
@@ -59,6 +59,7 @@ class GatedMLA(nn.Module):
         self.kv_lora_rank = c.kv_lora_rank
         self.page_size = page_size
         self.dtype = dtype
+        self.gpu = gpu                      # thread-bound kernel variants (schedules/mla_generic.py)
         self.scale = 1.0 / math.sqrt(c.qk_nope_head_dim + c.qk_rope_head_dim)   # (128+64)^-½
         H, hidden = c.num_attention_heads, c.hidden_size
         self.q_a_proj = Linear(hidden, c.q_lora_rank, dtype)
@@ -86,7 +87,7 @@ class GatedMLA(nn.Module):
         latent, k_rope = op.split(self.kv_a_proj_with_mqa(x), [L], axis=1)
         kv_row = op.concat([self.kv_a_layernorm(latent), k_rope], dim=1)     # [T, L+rope]
         mla_cache = op.tensor_ir_inplace_op(
-            mla_append_kernel(L, rope, self.page_size, self.dtype), "mla_append",
+            mla_append_kernel(L, rope, self.page_size, self.dtype, self.gpu), "mla_append",
             [mla_cache, kv_row, meta.page_table, meta.token_seq, meta.token_pos, index],
             inplace_indices=0,
             out=Tensor.placeholder(mla_cache.shape, mla_cache.dtype))
@@ -98,7 +99,7 @@ class GatedMLA(nn.Module):
 
         # latent causal attention over the paged cache (fp32 softmax)
         o_lat = op.tensor_ir_op(
-            mla_attend_kernel(H, L, rope, self.page_size, self.scale, self.dtype), "mla_attend",
+            mla_attend_kernel(H, L, rope, self.page_size, self.scale, self.dtype, self.gpu), "mla_attend",
             [q_lat, q_rope, mla_cache, meta.page_table, meta.token_seq, meta.token_pos, index],
             out=Tensor.placeholder([n_tok, H, L], self.dtype))
 

@@ -28,8 +28,11 @@ Two kernels, each with a readable NumPy reference beside it:
 ``mla_index`` (which layer's slice of the pool) is a scalar ``int64`` argument of both kernels,
 so one compiled kernel serves every MLA layer.
 
-The kernels are plain loops over (token, head) with fp32 online softmax; they are marked
-scheduled and target CPUs (llvm). A GPU target needs its own schedule (thread binding).
+The kernels are plain loops over (token, head) with fp32 online softmax. With ``gpu=False``
+(default) they are serial loops for CPU targets (llvm). With ``gpu=True`` the same loops are
+bound to threads (:func:`_bind_gpu`: tokens → ``blockIdx.x``, heads / row elements →
+``threadIdx.x``) — a correct, unoptimized GPU fallback (checked to generate CUDA code; not
+run on a device by the tests).
 """
 
 from __future__ import annotations
@@ -87,8 +90,17 @@ def mla_attend_reference(q_lat: np.ndarray, q_rope: np.ndarray, mla_cache: np.nd
 
 
 # --------------------------------------------------------------------------- kernels
+def _bind_gpu(func: tvm.tirx.PrimFunc, block: str) -> tvm.tirx.PrimFunc:
+    """Bind the two loops around ``block`` to ``blockIdx.x`` / ``threadIdx.x``."""
+    sch = tvm.s_tir.Schedule(func)
+    outer, inner = sch.get_loops(sch.get_sblock(block))[:2]
+    sch.bind(outer, "blockIdx.x")
+    sch.bind(inner, "threadIdx.x")
+    return sch.mod["main"]
+
+
 def mla_append_kernel(kv_lora_rank: int, qk_rope_head_dim: int, page_size: int,
-                      dtype: str) -> tvm.tirx.PrimFunc:
+                      dtype: str, gpu: bool = False) -> tvm.tirx.PrimFunc:
     """In-place append of this forward's cache rows.
 
     Args (TIR): ``mla_cache [NL, NP, page_size, L+R]`` dtype (in place),
@@ -108,18 +120,17 @@ def mla_append_kernel(kv_lora_rank: int, qk_rope_head_dim: int, page_size: int,
         page_table = T.match_buffer(var_page_table, (B, MP), "int32")
         token_seq = T.match_buffer(var_token_seq, (NT,), "int32")
         token_pos = T.match_buffer(var_token_pos, (NT,), "int32")
-        for t in T.serial(NT):
+        for t, d in T.grid(NT, D):
             with T.sblock("append"):
                 pos: T.let[T.int32] = token_pos[t]
                 page: T.let[T.int32] = page_table[token_seq[t], pos // PS]
-                for d in T.serial(D):
-                    cache[mla_index, page, pos % PS, d] = kv[t, d]
+                cache[mla_index, page, pos % PS, d] = kv[t, d]
 
-    return mla_append
+    return _bind_gpu(mla_append, "append") if gpu else mla_append
 
 
 def mla_attend_kernel(num_heads: int, kv_lora_rank: int, qk_rope_head_dim: int, page_size: int,
-                      scale: float, dtype: str) -> tvm.tirx.PrimFunc:
+                      scale: float, dtype: str, gpu: bool = False) -> tvm.tirx.PrimFunc:
     """Paged causal latent attention (see the module docstring for the formula).
 
     Args (TIR): ``q_lat [T, H, L]`` dtype, ``q_rope [T, H, R]`` dtype,
@@ -145,13 +156,13 @@ def mla_attend_kernel(num_heads: int, kv_lora_rank: int, qk_rope_head_dim: int, 
         out = T.match_buffer(var_out, (NT, H, L), dtype)
         for t, h in T.grid(NT, H):
             with T.sblock("attend"):
-                q = T.sblock_alloc_buffer((L + R,), "float32")      # [q_lat | q_rope] of (t, h)
-                acc = T.sblock_alloc_buffer((L,), "float32")        # Σ_j e^{s_j - m} c_j
-                m = T.sblock_alloc_buffer((1,), "float32")          # running max
-                den = T.sblock_alloc_buffer((1,), "float32")        # Σ_j e^{s_j - m}
-                s = T.sblock_alloc_buffer((1,), "float32")
-                rescale = T.sblock_alloc_buffer((1,), "float32")
-                p = T.sblock_alloc_buffer((1,), "float32")
+                q = T.sblock_alloc_buffer((L + R,), "float32", scope="local")      # [q_lat | q_rope] of (t, h)
+                acc = T.sblock_alloc_buffer((L,), "float32", scope="local")        # Σ_j e^{s_j - m} c_j
+                m = T.sblock_alloc_buffer((1,), "float32", scope="local")          # running max
+                den = T.sblock_alloc_buffer((1,), "float32", scope="local")        # Σ_j e^{s_j - m}
+                s = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                rescale = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                p = T.sblock_alloc_buffer((1,), "float32", scope="local")
                 seq: T.let[T.int32] = token_seq[t]
                 for d in T.serial(L):
                     q[d] = T.Cast("float32", q_lat[t, h, d])
@@ -178,7 +189,7 @@ def mla_attend_kernel(num_heads: int, kv_lora_rank: int, qk_rope_head_dim: int, 
                 for d in T.serial(L):
                     out[t, h, d] = T.Cast(dtype, acc[d] / den[0])
 
-    return mla_attend
+    return _bind_gpu(mla_attend, "attend") if gpu else mla_attend
 
 
 def default_scale(qk_nope_head_dim: int, qk_rope_head_dim: int) -> float:
