@@ -409,3 +409,35 @@ def test_state_ops_reset_and_fork():
         kg.slot_reset_reference(want, 3)
     np.testing.assert_array_equal(kda.numpy(), want_kda)
     np.testing.assert_array_equal(conv.numpy(), want_conv)
+
+
+def test_layer_bfloat16_prefill_and_decode():
+    """Model dtype bfloat16 (projections bf16; conv, gate, state, norms f32) vs the f32 torch
+    reference on the same bf16-rounded weights and inputs."""
+    import ml_dtypes
+
+    bf16 = ml_dtypes.bfloat16
+    pool = {"kda_state": nn.spec.Tensor([N_LAYERS, "S", H_L, K_L, K_L], "float32"),
+            "conv_state": nn.spec.Tensor([N_LAYERS, "S", 3, W_L - 1, H_L * K_L], "float32")}
+    spec = {"x": nn.spec.Tensor(["T", HIDDEN], "bfloat16"), **meta_spec(), **pool}
+    mod, params = _LayerHarness(_cfg(LB), "bfloat16").export_tvm(
+        spec={"prefill": spec, "decode": spec})
+    vm = compile_vm(mod)
+    wts = _random_weights(np.random.default_rng(12), LB)
+    dtypes = dict((n, p.dtype) for n, p in params)
+    wts = {n: (w.astype(bf16).astype("float32") if dtypes[n] == "bfloat16" else w)
+           for n, w in wts.items()}
+    harness = (vm, param_args(params, wts))
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal((20, HIDDEN)).astype(bf16)
+    pools = _Pools(rng, random_state=False)
+    out = [pools.run(harness, "prefill", x[:17], [17], [2])]
+    for t in range(17, 20):
+        out.append(pools.run(harness, "decode", x[t:t + 1], [1], [2]))
+    out = np.concatenate(out).astype("float32")
+    ref, S, _ = torch_kda_layer(wts, torch.from_numpy(x.astype("float32")),
+                                torch.zeros(H_L, K_L, K_L),
+                                torch.zeros(3, W_L - 1, H_L * K_L), LB)
+    scale = np.abs(ref.numpy()).max()
+    np.testing.assert_allclose(out, ref.numpy(), atol=3e-2 * scale, rtol=0)
+    np.testing.assert_allclose(pools.kda.numpy()[LAYER, 2], S.numpy(), atol=3e-2, rtol=0)
