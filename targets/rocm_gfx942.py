@@ -17,6 +17,8 @@ TARGET = TargetSpec(
     ),
     schedule_set="dlight-gpu",
     verified="does not compile here: Cannot find ROCm path",
-    notes="The PyPI TVM wheel is built without the ROCm runtime (USE_ROCM off): even with "
-    "device libs present, a library can be built but not loaded by this TVM.",
+    notes="Tried with Debian 12's rocm-device-libs 5.2 + lld 14 and ROCM_PATH pointing at "
+    "them: the bitcode link passes, then ld.lld 14 rejects the code object of TVM's LLVM 22 "
+    "('unknown abi version'); an ld.lld >= 19 (ROCm 6.x) is needed. The PyPI TVM wheel also "
+    "has no ROCm runtime (USE_ROCM off), so such a library could not be loaded by it.",
 )
