@@ -26,6 +26,11 @@ compiling), and overrides ``tvm_callback_cuda_compile`` with nvcc
 codegen then stores the fatbin (format tag "cubin", which ``cuModuleLoadData`` accepts for
 both) and ``export_library`` serializes it; loading needs only ``libtvm_runtime_cuda.so``.
 
+Side effect: once loaded, ``libtvm_runtime_cuda.so`` stays in the process, so a later *plain*
+``tvm.compile`` for CUDA in the same process JIT-compiles at build time with TVM's own callback
+(NVRTC; it needs the arch from the target). Build CUDA libraries through ``build_cuda`` /
+``precompiled_cuda``, or in a separate process when the default behaviour is wanted.
+
 ``inspect_library(path)`` / ``library_has_source_only(path)`` read an exported library's
 serialized CUDA modules (without loading it) and tell whether they hold CUDA source, PTX,
 a cubin or a fatbin. ``load_cuda_runtime()`` loads ``libtvm_runtime_cuda.so`` globally so

@@ -19,6 +19,6 @@ TARGET = TargetSpec(
     verified="does not compile here: Cannot find ROCm path",
     notes="Tried with Debian 12's rocm-device-libs 5.2 + lld 14 and ROCM_PATH pointing at "
     "them: the bitcode link passes, then ld.lld 14 rejects the code object of TVM's LLVM 22 "
-    "('unknown abi version'); an ld.lld >= 19 (ROCm 6.x) is needed. The PyPI TVM wheel also "
+    "('unknown abi version'); a newer ld.lld (untried) would be needed. The PyPI TVM wheel also "
     "has no ROCm runtime (USE_ROCM off), so such a library could not be loaded by it.",
 )
