@@ -1,0 +1,88 @@
+"""Map checkpoint tensors onto the Relax model's parameters (docs/DESIGN.md, "Parameters").
+
+The Relax parameter names are the checkpoint names without the ``language_model.`` prefix,
+except:
+
+- routed experts are stacked per layer: ``...block_sparse_moe.experts.w1.weight_packed``
+  ``[E, out, in/2]`` is ``np.stack`` of ``...experts.{e}.w1.weight_packed`` for e in 0..E-1
+  (likewise ``weight_scale`` and, for bf16 experts, ``weight``);
+- ``self_attn.A_log`` is trimmed to ``[num_heads]`` (the real checkpoint pads it to 128).
+
+bf16 checkpoint tensors are converted to the parameter's dtype (the model dtype); float32
+and uint8 tensors are passed through unchanged.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+
+_EXPERT_STACKED = re.compile(r"^(.*\.block_sparse_moe\.experts)\.(w[123])\.(weight_packed|weight_scale|weight)$")
+
+
+class ParameterError(ValueError):
+    """A parameter the model needs cannot be produced from the checkpoint."""
+
+
+def source_names(param_name: str, num_experts: int) -> list[str]:
+    """Checkpoint tensor names (no prefix) that make up Relax parameter ``param_name``."""
+    m = _EXPERT_STACKED.match(param_name)
+    if m:
+        base, w, kind = m.groups()
+        return [f"{base}.{e}.{w}.{kind}" for e in range(num_experts)]
+    return [param_name]
+
+
+def _convert(arr: np.ndarray, dtype: str, name: str) -> np.ndarray:
+    import ml_dtypes
+
+    if str(arr.dtype) == dtype:
+        return arr
+    if dtype == "uint8" or arr.dtype == np.uint8:
+        raise ParameterError(f"tensor {name}: checkpoint dtype {arr.dtype} cannot become {dtype}")
+    target = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    return arr.astype(np.float32).astype(target)
+
+
+def load_parameters(
+    get: Callable[[str], np.ndarray],
+    params: Iterable[tuple[str, tuple[int, ...], str]],
+    num_experts: int,
+    progress: bool = False,
+) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield ``(param_name, array)`` in the order of ``params``.
+
+    Args:
+        get: returns the checkpoint tensor of a name without prefix (e.g.
+            :meth:`k3_compile.weights.CheckpointReader.get`); memory-mapped where possible.
+        params: ``(name, shape, dtype)`` of every Relax parameter, in the compiled
+            function's order (from ``nn.Module.export_tvm``).
+        num_experts: experts per MoE layer, for stacking.
+        progress: show a tqdm progress bar.
+
+    Raises:
+        ParameterError: a produced array's shape differs from the parameter's (names both).
+    """
+    params = list(params)
+    it = params
+    if progress:
+        from tqdm import tqdm
+
+        it = tqdm(params, desc="loading parameters", unit="tensor")
+    for name, shape, dtype in it:
+        srcs = source_names(name, num_experts)
+        if len(srcs) == 1:
+            arr = get(srcs[0])
+            if name.endswith("self_attn.A_log") and arr.ndim == 1 and arr.shape[0] > shape[0]:
+                arr = arr[: shape[0]]
+        else:
+            arr = np.stack([np.asarray(get(s)) for s in srcs])
+        arr = _convert(np.asarray(arr), dtype, name)
+        if tuple(arr.shape) != tuple(shape):
+            raise ParameterError(
+                f"parameter {name}: the checkpoint gives shape {tuple(arr.shape)}, the compiled "
+                f"model expects {tuple(shape)} (was the library compiled for another config?)"
+            )
+        yield name, np.ascontiguousarray(arr)
