@@ -2,7 +2,8 @@
 
 Oracles: fla-core 0.6.0 ``naive_recurrent_kda`` / ``naive_chunk_kda`` /
 ``naive_kda_lowerbound_gate`` / ``naive_kda_gate``; torch ``conv1d`` for the short conv; a torch
-transcription of spec §3 "KDA layer" (below) for the whole layer. CPU, llvm target.
+transcription of spec §3 "KDA layer" (below) and mlx-lm's ``KimiK3DeltaAttention`` for the
+whole layer. CPU, llvm target.
 """
 
 from __future__ import annotations
@@ -441,3 +442,42 @@ def test_layer_bfloat16_prefill_and_decode():
     scale = np.abs(ref.numpy()).max()
     np.testing.assert_allclose(out, ref.numpy(), atol=3e-2 * scale, rtol=0)
     np.testing.assert_allclose(pools.kda.numpy()[LAYER, 2], S.numpy(), atol=3e-2, rtol=0)
+
+
+def _mlx_layer(wts, lb):
+    """mlx-lm's ``KimiK3DeltaAttention`` (fused qkv_proj / qkv_conv) with our weights."""
+    import types
+
+    import mlx.core as mx
+    from mlx_lm.models.kimi_k3 import KimiK3DeltaAttention
+
+    args = types.SimpleNamespace(
+        hidden_size=HIDDEN, rms_norm_eps=1e-5,
+        linear_attn_config={"num_heads": H_L, "head_dim": K_L, "short_conv_kernel_size": W_L,
+                            "gate_lower_bound": lb, "use_full_rank_gate": True})
+    m = KimiK3DeltaAttention(args, 0)
+    w = {k.removeprefix("self_attn."): mx.array(v) for k, v in wts.items()}
+    m.qkv_proj.weight = mx.concatenate([w[f"{n}_proj.weight"] for n in "qkv"])
+    # mlx Conv1d weight is [C, W, 1]; the checkpoint's is [C, 1, W]
+    m.qkv_conv.conv.weight = mx.concatenate(
+        [w[f"{n}_conv1d.weight"] for n in "qkv"]).transpose(0, 2, 1)
+    for n in ("f_a_proj", "f_b_proj", "b_proj", "g_proj", "o_proj"):
+        getattr(m, n).weight = w[n + ".weight"]
+    m.A_log, m.dt_bias, m.o_norm.weight = w["A_log"], w["dt_bias"], w["o_norm.weight"]
+    return m
+
+
+def test_layer_vs_mlx_lm(layer_vm):
+    """The compiled layer (prefill 19 + decode 3) == mlx-lm's K3 KDA layer on the 22 tokens."""
+    pytest.importorskip("mlx_lm")
+    import mlx.core as mx
+
+    _, _, wts, lb = layer_vm
+    rng = np.random.default_rng(14)
+    x = rng.standard_normal((22, HIDDEN)).astype("float32")
+    want = np.array(_mlx_layer(wts, lb)(mx.array(x[None])))[0]
+    pools = _Pools(rng, random_state=False)
+    got = [pools.run(layer_vm, "prefill", x[:19], [19], [0])]
+    for t in range(19, 22):
+        got.append(pools.run(layer_vm, "decode", x[t:t + 1], [1], [0]))
+    np.testing.assert_allclose(np.concatenate(got), want, atol=1e-4, rtol=0)
