@@ -19,6 +19,7 @@ from tvm.relax.frontend.nn import op
 
 from k3_compile.config import K3Config
 from relax_modules.common import ForwardMeta
+from relax_modules.layers import Linear
 from schedules.kda_generic import (
     kda_chunk_prefill_kernel,
     kda_decode_kernel,
@@ -68,20 +69,20 @@ class KimiDeltaAttention(nn.Module):
         self.dtype = dtype
         hidden, HK = config.hidden_size, H * K
 
-        self.q_proj = nn.Linear(hidden, HK, bias=False, dtype=dtype)
-        self.k_proj = nn.Linear(hidden, HK, bias=False, dtype=dtype)
-        self.v_proj = nn.Linear(hidden, HK, bias=False, dtype=dtype)
+        self.q_proj = Linear(hidden, HK, dtype)
+        self.k_proj = Linear(hidden, HK, dtype)
+        self.v_proj = Linear(hidden, HK, dtype)
         self.q_conv1d = ShortConv1d(HK, W)
         self.k_conv1d = ShortConv1d(HK, W)
         self.v_conv1d = ShortConv1d(HK, W)
-        self.f_a_proj = nn.Linear(hidden, K, bias=False, dtype=dtype)
-        self.f_b_proj = nn.Linear(K, HK, bias=False, dtype=dtype)
-        self.b_proj = nn.Linear(hidden, H, bias=False, dtype=dtype)
+        self.f_a_proj = Linear(hidden, K, dtype)
+        self.f_b_proj = Linear(K, HK, dtype)
+        self.b_proj = Linear(hidden, H, dtype)
         self.A_log = nn.Parameter((H,), "float32")
         self.dt_bias = nn.Parameter((HK,), "float32")
         self.o_norm = HeadRMSNormWeight(K)
-        self.g_proj = nn.Linear(hidden, HK, bias=False, dtype=dtype)
-        self.o_proj = nn.Linear(HK, hidden, bias=False, dtype=dtype)
+        self.g_proj = Linear(hidden, HK, dtype)
+        self.o_proj = Linear(HK, hidden, dtype)
 
     # -- pieces ------------------------------------------------------------------------
     def _short_conv(self, x, conv, which, meta, conv_state, kda_index):

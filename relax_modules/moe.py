@@ -41,7 +41,7 @@ from __future__ import annotations
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 
-from relax_modules.layers import RMSNorm, situ_glu
+from relax_modules.layers import Linear, RMSNorm, SiTUMLP, situ_glu
 from schedules import moe_generic as mg
 
 def _private(func):
@@ -49,38 +49,7 @@ def _private(func):
     return func.without_attr("global_symbol")
 
 
-class Linear(nn.Module):
-    """Bias-free linear ``weight [out, in]`` (model dtype) with **fp32 products and
-    accumulation**, one rounding to the model dtype (as mlx / torch bf16 GEMMs do).
-
-    TVM 0.27 legalizes ``nn.Linear`` / ``op.matmul`` without ``out_dtype`` on bf16 inputs to a
-    bf16 multiply-accumulate (measured: ~2.4% max error on this block at hidden 64), so this
-    passes ``out_dtype="float32"``.
-    """
-
-    def __init__(self, in_features: int, out_features: int, dtype: str):
-        self.weight = nn.Parameter((out_features, in_features), dtype=dtype)
-
-    def forward(self, x: Tensor) -> Tensor:
-        y = op.matmul(x, op.permute_dims(self.weight, [1, 0]), out_dtype="float32")
-        return op.astype(y, self.weight.dtype)
-
-
-class SharedExpertsMLP(nn.Module):
-    """``shared_experts``: ``down_proj(SiTU(gate_proj x, up_proj x))`` (spec §3), same
-    parameter names as ``relax_modules.layers.SiTUMLP`` but with fp32-accumulating linears."""
-
-    def __init__(self, hidden: int, inter: int, beta: float, beta_lin: float, dtype: str):
-        self.beta, self.beta_lin = beta, beta_lin
-        self.gate_proj = Linear(hidden, inter, dtype)
-        self.up_proj = Linear(hidden, inter, dtype)
-        self.down_proj = Linear(inter, hidden, dtype)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(situ_glu(self.gate_proj(x), self.up_proj(x), self.beta, self.beta_lin))
-
-
-__all__ = ["Linear", "SharedExpertsMLP", "MoEGate", "MXFP4StackedLinear", "StackedLinear", "RoutedExperts", "LatentMoE"]
+__all__ = ["MoEGate", "MXFP4StackedLinear", "StackedLinear", "RoutedExperts", "LatentMoE"]
 
 
 class MoEGate(nn.Module):
@@ -206,8 +175,8 @@ class LatentMoE(nn.Module):
             dtype,
         )
         self.shared_experts = (
-            SharedExpertsMLP(c.hidden_size, c.shared_expert_intermediate_size,
-                             c.activation_situ_beta, c.activation_situ_linear_beta, dtype)
+            SiTUMLP(c.hidden_size, c.shared_expert_intermediate_size,
+                    c.activation_situ_beta, c.activation_situ_linear_beta, dtype)
             if c.num_shared_experts else None
         )
 

@@ -1,0 +1,65 @@
+"""From config to runnable model: export the Relax graph, compile it, load parameters.
+
+This is the library API under ``k3 compile`` / ``k3 generate``; tests call it directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import K3Config
+
+
+@dataclass
+class ExportedModel:
+    """A K3 Relax module and its parameter list.
+
+    Attributes:
+        mod: the ``tvm.IRModule`` with the functions of ``relax_modules.model``.
+        params: ``[(name, shape, dtype)]`` in the compiled functions' parameter order.
+        cfg, dtype, page_size: what it was built from.
+    """
+
+    mod: object
+    params: list[tuple[str, tuple[int, ...], str]]
+    cfg: K3Config
+    dtype: str
+    page_size: int
+
+
+def export_model(cfg: K3Config, dtype: str = "float32", page_size: int = 16) -> ExportedModel:
+    """Build ``K3ForCausalLM`` for ``cfg`` and export it with symbolic batch/sequence sizes."""
+    from relax_modules.model import K3ForCausalLM
+
+    model = K3ForCausalLM(cfg, dtype=dtype, page_size=page_size)
+    mod, params = model.export()
+    plist = [(n, tuple(int(s) for s in p.shape), p.dtype) for n, p in params]
+    return ExportedModel(mod, plist, cfg, dtype, page_size)
+
+
+def compile_llvm(exported: ExportedModel):
+    """Compile for the host CPU (TVM ``llvm``); returns a ``tvm.relax.VMExecutable``."""
+    import tvm
+
+    return tvm.compile(exported.mod, target=tvm.target.Target({"kind": "llvm"}))
+
+
+def load_checkpoint_params(model_dir: str | Path, exported: ExportedModel, device,
+                           progress: bool = False) -> list:
+    """Read (and validate) the checkpoint in ``model_dir`` into device tensors, in order.
+
+    Raises:
+        k3_compile.weights.CheckpointError: the checkpoint does not match the config.
+        k3_compile.loader.ParameterError: a tensor cannot become its parameter.
+    """
+    import tvm
+
+    from .loader import load_parameters
+    from .weights import CheckpointReader
+
+    reader = CheckpointReader(model_dir, exported.cfg)
+    reader.validate()
+    return [tvm.runtime.tensor(a, device)
+            for _, a in load_parameters(reader.get, exported.params, exported.cfg.num_experts,
+                                        progress=progress)]
