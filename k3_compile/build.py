@@ -5,6 +5,20 @@
 GPU schedules (hand-written kernels' GPU variants, dlight defaults for the rest) and have
 their device code precompiled to a fatbin (k3_compile.device_code), so loading the library
 needs neither nvcc nor the TVM compiler.
+
+GPU pipeline (:func:`gpu_relax_pipeline`, the pieces of ``tvm.relax.backend.cuda.pipeline``
+written out so that the schedule step is ours):
+
+1. library dispatch (sampling, sort/scan);
+2. ``LegalizeOps`` → ``AnnotateTIROpPattern`` → ``FoldConstant`` → ``FuseOps`` → ``FuseTIR``;
+3. dlight ``ApplyDefaultSchedule(Matmul, GEMV, Reduction, GeneralReduction, Fallback)`` on
+   every PrimFunc that is not already scheduled: the hand-written kernels' GPU variants
+   (``export_model(..., gpu=True)``) carry ``tirx.is_scheduled`` and are left alone;
+4. dataflow lowering and finalization (memory planning, VM shape lowering).
+
+The module must have been exported with ``gpu=True`` (:func:`k3_compile.pipeline.export_model`)
+for a GPU target: the CPU variants of the hand-written kernels have no thread bindings and
+fail TVM's memory verification on a GPU.
 """
 
 from __future__ import annotations
@@ -12,20 +26,105 @@ from __future__ import annotations
 from targets.base import TargetSpec
 
 
-def build_module(mod, target_spec: TargetSpec, *, generic_kernels: bool = False):
+_OPAQUE = 8  # relax OpPatternKind::kOpaque
+
+
+def _mark_scheduled_opaque():
+    """Give every already-scheduled PrimFunc the op pattern "opaque", so that ``FuseOps``
+    keeps the hand-written GPU kernels as they are (fusing them into a neighbour would
+    merge thread-bound code into an unscheduled function)."""
+    import tvm
+
+    @tvm.transform.module_pass(opt_level=0, name="K3MarkScheduledOpaque")
+    def _pass(mod, _ctx):
+        updates = {}
+        for gv, f in mod.functions_items():
+            if isinstance(f, tvm.tirx.PrimFunc) and f.attrs and f.attrs.get("tirx.is_scheduled"):
+                updates[gv] = f.with_attr("op_pattern", _OPAQUE)
+        for gv, f in updates.items():
+            mod[gv] = f
+        return mod
+
+    return _pass
+
+
+def gpu_relax_pipeline(target):
+    """The Relax pipeline for GPU targets (see the module docstring)."""
+    import tvm
+    from tvm import relax
+    from tvm.s_tir import dlight as dl
+
+    @tvm.transform.module_pass(opt_level=0, name="K3GPUPipeline")
+    def _pipeline(mod, _ctx):
+        passes = [
+            relax.backend.DispatchSampling(),
+            relax.backend.DispatchSortScan(),
+            relax.transform.LegalizeOps(),
+            relax.transform.AnnotateTIROpPattern(),
+            _mark_scheduled_opaque(),
+            relax.transform.FoldConstant(),
+            relax.transform.FuseOps(),
+            relax.transform.FuseTIR(),
+            relax.transform.DeadCodeElimination(),
+            dl.ApplyDefaultSchedule(
+                dl.gpu.Matmul(),
+                dl.gpu.GEMV(),
+                dl.gpu.Reduction(),
+                dl.gpu.GeneralReduction(),
+                dl.gpu.Fallback(),
+            ),
+            relax.transform.RewriteDataflowReshape(),
+            relax.transform.ToNonDataflow(),
+            relax.transform.RemovePurityChecking(),
+            relax.transform.CallTIRRewrite(),
+            relax.transform.StaticPlanBlockMemory(),
+            relax.transform.LowerAllocTensor(),
+            relax.transform.KillAfterLastUse(),
+            relax.transform.LowerRuntimeBuiltin(),
+            relax.transform.ComputePrimValue(),
+            relax.transform.VMShapeLower(),
+            relax.transform.AttachGlobalSymbol(),
+        ]
+        with target:
+            return tvm.transform.Sequential(passes)(mod)
+
+    return _pipeline
+
+
+def unscheduled_gpu_functions(mod) -> list[str]:
+    """Names of PrimFuncs of ``mod`` without ``tirx.is_scheduled`` (for diagnostics)."""
+    import tvm
+
+    out = []
+    for gv, f in mod.functions_items():
+        if isinstance(f, tvm.tirx.PrimFunc) and not (f.attrs and f.attrs.get("tirx.is_scheduled")):
+            out.append(gv.name_hint)
+    return out
+
+
+def build_module(mod, target_spec: TargetSpec, *, generic_kernels: bool = False, keep_dir=None):
     """Compile ``mod`` (from :func:`k3_compile.pipeline.export_model`) for ``target_spec``.
 
     Args:
-        mod: the Relax ``IRModule``.
+        mod: the Relax ``IRModule`` (exported with ``gpu=True`` for GPU targets).
         target_spec: a :class:`targets.base.TargetSpec`.
         generic_kernels: on GPU targets, use the generic (fallback) kernels instead of the
-            hand-written tuned ones.
+            hand-written tuned ones. Only the generic ones exist for now, so this is a no-op.
+        keep_dir: CUDA targets: keep the generated ``.cu`` sources and fatbins there.
 
     Raises:
         k3_compile.device_code.DeviceCodeError: nvcc missing or failing for a CUDA target.
+        NotImplementedError: a GPU target other than CUDA.
     """
     import tvm
 
+    del generic_kernels  # only the generic GPU variants exist so far
     if not target_spec.is_gpu:
         return tvm.compile(mod, target=target_spec.tvm_target())
-    raise NotImplementedError(f"GPU build for {target_spec.name} is not implemented yet")
+    if not target_spec.is_cuda:
+        raise NotImplementedError(f"GPU build for {target_spec.name} is not implemented yet")
+    from .device_code import build_cuda
+
+    target = target_spec.tvm_target()
+    return build_cuda(mod, target_spec, keep_dir=keep_dir,
+                      relax_pipeline=gpu_relax_pipeline(target))

@@ -28,11 +28,15 @@ class ExportedModel:
     page_size: int
 
 
-def export_model(cfg: K3Config, dtype: str = "float32", page_size: int = 16) -> ExportedModel:
-    """Build ``K3ForCausalLM`` for ``cfg`` and export it with symbolic batch/sequence sizes."""
+def export_model(cfg: K3Config, dtype: str = "float32", page_size: int = 16,
+                 gpu: bool = False) -> ExportedModel:
+    """Build ``K3ForCausalLM`` for ``cfg`` and export it with symbolic batch/sequence sizes.
+
+    ``gpu``: use the thread-bound variants of the hand-written kernels (GPU targets; see
+    :func:`k3_compile.build.build_module`)."""
     from relax_modules.model import K3ForCausalLM
 
-    model = K3ForCausalLM(cfg, dtype=dtype, page_size=page_size)
+    model = K3ForCausalLM(cfg, dtype=dtype, page_size=page_size, gpu=gpu)
     mod, params = model.export()
     plist = [(n, tuple(int(s) for s in p.shape), p.dtype) for n, p in params]
     return ExportedModel(mod, plist, cfg, dtype, page_size)

@@ -60,7 +60,8 @@ class KimiDeltaAttention(nn.Module):
     ``g_proj`` [H*K, hidden]; ``o_proj`` [hidden, H*K]. Others in the model dtype.
     """
 
-    def __init__(self, config: K3Config, dtype: str = "float32"):
+    def __init__(self, config: K3Config, dtype: str = "float32", gpu: bool = False):
+        self.gpu = gpu  # thread-bound kernel variants (schedules/kda_generic.py)
         self.H = H = config.kda_num_heads
         self.K = K = config.kda_head_dim
         self.W = W = config.short_conv_kernel_size
@@ -87,7 +88,7 @@ class KimiDeltaAttention(nn.Module):
     # -- pieces ------------------------------------------------------------------------
     def _short_conv(self, x, conv, which, meta, conv_state, kda_index):
         """Step 1 for one projection: SiLU(causal depthwise conv1d(x)) → [T, H*K] f32."""
-        kernel = short_conv_kernel(self.H * self.K, self.W, self.dtype)
+        kernel = short_conv_kernel(self.H * self.K, self.W, self.dtype, gpu=self.gpu)
         conv_state, y = op.tensor_ir_inplace_op(
             kernel,
             "kda_short_conv",
@@ -142,12 +143,12 @@ class KimiDeltaAttention(nn.Module):
         s_ty = nn.Tensor.placeholder(kda_state.shape, "float32")
         if decode:
             kda_state, o = op.tensor_ir_inplace_op(
-                kda_decode_kernel(H, K, K, scale), "kda_decode",
+                kda_decode_kernel(H, K, K, scale, gpu=self.gpu), "kda_decode",
                 [q, k, v, g, beta, meta.seq_slots, kda_state, _i32(kda_index)],
                 [6, -1], [s_ty, o_ty])
         else:
             kda_state, o = op.tensor_ir_inplace_op(
-                kda_chunk_prefill_kernel(H, K, K, scale), "kda_chunk_prefill",
+                kda_chunk_prefill_kernel(H, K, K, scale, gpu=self.gpu), "kda_chunk_prefill",
                 [q, k, v, g, beta, meta.cu_seqlens, meta.seq_slots, kda_state,
                  _i32(kda_index)],
                 [7, -1], [s_ty, o_ty])
@@ -166,7 +167,8 @@ class KDAStateOps(nn.Module):
     Rollback is done by the runtime from snapshots (not here).
     """
 
-    def __init__(self, config: K3Config):
+    def __init__(self, config: K3Config, gpu: bool = False):
+        self.gpu = gpu
         H, K, W = config.kda_num_heads, config.kda_head_dim, config.short_conv_kernel_size
         self.kda_inner = (H, K, K)
         self.conv_inner = (3, W - 1, H * K)
@@ -181,7 +183,7 @@ class KDAStateOps(nn.Module):
         for pool, inner in ((kda_state, self.kda_inner), (conv_state, self.conv_inner)):
             flat = self._flat(pool, inner)
             flat = op.tensor_ir_inplace_op(
-                slot_reset_kernel(inner), "kda_slot_reset", [flat, _as_i64(slot)], [0],
+                slot_reset_kernel(inner, gpu=self.gpu), "kda_slot_reset", [flat, _as_i64(slot)], [0],
                 nn.Tensor.placeholder(flat.shape, "float32"))
             out.append(op.reshape(flat, pool.shape))
         return tuple(out)
@@ -193,7 +195,7 @@ class KDAStateOps(nn.Module):
         for pool, inner in ((kda_state, self.kda_inner), (conv_state, self.conv_inner)):
             flat = self._flat(pool, inner)
             flat = op.tensor_ir_inplace_op(
-                slot_copy_kernel(inner), "kda_slot_copy", [flat, _as_i64(src), _as_i64(dst)],
+                slot_copy_kernel(inner, gpu=self.gpu), "kda_slot_copy", [flat, _as_i64(src), _as_i64(dst)],
                 [0], nn.Tensor.placeholder(flat.shape, "float32"))
             out.append(op.reshape(flat, pool.shape))
         return tuple(out)

@@ -40,7 +40,8 @@ class K3DecoderLayer(nn.Module):
     """One decoder layer ``model.layers.{i}``: KDA or Gated MLA, dense MLP or LatentMoE,
     wired through Block Attention Residuals (spec §3, steps 1–4)."""
 
-    def __init__(self, cfg: K3Config, layer_idx: int, page_size: int, dtype: str):
+    def __init__(self, cfg: K3Config, layer_idx: int, page_size: int, dtype: str,
+                 gpu: bool = False):
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.layer_idx = layer_idx
         self.block_size = cfg.attn_res_block_size
@@ -53,11 +54,11 @@ class K3DecoderLayer(nn.Module):
         self.mlp_res_norm = AttnResNorm(h, dtype)
         self.mlp_res_proj = AttnResProj(h, dtype)
         if self.kind == "kda":
-            self.self_attn = KimiDeltaAttention(cfg, dtype)
+            self.self_attn = KimiDeltaAttention(cfg, dtype, gpu)
         else:
-            self.self_attn = GatedMLA(cfg, page_size, dtype)
+            self.self_attn = GatedMLA(cfg, page_size, dtype, gpu)
         if self.is_moe:
-            self.block_sparse_moe = LatentMoE(cfg, dtype)
+            self.block_sparse_moe = LatentMoE(cfg, dtype, gpu)
         else:
             self.mlp = SiTUMLP(h, cfg.intermediate_size, cfg.activation_situ_beta,
                                cfg.activation_situ_linear_beta, dtype)
@@ -86,11 +87,11 @@ class K3DecoderLayer(nn.Module):
 class K3Model(nn.Module):
     """``model.``: embeddings, the decoder layers, the AttnRes output mix and the final norm."""
 
-    def __init__(self, cfg: K3Config, page_size: int, dtype: str):
+    def __init__(self, cfg: K3Config, page_size: int, dtype: str, gpu: bool = False):
         h = cfg.hidden_size
         self.embed_tokens = Embedding(cfg.vocab_size, h, dtype)
         self.layers = nn.ModuleList(
-            [K3DecoderLayer(cfg, i, page_size, dtype) for i in range(cfg.num_hidden_layers)])
+            [K3DecoderLayer(cfg, i, page_size, dtype, gpu) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
         self.output_attn_res_norm = AttnResNorm(h, dtype)
         self.output_attn_res_proj = AttnResProj(h, dtype)
@@ -117,15 +118,17 @@ class K3ForCausalLM(nn.Module):
         dtype: activation/weight dtype, ``"float32"`` or ``"bfloat16"`` (the spec's fp32
             tensors stay fp32; routed experts stay MXFP4).
         page_size: MLA cache page size in tokens (a compile-time constant).
+        gpu: use the thread-bound (GPU) variants of the hand-written TIR kernels.
     """
 
-    def __init__(self, cfg: K3Config, dtype: str = "float32", page_size: int = DEFAULT_PAGE_SIZE):
+    def __init__(self, cfg: K3Config, dtype: str = "float32", page_size: int = DEFAULT_PAGE_SIZE,
+                 gpu: bool = False):
         if dtype not in ("float32", "bfloat16"):
             raise ValueError(f"model dtype must be 'float32' or 'bfloat16', got {dtype!r}")
-        self.cfg, self.dtype, self.page_size = cfg, dtype, page_size
-        self.model = K3Model(cfg, page_size, dtype)
+        self.cfg, self.dtype, self.page_size, self.gpu = cfg, dtype, page_size, gpu
+        self.model = K3Model(cfg, page_size, dtype, gpu)
         self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, dtype)
-        self.state_ops = KDAStateOps(cfg)
+        self.state_ops = KDAStateOps(cfg, gpu)
 
     # ------------------------------------------------------------------ model functions
     def embed(self, input_ids: Tensor) -> Tensor:
@@ -164,7 +167,7 @@ class K3ForCausalLM(nn.Module):
         return self.state_ops.fork_slot(kda_state, conv_state, src, dst)
 
     def mla_copy_page(self, mla_cache, src, dst):
-        kernel = page_copy_kernel(self.page_size * self.cfg.mla_cache_dim, self.dtype)
+        kernel = page_copy_kernel(self.page_size * self.cfg.mla_cache_dim, self.dtype, gpu=self.gpu)
         flat = op.reshape(mla_cache, (mla_cache.shape[0], mla_cache.shape[1],
                                       self.page_size * self.cfg.mla_cache_dim))
         flat = op.tensor_ir_inplace_op(kernel, "mla_page_copy", [flat, src, dst], [0],

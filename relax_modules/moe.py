@@ -58,7 +58,8 @@ class MoEGate(nn.Module):
     weights [T, k] fp32)``."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int,
-                 routed_scaling_factor: float, renormalize: bool, dtype: str):
+                 routed_scaling_factor: float, renormalize: bool, dtype: str, gpu: bool = False):
+        self.gpu = gpu
         self.num_experts = num_experts
         self.top_k = top_k
         self.routed_scaling_factor = routed_scaling_factor
@@ -73,7 +74,7 @@ class MoEGate(nn.Module):
             out_dtype="float32",
         )
         kernel = mg.moe_route_kernel(self.num_experts, self.top_k, self.routed_scaling_factor,
-                                     self.renormalize)
+                                     self.renormalize, gpu=self.gpu)
         ids, w = op.tensor_ir_op(
             _private(kernel), "moe_route", [logits, self.e_score_correction_bias],
             [Tensor.placeholder([n, self.top_k], "int32"),
@@ -87,7 +88,9 @@ class MXFP4StackedLinear(nn.Module):
     (uint8). forward(x ``[T, K]`` or ``[T, k, K]``, ids ``[T, k]`` int32) -> ``[T, k, N]``
     in ``out_dtype`` (fp32 accumulation)."""
 
-    def __init__(self, num_experts: int, in_features: int, out_features: int, top_k: int):
+    def __init__(self, num_experts: int, in_features: int, out_features: int, top_k: int,
+                 gpu: bool = False):
+        self.gpu = gpu
         self.E, self.K, self.N, self.top_k = num_experts, in_features, out_features, top_k
         self.weight_packed = nn.Parameter((num_experts, out_features, in_features // 2), dtype="uint8")
         self.weight_scale = nn.Parameter((num_experts, out_features, in_features // mg.MXFP4_GROUP),
@@ -96,7 +99,7 @@ class MXFP4StackedLinear(nn.Module):
     def forward(self, x: Tensor, ids: Tensor, out_dtype: str) -> Tensor:
         per_choice = len(x.shape) == 3
         kernel = mg.mxfp4_gather_gemv_kernel(self.N, self.K, self.E, self.top_k, per_choice,
-                                             x.dtype, out_dtype)
+                                             x.dtype, out_dtype, gpu=self.gpu)
         return op.tensor_ir_op(
             _private(kernel), "moe_mxfp4_gemv", [x, self.weight_packed, self.weight_scale, ids],
             Tensor.placeholder([x.shape[0], self.top_k, self.N], out_dtype),
@@ -107,14 +110,16 @@ class StackedLinear(nn.Module):
     """Unquantized stacked experts ``weight [E, N, K]`` (model dtype); same forward as
     :class:`MXFP4StackedLinear`."""
 
-    def __init__(self, num_experts: int, in_features: int, out_features: int, top_k: int, dtype: str):
+    def __init__(self, num_experts: int, in_features: int, out_features: int, top_k: int, dtype: str,
+                 gpu: bool = False):
+        self.gpu = gpu
         self.E, self.K, self.N, self.top_k = num_experts, in_features, out_features, top_k
         self.weight = nn.Parameter((num_experts, out_features, in_features), dtype=dtype)
 
     def forward(self, x: Tensor, ids: Tensor, out_dtype: str) -> Tensor:
         per_choice = len(x.shape) == 3
         kernel = mg.gather_gemv_kernel(self.N, self.K, self.E, self.top_k, per_choice,
-                                       self.weight.dtype, x.dtype, out_dtype)
+                                       self.weight.dtype, x.dtype, out_dtype, gpu=self.gpu)
         return op.tensor_ir_op(
             _private(kernel), "moe_gemv", [x, self.weight, ids],
             Tensor.placeholder([x.shape[0], self.top_k, self.N], out_dtype),
@@ -128,17 +133,17 @@ class RoutedExperts(nn.Module):
     """
 
     def __init__(self, num_experts: int, latent: int, inter: int, top_k: int, mxfp4: bool,
-                 beta: float, beta_lin: float, dtype: str):
+                 beta: float, beta_lin: float, dtype: str, gpu: bool = False):
         self.dtype = dtype
         self.beta, self.beta_lin = beta, beta_lin
         if mxfp4:
-            self.w1 = MXFP4StackedLinear(num_experts, latent, inter, top_k)
-            self.w3 = MXFP4StackedLinear(num_experts, latent, inter, top_k)
-            self.w2 = MXFP4StackedLinear(num_experts, inter, latent, top_k)
+            self.w1 = MXFP4StackedLinear(num_experts, latent, inter, top_k, gpu)
+            self.w3 = MXFP4StackedLinear(num_experts, latent, inter, top_k, gpu)
+            self.w2 = MXFP4StackedLinear(num_experts, inter, latent, top_k, gpu)
         else:
-            self.w1 = StackedLinear(num_experts, latent, inter, top_k, dtype)
-            self.w3 = StackedLinear(num_experts, latent, inter, top_k, dtype)
-            self.w2 = StackedLinear(num_experts, inter, latent, top_k, dtype)
+            self.w1 = StackedLinear(num_experts, latent, inter, top_k, dtype, gpu)
+            self.w3 = StackedLinear(num_experts, latent, inter, top_k, dtype, gpu)
+            self.w2 = StackedLinear(num_experts, inter, latent, top_k, dtype, gpu)
 
     def forward(self, z: Tensor, ids: Tensor) -> Tensor:
         g = self.w1(z, ids, self.dtype)
@@ -154,14 +159,14 @@ class LatentMoE(nn.Module):
     Built from a :class:`k3_compile.config.K3Config`.
     """
 
-    def __init__(self, config, dtype: str = "float32"):
+    def __init__(self, config, dtype: str = "float32", gpu: bool = False):
         c = config
         self.dtype = dtype
         self.hidden = c.hidden_size
         self.latent = c.routed_expert_hidden_size is not None
         L = c.latent_size
         self.gate = MoEGate(c.hidden_size, c.num_experts, c.num_experts_per_token,
-                            c.routed_scaling_factor, c.moe_renormalize, dtype)
+                            c.routed_scaling_factor, c.moe_renormalize, dtype, gpu)
         if self.latent:
             self.routed_expert_down_proj = Linear(c.hidden_size, L, dtype)
             self.routed_expert_up_proj = Linear(L, c.hidden_size, dtype)
@@ -172,7 +177,7 @@ class LatentMoE(nn.Module):
         self.experts = RoutedExperts(
             c.num_experts, L, c.moe_intermediate_size, c.num_experts_per_token,
             c.quantization.experts_mxfp4, c.activation_situ_beta, c.activation_situ_linear_beta,
-            dtype,
+            dtype, gpu,
         )
         self.shared_experts = (
             SiTUMLP(c.hidden_size, c.shared_expert_intermediate_size,

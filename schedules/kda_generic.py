@@ -19,8 +19,17 @@ Kernels (builder → PrimFunc; reference beside it, numpy/torch, readable not fa
 ``slot_copy_kernel``              copy slot ``src`` to slot ``dst`` of a pool (fork)
 ================================  ==========================================================
 
-These are plain loop nests (no thread bindings, ``tir.is_scheduled`` unset) so that they
-compile for ``llvm`` as is; GPU targets need a schedule first (later work).
+With ``gpu=False`` (default) these are plain loop nests (no thread bindings,
+``tirx.is_scheduled`` unset) that compile for ``llvm`` as is. With ``gpu=True`` each builder
+returns a thread-bound variant (``tirx.is_scheduled`` set, so dlight leaves it alone): a
+straightforward, unoptimized GPU version (correctness first):
+
+- short conv: one block per token, threads over channels; the window update one block per
+  sequence (a second kernel launch, so it runs after every output has read the old window);
+- prefill and decode: one block per (sequence, head), one thread per column ``e`` of the
+  state ``S[:, e]`` (the delta-rule recurrence is independent per column), the column kept in
+  a thread-local array, tokens in order (the recurrent form, also for prefill);
+- slot reset / copy: a grid over (layer, row).
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ from tvm.script import tirx as T
 # ----------------------------------------------------------------------------------------
 
 
-def short_conv_kernel(D: int, W: int, in_dtype: str):
+def short_conv_kernel(D: int, W: int, in_dtype: str, gpu: bool = False):
     """Causal depthwise conv1d of width ``W`` (no bias) then SiLU, over a flat ragged batch.
 
     PrimFunc arguments (in order)::
@@ -55,6 +64,8 @@ def short_conv_kernel(D: int, W: int, in_dtype: str):
     sequences shorter than W-1 it shifts and keeps the newest old entries.
     """
     Wm1 = W - 1
+    if gpu:
+        return _short_conv_gpu(D, W, in_dtype)
 
     @T.prim_func(private=True)
     def short_conv(
@@ -108,6 +119,72 @@ def short_conv_kernel(D: int, W: int, in_dtype: str):
     return short_conv
 
 
+_GPU_THREADS = 256
+
+
+def _short_conv_gpu(D: int, W: int, in_dtype: str):
+    """GPU variant of :func:`short_conv_kernel` (same arguments and semantics)."""
+    Wm1 = W - 1
+    TX = min(_GPU_THREADS, D)
+    ND = (D + TX - 1) // TX
+
+    @T.prim_func(private=True)
+    def short_conv_gpu(
+        x_h: T.handle,
+        w_h: T.handle,
+        cu_h: T.handle,
+        tseq_h: T.handle,
+        slots_h: T.handle,
+        state_h: T.handle,
+        layer: T.int32,
+        which: T.int32,
+        y_h: T.handle,
+    ):
+        T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
+        n_tok, n_cu, n_seq, n_layer, n_slot = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
+        x = T.match_buffer(x_h, (n_tok, D), in_dtype)
+        weight = T.match_buffer(w_h, (D, 1, W), "float32")
+        cu = T.match_buffer(cu_h, (n_cu,), "int32")
+        tseq = T.match_buffer(tseq_h, (n_tok,), "int32")
+        slots = T.match_buffer(slots_h, (n_seq,), "int32")
+        state = T.match_buffer(state_h, (n_layer, n_slot, 3, Wm1, D), "float32")
+        y = T.match_buffer(y_h, (n_tok, D), "float32")
+        # Kernel 1: outputs (reads the old windows).
+        for t in T.thread_binding(n_tok, thread="blockIdx.x"):
+            for tx in T.thread_binding(TX, thread="threadIdx.x"):
+                for d1 in range(ND):
+                    acc = T.alloc_buffer((1,), "float32", scope="local")
+                    d = d1 * TX + tx
+                    if d < D:
+                        acc[0] = T.float32(0)
+                        for w in range(W):
+                            j = T.Cast("int32", t) - cu[tseq[t]] - Wm1 + w
+                            if j >= 0:
+                                acc[0] = acc[0] + weight[d, 0, w] * T.Cast(
+                                    "float32", x[cu[tseq[t]] + j, d])
+                            else:
+                                acc[0] = acc[0] + weight[d, 0, w] * state[
+                                    layer, slots[tseq[t]], which, Wm1 + j, d]
+                        y[t, d] = acc[0] / (T.float32(1) + T.exp(-acc[0]))
+        # Kernel 2: new windows = last W-1 entries of concat(old window, x_seq).
+        for b in T.thread_binding(n_cu - 1, thread="blockIdx.x"):
+            for tx in T.thread_binding(TX, thread="threadIdx.x"):
+                for d1 in range(ND):
+                    win = T.alloc_buffer((Wm1,), "float32", scope="local")
+                    d = d1 * TX + tx
+                    if d < D:
+                        for i in range(Wm1):
+                            c = cu[b + 1] - cu[b] + i
+                            if c < Wm1:
+                                win[i] = state[layer, slots[b], which, c, d]
+                            else:
+                                win[i] = T.Cast("float32", x[cu[b] + c - Wm1, d])
+                        for i in range(Wm1):
+                            state[layer, slots[b], which, i, d] = win[i]
+
+    return short_conv_gpu
+
+
 def short_conv_reference(x, weight, cu_seqlens, seq_slots, conv_state, layer, which):
     """NumPy reference of :func:`short_conv_kernel`; returns ``(y, new conv_state)``.
 
@@ -134,7 +211,8 @@ def short_conv_reference(x, weight, cu_seqlens, seq_slots, conv_state, layer, wh
 # ----------------------------------------------------------------------------------------
 
 
-def kda_chunk_prefill_kernel(H: int, K: int, V: int, scale: float, chunk: int = 64):
+def kda_chunk_prefill_kernel(H: int, K: int, V: int, scale: float, chunk: int = 64,
+                             gpu: bool = False):
     """KDA over a flat ragged batch, chunked (WY representation, UT transform), fp32.
 
     PrimFunc arguments (in order)::
@@ -166,6 +244,8 @@ def kda_chunk_prefill_kernel(H: int, K: int, V: int, scale: float, chunk: int = 
     This is fla's ``naive_chunk_kda`` (fla/ops/kda/naive.py) for one sequence, with the
     padding of the last chunk replaced by a shorter loop.
     """
+    if gpu:
+        return _kda_prefill_gpu(H, K, V, scale)
     C = chunk
 
     @T.prim_func(private=True)
@@ -282,6 +362,64 @@ def kda_chunk_prefill_kernel(H: int, K: int, V: int, scale: float, chunk: int = 
     return kda_chunk_prefill
 
 
+def _kda_prefill_gpu(H: int, K: int, V: int, scale: float):
+    """GPU variant of :func:`kda_chunk_prefill_kernel` (same arguments), recurrent form:
+    one block per (sequence, head), one thread per state column ``e`` (kept in registers /
+    local memory), tokens in order. Matches :func:`kda_recurrent_reference`."""
+    assert V <= 1024, "one thread per state column: V must be <= 1024"
+
+    @T.prim_func(private=True)
+    def kda_prefill_gpu(
+        q_h: T.handle,
+        k_h: T.handle,
+        v_h: T.handle,
+        g_h: T.handle,
+        beta_h: T.handle,
+        cu_h: T.handle,
+        slots_h: T.handle,
+        state_h: T.handle,
+        layer: T.int32,
+        o_h: T.handle,
+    ):
+        T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
+        n_tok, n_cu, n_seq, n_layer, n_slot = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
+        q = T.match_buffer(q_h, (n_tok, H, K), "float32")
+        k = T.match_buffer(k_h, (n_tok, H, K), "float32")
+        v = T.match_buffer(v_h, (n_tok, H, V), "float32")
+        g = T.match_buffer(g_h, (n_tok, H, K), "float32")
+        beta = T.match_buffer(beta_h, (n_tok, H), "float32")
+        cu = T.match_buffer(cu_h, (n_cu,), "int32")
+        slots = T.match_buffer(slots_h, (n_seq,), "int32")
+        S = T.match_buffer(state_h, (n_layer, n_slot, H, K, V), "float32")
+        o = T.match_buffer(o_h, (n_tok, H, V), "float32")
+        for bh in T.thread_binding((n_cu - 1) * H, thread="blockIdx.x"):
+            for e in T.thread_binding(V, thread="threadIdx.x"):
+                col = T.alloc_buffer((K,), "float32", scope="local")
+                acc = T.alloc_buffer((1,), "float32", scope="local")
+                b = bh // H
+                h = bh % H
+                slot = slots[b]
+                for d in range(K):
+                    col[d] = S[layer, slot, h, d, e]
+                for t in range(cu[b], cu[b + 1]):
+                    # S' = diag(exp(g)) S;  δ = β (v_e − S'[:, e]ᵀ k)
+                    acc[0] = v[t, h, e]
+                    for d in range(K):
+                        col[d] = col[d] * T.exp(g[t, h, d])
+                        acc[0] = acc[0] - col[d] * k[t, h, d]
+                    acc[0] = acc[0] * beta[t, h]
+                    for d in range(K):
+                        col[d] = col[d] + k[t, h, d] * acc[0]
+                    acc[0] = T.float32(0)
+                    for d in range(K):
+                        acc[0] = acc[0] + col[d] * q[t, h, d]
+                    o[t, h, e] = acc[0] * T.float32(scale)
+                for d in range(K):
+                    S[layer, slot, h, d, e] = col[d]
+
+    return kda_prefill_gpu
+
+
 def kda_recurrent_reference(q, k, v, g, beta, cu_seqlens, seq_slots, kda_state, layer, scale):
     """NumPy (float64) reference of the KDA recurrence over a ragged batch (spec §3 step 5).
 
@@ -308,7 +446,7 @@ def kda_recurrent_reference(q, k, v, g, beta, cu_seqlens, seq_slots, kda_state, 
 # ----------------------------------------------------------------------------------------
 
 
-def kda_decode_kernel(H: int, K: int, V: int, scale: float):
+def kda_decode_kernel(H: int, K: int, V: int, scale: float, gpu: bool = False):
     """One recurrent KDA step per sequence; token ``b`` of the batch belongs to sequence ``b``.
 
     PrimFunc arguments (in order)::
@@ -325,6 +463,8 @@ def kda_decode_kernel(H: int, K: int, V: int, scale: float):
     ``S' = diag(exp(g)) S``;  ``S = S' + β k (v − S'ᵀ k)ᵀ``;  ``o = scale · Sᵀ q``.
     Reference: :func:`kda_recurrent_reference` with ``cu_seqlens = arange(B+1)``.
     """
+    if gpu:
+        return _kda_decode_gpu(H, K, V, scale)
 
     @T.prim_func(private=True)
     def kda_decode(
@@ -372,6 +512,56 @@ def kda_decode_kernel(H: int, K: int, V: int, scale: float):
     return kda_decode
 
 
+def _kda_decode_gpu(H: int, K: int, V: int, scale: float):
+    """GPU variant of :func:`kda_decode_kernel` (same arguments): one block per
+    (sequence, head), one thread per state column."""
+    assert V <= 1024, "one thread per state column: V must be <= 1024"
+
+    @T.prim_func(private=True)
+    def kda_decode_gpu(
+        q_h: T.handle,
+        k_h: T.handle,
+        v_h: T.handle,
+        g_h: T.handle,
+        beta_h: T.handle,
+        slots_h: T.handle,
+        state_h: T.handle,
+        layer: T.int32,
+        o_h: T.handle,
+    ):
+        T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
+        n_seq, n_layer, n_slot = T.int64(), T.int64(), T.int64()
+        q = T.match_buffer(q_h, (n_seq, H, K), "float32")
+        k = T.match_buffer(k_h, (n_seq, H, K), "float32")
+        v = T.match_buffer(v_h, (n_seq, H, V), "float32")
+        g = T.match_buffer(g_h, (n_seq, H, K), "float32")
+        beta = T.match_buffer(beta_h, (n_seq, H), "float32")
+        slots = T.match_buffer(slots_h, (n_seq,), "int32")
+        S = T.match_buffer(state_h, (n_layer, n_slot, H, K, V), "float32")
+        o = T.match_buffer(o_h, (n_seq, H, V), "float32")
+        for bh in T.thread_binding(n_seq * H, thread="blockIdx.x"):
+            for e in T.thread_binding(V, thread="threadIdx.x"):
+                col = T.alloc_buffer((K,), "float32", scope="local")
+                acc = T.alloc_buffer((1,), "float32", scope="local")
+                b = bh // H
+                h = bh % H
+                slot = slots[b]
+                acc[0] = v[b, h, e]
+                for d in range(K):
+                    col[d] = S[layer, slot, h, d, e] * T.exp(g[b, h, d])
+                    acc[0] = acc[0] - col[d] * k[b, h, d]
+                acc[0] = acc[0] * beta[b, h]
+                for d in range(K):
+                    col[d] = col[d] + k[b, h, d] * acc[0]
+                    S[layer, slot, h, d, e] = col[d]
+                acc[0] = T.float32(0)
+                for d in range(K):
+                    acc[0] = acc[0] + col[d] * q[b, h, d]
+                o[b, h, e] = acc[0] * T.float32(scale)
+
+    return kda_decode_gpu
+
+
 # ----------------------------------------------------------------------------------------
 # 4. State-store operations on a pool [L, S, *inner] (reset / fork a slot, all layers)
 # ----------------------------------------------------------------------------------------
@@ -381,13 +571,15 @@ def _flat(inner: tuple[int, ...]) -> int:
     return int(np.prod(inner)) if inner else 1
 
 
-def slot_reset_kernel(inner: tuple[int, ...]):
+def slot_reset_kernel(inner: tuple[int, ...], gpu: bool = False):
     """Zero slot ``slot`` of a pool ``[L, S, *inner]`` float32 in every layer (in place, arg 0).
 
     PrimFunc arguments: ``pool [L, S, R]`` (``R = prod(inner)``; pass the pool reshaped, or
     use :func:`slot_reset_reference`), ``slot`` int32. A new sequence starts from a reset slot.
     """
     R = _flat(inner)
+    if gpu:
+        return _slot_op_gpu(R, "float32", copy=False)
 
     @T.prim_func(private=True)
     def slot_reset(pool_h: T.handle, slot: T.int64):
@@ -401,12 +593,14 @@ def slot_reset_kernel(inner: tuple[int, ...]):
     return slot_reset
 
 
-def slot_copy_kernel(inner: tuple[int, ...]):
+def slot_copy_kernel(inner: tuple[int, ...], gpu: bool = False):
     """Copy slot ``src`` to slot ``dst`` of a pool ``[L, S, R]`` float32 in every layer (fork).
 
     PrimFunc arguments: ``pool [L, S, R]`` (in place, arg 0), ``src`` int64, ``dst`` int64.
     """
     R = _flat(inner)
+    if gpu:
+        return _slot_op_gpu(R, "float32", copy=True)
 
     @T.prim_func(private=True)
     def slot_copy(pool_h: T.handle, src: T.int64, dst: T.int64):
@@ -418,6 +612,39 @@ def slot_copy_kernel(inner: tuple[int, ...]):
                 pool[l, dst, r] = pool[l, src, r]
 
     return slot_copy
+
+
+def _slot_op_gpu(R: int, dtype: str, copy: bool):
+    """GPU slot reset (``copy=False``: ``pool, slot``) or copy (``pool, src, dst``) on a pool
+    ``[L, S, R]``: blockIdx.y over layers, (blockIdx.x, threadIdx.x) over the row."""
+    TX = min(_GPU_THREADS, R)
+    NB = (R + TX - 1) // TX
+    if copy:
+        @T.prim_func(private=True)
+        def slot_copy_gpu(pool_h: T.handle, src: T.int64, dst: T.int64):
+            T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
+            n_layer, n_slot = T.int64(), T.int64()
+            pool = T.match_buffer(pool_h, (n_layer, n_slot, R), dtype)
+            for l in T.thread_binding(n_layer, thread="blockIdx.y"):
+                for bx in T.thread_binding(NB, thread="blockIdx.x"):
+                    for tx in T.thread_binding(TX, thread="threadIdx.x"):
+                        if bx * TX + tx < R:
+                            pool[l, dst, bx * TX + tx] = pool[l, src, bx * TX + tx]
+
+        return slot_copy_gpu
+
+    @T.prim_func(private=True)
+    def slot_reset_gpu(pool_h: T.handle, slot: T.int64):
+        T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
+        n_layer, n_slot = T.int64(), T.int64()
+        pool = T.match_buffer(pool_h, (n_layer, n_slot, R), dtype)
+        for l in T.thread_binding(n_layer, thread="blockIdx.y"):
+            for bx in T.thread_binding(NB, thread="blockIdx.x"):
+                for tx in T.thread_binding(TX, thread="threadIdx.x"):
+                    if bx * TX + tx < R:
+                        pool[l, slot, bx * TX + tx] = T.Cast(dtype, 0)
+
+    return slot_reset_gpu
 
 
 def slot_reset_reference(pool: np.ndarray, slot: int) -> None:

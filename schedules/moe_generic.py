@@ -13,8 +13,10 @@ int64, so that one compiled function serves prefill and decode):
 - :func:`moe_route_kernel` — sigmoid router top-k with ``e_score_correction_bias``,
   renormalization and ``routed_scaling_factor``.
 
-Written as plain TE computes / simple TIR loops: correct on CPU (llvm) as they are; GPU
-targets need a schedule (dlight default schedules or hand-written) on top.
+Written as plain TE computes / simple TIR loops: correct on CPU (llvm) as they are. With
+``gpu=True`` the builders return thread-bound variants (``tirx.is_scheduled`` set), simple
+and unoptimized: gather GEMV one block per (token, choice, 128 outputs), one thread per output
+with the K loop inside and a register accumulator; routing one thread per token.
 
 MXFP4 layout (compressed-tensors ``mxfp4-pack-quantized``, spec §2, k3-nano README):
 ``weight_packed[e, n, i // 2]`` holds column ``i``: the **low** nibble is the even column,
@@ -93,7 +95,8 @@ def mxfp4_dequant_kernel(n_out: int, k_in: int, num_experts: int = 1) -> tir.Pri
     return te.create_prim_func([packed, scale, w]).with_attr("global_symbol", "mxfp4_dequant")
 
 
-def _gather_gemv(n_out, k_in, num_experts, top_k, x_per_choice, x_dtype, out_dtype, weights, weight_of):
+def _gather_gemv(n_out, k_in, num_experts, top_k, x_per_choice, x_dtype, out_dtype, weights, weight_of,
+                 gpu=False):
     num_tokens = tir.Var("num_tokens", "int64")
     x_shape = (num_tokens, top_k, k_in) if x_per_choice else (num_tokens, k_in)
     x = te.placeholder(x_shape, x_dtype, name="x")
@@ -110,7 +113,31 @@ def _gather_gemv(n_out, k_in, num_experts, top_k, x_per_choice, x_dtype, out_dty
         y = acc
     else:
         y = te.compute((num_tokens, top_k, n_out), lambda t, j, n: acc[t, j, n].astype(out_dtype), name="cast")
-    return te.create_prim_func([x, *weights, ids, y])
+    func = te.create_prim_func([x, *weights, ids, y])
+    if gpu:
+        func = _schedule_gather_gemv_gpu(func, n_out, cast=out_dtype != "float32")
+    return func
+
+
+_GEMV_THREADS = 128
+
+
+def _schedule_gather_gemv_gpu(func: tir.PrimFunc, n_out: int, cast: bool) -> tir.PrimFunc:
+    """Thread bindings for the gather GEMV: blockIdx.x over (token, choice, N / 128),
+    threadIdx.x over 128 outputs; the K reduction runs inside the thread into a local
+    accumulator (then cast / stored)."""
+    sch = tvm.s_tir.Schedule(func)
+    gemv = sch.get_sblock("gemv")
+    consumer = sch.get_sblock("cast") if cast else sch.cache_write(gemv, 0, "local")
+    t, j, n = sch.get_loops(consumer)
+    tx = min(_GEMV_THREADS, n_out)
+    n_o, n_i = sch.split(n, [None, tx])
+    sch.bind(sch.fuse(t, j, n_o), "blockIdx.x")
+    sch.bind(n_i, "threadIdx.x")
+    sch.compute_at(gemv, n_i)
+    if cast:
+        sch.set_scope(gemv, 0, "local")
+    return sch.mod["main"].with_attr("tirx.is_scheduled", True)
 
 
 def mxfp4_gather_gemv_kernel(
@@ -121,6 +148,7 @@ def mxfp4_gather_gemv_kernel(
     x_per_choice: bool,
     x_dtype: str = "float32",
     out_dtype: str = "float32",
+    gpu: bool = False,
 ) -> tir.PrimFunc:
     """MXFP4 gather GEMV over the chosen experts of every token.
 
@@ -138,6 +166,7 @@ def mxfp4_gather_gemv_kernel(
     return _gather_gemv(
         n_out, k_in, num_experts, top_k, x_per_choice, x_dtype, out_dtype, [packed, scale],
         lambda e, n, i: mxfp4_value(packed[e, n, i // 2], scale[e, n, i // MXFP4_GROUP], i),
+        gpu=gpu,
     )
 
 
@@ -150,6 +179,7 @@ def gather_gemv_kernel(
     w_dtype: str = "float32",
     x_dtype: str = "float32",
     out_dtype: str = "float32",
+    gpu: bool = False,
 ) -> tir.PrimFunc:
     """Gather GEMV for unquantized stacked experts ``weight [E, N, K]`` (``w_dtype``).
 
@@ -160,11 +190,13 @@ def gather_gemv_kernel(
     return _gather_gemv(
         n_out, k_in, num_experts, top_k, x_per_choice, x_dtype, out_dtype, [w],
         lambda e, n, i: w[e, n, i].astype("float32"),
+        gpu=gpu,
     )
 
 
 def moe_route_kernel(
-    num_experts: int, top_k: int, routed_scaling_factor: float = 1.0, renormalize: bool = True
+    num_experts: int, top_k: int, routed_scaling_factor: float = 1.0, renormalize: bool = True,
+    gpu: bool = False,
 ) -> tir.PrimFunc:
     """Sigmoid router (spec §3 MoE step 1; mlx-lm ``_group_expert_select`` with one group).
 
@@ -179,11 +211,14 @@ def moe_route_kernel(
       ``w *= routed_scaling_factor``.
 
     One sequential loop per token (O(top_k · E)): trivially parallel over tokens.
+    ``gpu=True``: one thread per token, the per-token scratch in thread-local arrays.
     """
     E, K = num_experts, top_k
     rsf = float(routed_scaling_factor)
     do_norm = bool(renormalize and top_k > 1)
     neg_inf = float("-inf")
+    if gpu:
+        return _moe_route_gpu(E, K, rsf, do_norm)
 
     @T.prim_func(s_tir=True)
     def moe_route(logits_h: T.handle, bias: T.Buffer((E,), "float32"), ids_h: T.handle, w_h: T.handle):
@@ -222,6 +257,48 @@ def moe_route_kernel(
                         w[vt, j] = w[vt, j] * T.float32(rsf)
 
     return moe_route
+
+
+def _moe_route_gpu(E: int, K: int, rsf: float, do_norm: bool) -> tir.PrimFunc:
+    TX = 128
+    neg_inf = float("-inf")
+
+    @T.prim_func
+    def moe_route_gpu(logits_h: T.handle, bias: T.Buffer((E,), "float32"), ids_h: T.handle,
+                      w_h: T.handle):
+        T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
+        num_tokens = T.int64()
+        logits = T.match_buffer(logits_h, (num_tokens, E), "float32")
+        ids = T.match_buffer(ids_h, (num_tokens, K), "int32")
+        w = T.match_buffer(w_h, (num_tokens, K), "float32")
+        for bx in T.thread_binding((num_tokens + TX - 1) // TX, thread="blockIdx.x"):
+            for tx in T.thread_binding(TX, thread="threadIdx.x"):
+                sel = T.alloc_buffer((E,), "float32", scope="local")
+                best_v = T.alloc_buffer((1,), "float32", scope="local")
+                best_i = T.alloc_buffer((1,), "int32", scope="local")
+                total = T.alloc_buffer((1,), "float32", scope="local")
+                if bx * TX + tx < num_tokens:
+                    for e in range(E):
+                        sel[e] = T.sigmoid(logits[bx * TX + tx, e]) + bias[e]
+                    total[0] = T.float32(0)
+                    for j in range(K):
+                        best_v[0] = T.float32(neg_inf)
+                        best_i[0] = 0
+                        for e in range(E):
+                            if sel[e] > best_v[0]:
+                                best_v[0] = sel[e]
+                                best_i[0] = T.Cast("int32", e)
+                        ids[bx * TX + tx, j] = best_i[0]
+                        w[bx * TX + tx, j] = T.sigmoid(logits[bx * TX + tx, best_i[0]])
+                        total[0] = total[0] + w[bx * TX + tx, j]
+                        sel[best_i[0]] = T.float32(neg_inf)
+                    for j in range(K):
+                        if do_norm:
+                            w[bx * TX + tx, j] = w[bx * TX + tx, j] / (total[0] + T.float32(1e-20)) * T.float32(rsf)
+                        else:
+                            w[bx * TX + tx, j] = w[bx * TX + tx, j] * T.float32(rsf)
+
+    return moe_route_gpu
 
 
 # --------------------------------------------------------------------------- references
