@@ -1,0 +1,232 @@
+"""``k3 compile``: export the K3 Relax graph, attach metadata, build for a target, write the library.
+
+The library carries its metadata as an extra Relax function ``_metadata`` (no arguments)
+returning a JSON string, so that a runtime-only TVM reads it with
+``tvm.runtime.load_module`` + ``tvm.runtime.vm.VirtualMachine(...)["_metadata"]()``
+(:func:`read_metadata`). Fields (``METADATA_FORMAT``):
+
+``format``, ``k3_compile_version``, ``config_hash`` (``K3Config.summary_hash``), ``model_type``,
+``target`` (a ``targets`` name), ``target_device`` (``cpu``/``cuda``/...), ``nvcc_arch``,
+``dtype``, ``quantization`` (``mxfp4``/``bf16``), ``page_size``, ``params`` (``[[name, shape,
+dtype], ...]`` in the functions' parameter order), ``max_batch_size``, ``context_window``,
+``prefill_chunk``, ``generic_kernels``, ``memory_plan`` (``param_bytes``,
+``kda_state_bytes_per_seq``, ``mla_cache_bytes_per_token``), ``functions``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from .config import K3Config
+
+METADATA_FN = "_metadata"
+METADATA_FORMAT = "k3-compile-lib-v1"
+DEFAULT_MAX_BATCH_SIZE = 4
+
+
+class CompileError(ValueError):
+    """Bad ``k3 compile`` input (unknown target, bad dtype, unwritable output...)."""
+
+
+def dtype_itemsize(dtype: str) -> int:
+    return {"float32": 4, "bfloat16": 2, "float16": 2, "uint8": 1}[dtype]
+
+
+def default_dtype(target_spec) -> str:
+    """float32 on CPUs (LLVM computes bf16 in float32 anyway, and it is exact vs the oracle),
+    bfloat16 on GPUs."""
+    return "bfloat16" if target_spec.is_gpu else "float32"
+
+
+def memory_plan(cfg: K3Config, params, dtype: str) -> dict:
+    n_kda, n_mla = len(cfg.kda_layer_ids), len(cfg.mla_layer_ids)
+    h, k, w = cfg.kda_num_heads, cfg.kda_head_dim, cfg.short_conv_kernel_size
+    pbytes = sum(int(np.prod(s, dtype=np.int64)) * dtype_itemsize(d) for _, s, d in params)
+    return {
+        "param_bytes": int(pbytes),
+        "kda_state_bytes_per_seq": int(n_kda * (h * k * k + 3 * (w - 1) * h * k) * 4),
+        "mla_cache_bytes_per_token": int(n_mla * cfg.mla_cache_dim * dtype_itemsize(dtype)),
+    }
+
+
+def resolve_model_config(path: str | Path) -> tuple[K3Config, dict]:
+    """The config of a checkpoint dir, a converted dir or a config.json, plus runtime defaults
+    (``context_window``, ``prefill_chunk``) from a converted dir's k3-config.json."""
+    from .convert import DEFAULT_PREFILL_CHUNK, K3_CONFIG, default_context_window
+
+    p = Path(path)
+    cfg = K3Config.from_file(p)
+    defaults = {"context_window": default_context_window(cfg), "prefill_chunk": DEFAULT_PREFILL_CHUNK}
+    if p.is_dir() and (p / K3_CONFIG).is_file():
+        k3 = json.loads((p / K3_CONFIG).read_text())
+        for key in defaults:
+            if isinstance(k3.get(key), int):
+                defaults[key] = k3[key]
+    return cfg, defaults
+
+
+def build_metadata(exported, target_spec, *, max_batch_size: int, context_window: int,
+                   prefill_chunk: int, generic_kernels: bool = False) -> dict:
+    from .convert import version
+
+    cfg = exported.cfg
+    return {
+        "format": METADATA_FORMAT,
+        "k3_compile_version": version(),
+        "config_hash": cfg.summary_hash(),
+        "model_type": cfg.model_type,
+        "target": target_spec.name,
+        "target_device": target_spec.device,
+        "nvcc_arch": target_spec.nvcc_arch,
+        "dtype": exported.dtype,
+        "quantization": "mxfp4" if cfg.quantization.experts_mxfp4 else "bf16",
+        "page_size": exported.page_size,
+        "params": [[n, list(s), d] for n, s, d in exported.params],
+        "max_batch_size": int(max_batch_size),
+        "context_window": int(context_window),
+        "prefill_chunk": int(prefill_chunk),
+        "generic_kernels": bool(generic_kernels),
+        "memory_plan": memory_plan(cfg, exported.params, exported.dtype),
+        "functions": ["embed", "prefill", "prefill_all_logits", "decode", "kda_reset_slot",
+                      "kda_copy_slot", "mla_copy_page", METADATA_FN],
+    }
+
+
+def attach_metadata(mod, metadata: dict):
+    """Add ``_metadata() -> str`` (the JSON of ``metadata``) to the Relax module."""
+    from tvm import relax
+    from tvm.script import relax as R
+
+    fn = relax.Function([], R.str(json.dumps(metadata, sort_keys=True)))
+    fn = fn.with_attr("global_symbol", METADATA_FN)
+    mod[METADATA_FN] = fn
+    return mod
+
+
+def read_metadata(vm_or_module) -> dict:
+    """The metadata of a loaded library: a ``tvm.runtime.vm.VirtualMachine`` or the module
+    from ``tvm.runtime.load_module`` (runtime-only TVM is enough).
+
+    Raises:
+        CompileError: the library has no ``_metadata`` function (not made by ``k3 compile``).
+    """
+    import tvm
+
+    from tvm.runtime.vm import VirtualMachine
+
+    vm = vm_or_module
+    if not isinstance(vm, VirtualMachine):
+        vm = VirtualMachine(vm_or_module, tvm.runtime.cpu())
+    try:
+        fn = vm[METADATA_FN]
+    except Exception:
+        fn = None
+    if fn is None:
+        raise CompileError("the library has no _metadata function; it was not built by `k3 compile`")
+    return json.loads(str(fn()))
+
+
+def peak_memory_bytes() -> int:
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+@dataclass
+class CompileResult:
+    lib: str
+    metadata: dict
+    seconds: float
+    phases: dict
+    peak_memory_bytes: int
+
+
+def compile_model(model: str | Path, target: str, out: str | Path, *, dtype: str | None = None,
+                  max_batch_size: int | None = None, context_window: int | None = None,
+                  prefill_chunk: int | None = None, generic_kernels: bool = False,
+                  log: Callable[[str], None] | None = None) -> CompileResult:
+    """Compile the model (checkpoint dir, converted dir or config.json) for ``target`` into
+    the shared library ``out``.
+
+    Raises:
+        CompileError, ConfigError, and the build's own errors (e.g. DeviceCodeError).
+    """
+    from targets import get_target
+
+    from .build import build_module
+    from .pipeline import export_model
+
+    t0 = time.time()
+    phases: dict[str, float] = {}
+
+    def say(msg: str) -> None:
+        if log is not None:
+            log(f"[{time.time() - t0:6.1f}s] {msg}")
+
+    try:
+        spec = get_target(target)
+    except KeyError as e:
+        raise CompileError(str(e.args[0])) from None
+    dtype = dtype or default_dtype(spec)
+    if dtype not in ("float32", "bfloat16"):
+        raise CompileError(f"--dtype {dtype!r}: expected bfloat16 or float32")
+    cfg, defaults = resolve_model_config(model)
+    mbs = int(max_batch_size or DEFAULT_MAX_BATCH_SIZE)
+    ctx = int(context_window or defaults["context_window"])
+    chunk = int(prefill_chunk or defaults["prefill_chunk"])
+    for flag, v in (("--max-batch-size", mbs), ("--context-window", ctx), ("--prefill-chunk", chunk)):
+        if v < 1:
+            raise CompileError(f"{flag} must be >= 1, got {v}")
+    if ctx > cfg.max_position_embeddings:
+        raise CompileError(f"--context-window {ctx} exceeds the model's max_position_embeddings "
+                           f"({cfg.max_position_embeddings})")
+    out = Path(out)
+    if out.is_dir():
+        raise CompileError(f"output {out} is a directory; give a library file name (e.g. {out}/model.so)")
+
+    say(f"exporting the Relax graph (config {cfg.summary_hash()}, dtype {dtype})")
+    ts = time.time()
+    exported = export_model(cfg, dtype)
+    meta = build_metadata(exported, spec, max_batch_size=mbs, context_window=ctx,
+                          prefill_chunk=chunk, generic_kernels=generic_kernels)
+    mod = attach_metadata(exported.mod, meta)
+    phases["export"] = time.time() - ts
+    say(f"building for {spec.name} ({spec.description})")
+    ts = time.time()
+    ex = build_module(mod, spec, generic_kernels=generic_kernels)
+    phases["build"] = time.time() - ts
+    say(f"writing {out}")
+    ts = time.time()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}{out.suffix}")
+    try:
+        ex.export_library(str(tmp))
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    phases["export_library"] = time.time() - ts
+    total = time.time() - t0
+    say("done")
+    return CompileResult(str(out), meta, total, phases, peak_memory_bytes())
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("K3_CACHE_DIR") or Path.home() / ".cache" / "k3-compile")
+
+
+def cache_path(cfg: K3Config, target_name: str, dtype: str) -> Path:
+    from .convert import version
+
+    return cache_dir() / f"{cfg.summary_hash()}-{target_name}-{dtype}-{version()}.so"
+
+
+def _stderr_log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
