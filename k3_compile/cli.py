@@ -1,14 +1,17 @@
 """The ``k3`` command line: a thin layer over the library API.
 
-Subcommands: ``inspect`` (this module); later issues add convert-weight, compile, chat,
-serve, tune, bench. Errors from the library (config, checkpoint, tokenizer) are printed
-as one line on stderr with exit status 2, never as a traceback.
+Subcommands: ``inspect``, ``targets``, ``convert-weight``, ``compile``, ``generate``, ``chat``.
+Every error is printed as one line on stderr with exit status 2, never as a traceback
+(set ``K3_DEBUG=1`` to see the traceback of an unexpected error).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+import time
 from pathlib import Path
 
 from .config import ConfigError, K3Config
@@ -51,7 +54,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     path = Path(args.model)
     cfg = K3Config.from_file(path)
     ckpt = None
-    if path.is_dir() and any(path.glob("*.safetensors")):
+    converted = None
+    if path.is_dir() and (path / "params_index.json").is_file():
+        converted = json.loads((path / "params_index.json").read_text())
+    elif path.is_dir() and any(path.glob("*.safetensors")):
         from .weights import CheckpointReader
 
         ckpt = CheckpointReader(path, cfg)
@@ -90,7 +96,243 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if ckpt is not None:
         p(f"checkpoint:     {len(ckpt.files)} shard(s), {ckpt.num_tensors} tensors, all present with the "
           "expected shapes and dtypes")
+    if converted is not None:
+        files = {e["file"] for e in converted.get("params", [])}
+        p(f"converted:      {len(converted.get('params', []))} parameters in {len(files)} shard(s), "
+          f"dtype {converted.get('dtype')}, experts {converted.get('quantization')}")
     return 0
+
+
+# ---------------------------------------------------------------------- targets
+def cmd_targets(args: argparse.Namespace) -> int:
+    from targets import get_target, list_targets
+
+    rows = [(t.name, t.description, t.verified) for t in map(get_target, list_targets())]
+    w0 = max(len("name"), *(len(r[0]) for r in rows))
+    w1 = max(len("description"), *(len(r[1]) for r in rows))
+    print(f"{'name':{w0}}  {'description':{w1}}  verified")
+    print(f"{'-' * w0}  {'-' * w1}  {'-' * 8}")
+    for n, d, v in rows:
+        print(f"{n:{w0}}  {d:{w1}}  {v}")
+    return 0
+
+
+# ---------------------------------------------------------------------- convert-weight
+def cmd_convert(args: argparse.Namespace) -> int:
+    from .convert import convert
+
+    if args.shard_size <= 0:
+        raise UserError(f"--shard-size must be > 0 GB, got {args.shard_size}")
+    r = convert(args.model, args.output, quantization=args.quantization, dtype=args.dtype,
+                force=args.force, shard_bytes=int(args.shard_size * 1e9),
+                context_window=args.context_window, prefill_chunk=args.prefill_chunk,
+                progress=not args.quiet)
+    print(f"converted {args.model} -> {r['out_dir']}: {r['params']} parameters in {r['shards']} shard(s), "
+          f"{_fmt_bytes(r['bytes'])}, dtype {r['dtype']}, experts {r['quantization']}, config hash "
+          f"{r['config_hash']} ({r['seconds']:.1f} s)")
+    return 0
+
+
+# ---------------------------------------------------------------------- compile
+def cmd_compile(args: argparse.Namespace) -> int:
+    from .compile import compile_model
+
+    log = None if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+    r = compile_model(args.model, args.target, args.output, dtype=args.dtype,
+                      max_batch_size=args.max_batch_size, context_window=args.context_window,
+                      prefill_chunk=args.prefill_chunk, generic_kernels=args.generic_kernels, log=log)
+    m = r.metadata
+    mp = m["memory_plan"]
+    ph = ", ".join(f"{k} {v:.1f} s" for k, v in r.phases.items())
+    print(f"compiled {r.lib} for {m['target']} (dtype {m['dtype']}, experts {m['quantization']}, config hash "
+          f"{m['config_hash']}) in {r.seconds:.1f} s ({ph}); peak memory {_fmt_bytes(r.peak_memory_bytes)}; "
+          f"library {_fmt_bytes(Path(r.lib).stat().st_size)}")
+    print(f"memory plan: parameters {_fmt_bytes(mp['param_bytes'])}, KDA state "
+          f"{_fmt_bytes(mp['kda_state_bytes_per_seq'])}/sequence, MLA cache "
+          f"{_fmt_bytes(mp['mla_cache_bytes_per_token'])}/token; defaults: batch {m['max_batch_size']}, "
+          f"context {m['context_window']}, prefill chunk {m['prefill_chunk']}")
+    return 0
+
+
+# ---------------------------------------------------------------------- generate / chat
+def _load(args: argparse.Namespace):
+    from .runtime.model_runner import load_model
+
+    log = None if getattr(args, "json", False) and not args.verbose else (
+        lambda m: print(m, file=sys.stderr, flush=True))
+    return load_model(args.model, args.lib, args.device, dtype=args.dtype,
+                      max_batch_size=args.max_batch_size, context_window=args.context_window,
+                      prefill_chunk=args.prefill_chunk, log=log)
+
+
+def _sampling(args: argparse.Namespace, model, default_max: int):
+    from .runtime.sampler import SamplingParams
+
+    gen = model.generation_defaults
+    temp = args.temperature
+    if temp is None:
+        temp = float(gen.get("temperature", 1.0)) if gen.get("do_sample") else 0.0
+    try:
+        return SamplingParams(
+            temperature=temp,
+            top_p=args.top_p if args.top_p is not None else float(gen.get("top_p", 1.0)),
+            top_k=args.top_k if args.top_k is not None else int(gen.get("top_k", 0)),
+            repetition_penalty=(args.repetition_penalty if args.repetition_penalty is not None
+                                else float(gen.get("repetition_penalty", 1.0))),
+            seed=args.seed, max_tokens=args.max_tokens or default_max, stop=tuple(args.stop or ()),
+            ignore_eos=getattr(args, "ignore_eos", False))
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    model = _load(args)
+    params = _sampling(args, model, 256)
+    ids = model.encode_prompt(prompt, chat=args.chat)
+    model.check_prompt(len(ids))
+    if args.json:
+        res = model.generate(ids, params)
+        d = res.to_dict()
+        d.update({"prompt": prompt, "prompt_token_ids": ids, "lib": str(model.lib_path),
+                  "device": model.device, "target": model.metadata["target"],
+                  "dtype": model.metadata["dtype"]})
+        print(json.dumps(d))
+        return 0
+
+    def out(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    if not args.chat:
+        out(prompt)
+    res = model.generate(ids, params, stream=out)
+    sys.stdout.write("\n")
+    print(f"[{res.prompt_tokens} prompt tokens, {res.prefill_tokens_per_s:.1f} tok/s prefill; "
+          f"{len(res.token_ids)} generated, {res.decode_tokens_per_s:.1f} tok/s decode; "
+          f"finish: {res.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+_CHAT_HELP = ("commands: /reset (new conversation), /stats (speed, cache use), /exit; "
+              "end a line with \\ to continue it, or wrap several lines in \"\"\"")
+
+
+def _read_message(prompt: str = ">>> ", more: str = "... ") -> str | None:
+    """One user message: a line, lines joined by a trailing backslash, or a \"\"\" block.
+    None at end of input."""
+    interactive = sys.stdin.isatty()
+
+    def line(p: str) -> str | None:
+        if interactive:
+            try:
+                return input(p)
+            except EOFError:
+                return None
+        sys.stdout.write(p)
+        sys.stdout.flush()
+        s = sys.stdin.readline()
+        if not s:
+            return None
+        return s.rstrip("\n").rstrip("\r")
+
+    first = line(prompt)
+    if first is None:
+        return None
+    if first.strip().startswith('"""'):
+        rest = first.strip()[3:]
+        if rest.endswith('"""'):
+            return rest[:-3]
+        parts = [rest] if rest else []
+        while True:
+            nxt = line(more)
+            if nxt is None:
+                break
+            if nxt.rstrip().endswith('"""'):
+                tail = nxt.rstrip()[:-3]
+                if tail:
+                    parts.append(tail)
+                break
+            parts.append(nxt)
+        return "\n".join(parts)
+    parts = []
+    cur = first
+    while cur is not None and cur.endswith("\\"):
+        parts.append(cur[:-1])
+        cur = line(more)
+    if cur is not None:
+        parts.append(cur)
+    return "\n".join(parts)
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from .runtime.model_runner import ChatSession
+
+    args.json = False
+    model = _load(args)
+    params = _sampling(args, model, 512)
+    session = ChatSession(model, system=args.system)
+    print(f"k3 chat: {model.model_dir} on {model.device} ({model.metadata['target']}, "
+          f"{model.metadata['dtype']}), context {model.context_window} tokens. {_CHAT_HELP}", flush=True)
+    while True:
+        msg = _read_message()
+        if msg is None:
+            print()
+            return 0
+        cmd = msg.strip()
+        if not cmd:
+            continue
+        if cmd in ("/exit", "/quit"):
+            return 0
+        if cmd == "/reset":
+            session.reset()
+            print("[conversation reset]", flush=True)
+            continue
+        if cmd == "/stats":
+            s = model.stats()
+            print(f"[prefill: {s['prefill_tokens']} tokens, {s['prefill_tokens_per_s']:.1f} tok/s; "
+                  f"decode: {s['decode_tokens']} tokens, {s['decode_tokens_per_s']:.1f} tok/s; "
+                  f"cache: {s['mla_pages_used']}/{s['mla_pages']} MLA pages of {s['page_size']} tokens, "
+                  f"{s['kda_slots_used']}/{s['kda_slots']} KDA slots; conversation "
+                  f"{model.engine.length(session.seq)}/{s['context_window']} tokens]", flush=True)
+            continue
+        if cmd == "/help":
+            print(_CHAT_HELP, flush=True)
+            continue
+        if cmd.startswith("/") and " " not in cmd:
+            print(f"[unknown command {cmd}; {_CHAT_HELP}]", flush=True)
+            continue
+        try:
+            session.send(msg, params, stream=lambda p: (sys.stdout.write(p), sys.stdout.flush()))
+        except Exception as e:  # keep the session alive: one line, then the next message
+            from .runtime.model_runner import ModelLoadError
+
+            if not isinstance(e, (ModelLoadError, ValueError, RuntimeError)):
+                raise
+            print(f"\n[error: {_one_line(e)}]", flush=True)
+            continue
+        print(flush=True)
+
+
+# ---------------------------------------------------------------------- parser
+def _runtime_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("model", help="a checkpoint directory or a `k3 convert-weight` output")
+    sp.add_argument("--lib", help="library from `k3 compile` (default: compile into / reuse the cache, "
+                                  "~/.cache/k3-compile or $K3_CACHE_DIR)")
+    sp.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    sp.add_argument("--dtype", choices=["bfloat16", "float32"],
+                    help="library dtype (checked against --lib; default float32 on CPU, bfloat16 on GPU)")
+    sp.add_argument("--max-batch-size", type=int)
+    sp.add_argument("--context-window", type=int, help="tokens per sequence (default: the library's)")
+    sp.add_argument("--prefill-chunk", type=int, help="prefill at most this many tokens per call")
+    sp.add_argument("--max-tokens", type=int)
+    sp.add_argument("--temperature", type=float, help="0 = greedy (default: generation_config.json)")
+    sp.add_argument("--top-p", type=float)
+    sp.add_argument("--top-k", type=int)
+    sp.add_argument("--seed", type=int)
+    sp.add_argument("--repetition-penalty", type=float)
+    sp.add_argument("--stop", action="append", help="stop string (repeatable)")
+    sp.add_argument("--verbose", action="store_true", help="progress messages on stderr even with --json")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,23 +341,73 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("inspect", help="print the parsed config, layer kinds, parameter counts")
     sp.add_argument("model", help="a checkpoint directory or a config.json")
     sp.set_defaults(func=cmd_inspect)
+
+    sp = sub.add_parser("targets", help="list the compile targets and their verified status")
+    sp.set_defaults(func=cmd_targets)
+
+    sp = sub.add_parser("convert-weight", help="checkpoint -> the runtime's parameter shards")
+    sp.add_argument("model", help="a checkpoint directory (config.json + *.safetensors)")
+    sp.add_argument("-o", "--output", required=True, help="output directory")
+    sp.add_argument("--quantization", choices=["mxfp4", "bf16"], default="mxfp4",
+                    help="routed-expert format of the output (default mxfp4)")
+    sp.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                    help="dtype of the non-expert parameters (default bfloat16)")
+    sp.add_argument("--force", action="store_true", help="replace a non-empty output directory")
+    sp.add_argument("--shard-size", type=float, default=1.0, help="shard size limit in GB (default 1)")
+    sp.add_argument("--context-window", type=int)
+    sp.add_argument("--prefill-chunk", type=int)
+    sp.add_argument("--quiet", action="store_true", help="no progress bar")
+    sp.set_defaults(func=cmd_convert)
+
+    sp = sub.add_parser("compile", help="compile a model library for a target")
+    sp.add_argument("model", help="a checkpoint directory, a converted directory or a config.json")
+    sp.add_argument("--target", default="llvm", help="a target name from `k3 targets` (default llvm)")
+    sp.add_argument("-o", "--output", required=True, help="library file to write (.so)")
+    sp.add_argument("--dtype", choices=["bfloat16", "float32"],
+                    help="activation/weight dtype (default float32 on CPU targets, bfloat16 on GPU)")
+    sp.add_argument("--max-batch-size", type=int, help="default for the runtime (4)")
+    sp.add_argument("--context-window", type=int, help="default for the runtime (min(model, 8192))")
+    sp.add_argument("--prefill-chunk", type=int, help="default for the runtime (512)")
+    sp.add_argument("--generic-kernels", action="store_true",
+                    help="GPU targets: generic kernels instead of the hand-written ones")
+    sp.add_argument("--quiet", action="store_true", help="no progress messages")
+    sp.set_defaults(func=cmd_compile)
+
+    sp = sub.add_parser("generate", help="generate text from a prompt")
+    _runtime_args(sp)
+    sp.add_argument("--prompt", required=True, help="the prompt text ('-' reads stdin)")
+    sp.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    sp.add_argument("--json", action="store_true", help="print one JSON object (text, token ids, timing)")
+    sp.add_argument("--ignore-eos", action="store_true")
+    sp.set_defaults(func=cmd_generate)
+
+    sp = sub.add_parser("chat", help="interactive streaming chat")
+    _runtime_args(sp)
+    sp.add_argument("--system", help="system message")
+    sp.set_defaults(func=cmd_chat)
     return ap
+
+
+def _one_line(e: BaseException) -> str:
+    msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+    msg = " ".join(msg.split()) or type(e).__name__
+    return msg
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigError, UserError, FileNotFoundError) as e:
-        print(f"k3 {args.command}: error: {e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"k3 {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    except Exception as e:  # every error: one line, exit 2
+        if os.environ.get("K3_DEBUG"):
+            raise
+        print(f"k3 {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return 2
-    except Exception as e:  # library errors with a clear message
-        from .weights import CheckpointError
-
-        if isinstance(e, CheckpointError):
-            print(f"k3 {args.command}: error: {e}", file=sys.stderr)
-            return 2
-        raise
 
 
 if __name__ == "__main__":  # pragma: no cover

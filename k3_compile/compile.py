@@ -193,7 +193,7 @@ def compile_model(model: str | Path, target: str, out: str | Path, *, dtype: str
 
     say(f"exporting the Relax graph (config {cfg.summary_hash()}, dtype {dtype})")
     ts = time.time()
-    exported = export_model(cfg, dtype)
+    exported = export_model(cfg, dtype, gpu=spec.is_gpu)
     meta = build_metadata(exported, spec, max_batch_size=mbs, context_window=ctx,
                           prefill_chunk=chunk, generic_kernels=generic_kernels)
     mod = attach_metadata(exported.mod, meta)
