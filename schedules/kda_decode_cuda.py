@@ -1,0 +1,151 @@
+"""Fused KDA decode kernel for CUDA (one token per sequence), with its reference beside it.
+
+One step of spec §3 "KDA layer", steps 2–5, for a batch of sequences, fused into one kernel
+that reads and writes each sequence's fp32 state exactly once, in place:
+
+    q̂ = q / ‖q‖ · K^-½,  k̂ = k / ‖k‖                         (L2 norm, eps 1e-6)
+    g = lb · σ(exp(A_log[h]) · (f + dt_bias))                  (lower-bound gate, lb < 0)
+      | −exp(A_log[h]) · softplus(f + dt_bias)                 (no lower bound)
+    β = σ(b)
+    S' = diag(exp(g)) S;   S = S' + β k̂ (v − S'ᵀ k̂)ᵀ;   o = Sᵀ q̂
+
+Mapping (why it reaches the HBM roofline): the state of one head is K×V fp32 (64 KiB for
+K = V = 128). Column e of S evolves independently of the other columns: the reduction
+``S'ᵀ k̂`` and ``Sᵀ q̂`` run over K, i.e. *down* a column. So a thread owns one column and
+keeps it in K registers: it loads the column once (coalesced: a warp reads 32 consecutive
+floats of a row), updates it, writes it once, and reduces within the thread — no shared-memory
+reduction, no second pass over global memory. A block is (sequence, head, group of
+``cols_per_block`` columns); q, k and the decay of the head are staged in shared memory.
+
+Reference: :func:`kda_decode_fused_reference` (NumPy), checked against fla's
+``naive_recurrent_kda`` in tests/test_kda_cuda.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from tvm.script import tirx as T
+
+
+def kda_decode_fused_kernel(H: int, K: int, V: int, lower_bound: float | None,
+                            cols_per_block: int = 32):
+    """Build the fused decode PrimFunc (CUDA only: uses thread bindings and shared memory).
+
+    PrimFunc arguments (in order)::
+
+        q, k      [B, H, K]        float32   after the short conv (not yet L2-normalized)
+        v         [B, H, V]        float32
+        f         [B, H, K]        float32   f_b(f_a(x)), the raw gate
+        b         [B, H]           float32   b_proj(x), the raw beta logit
+        A_log     [H]              float32
+        dt_bias   [H*K]            float32
+        seq_slots [B]              int32
+        kda_state [L, S, H, K, V]  float32   updated in place (argument index 8)
+        layer     int32
+        o         [B, H, V]        float32   output
+
+    Raises:
+        ValueError: ``V`` not a multiple of ``cols_per_block`` or ``K`` not a multiple of it.
+    """
+    CB = cols_per_block
+    if V % CB or K % CB:
+        raise ValueError(f"V={V} and K={K} must be multiples of cols_per_block={CB}")
+    NCB = V // CB
+    scale = float(K) ** -0.5
+    LB = float(lower_bound) if lower_bound is not None else 0.0
+    use_lb = lower_bound is not None
+    per_thread = K // CB
+
+    @T.prim_func(private=True)
+    def kda_decode_fused(q_h: T.handle, k_h: T.handle, v_h: T.handle, f_h: T.handle,
+                         b_h: T.handle, alog_h: T.handle, dtb_h: T.handle, slots_h: T.handle,
+                         state_h: T.handle, layer: T.int32, o_h: T.handle):
+        T.func_attr({"tir.noalias": True})
+        n_seq, n_layer, n_slot = T.int64(), T.int64(), T.int64()
+        q = T.match_buffer(q_h, (n_seq, H, K), "float32")
+        k = T.match_buffer(k_h, (n_seq, H, K), "float32")
+        v = T.match_buffer(v_h, (n_seq, H, V), "float32")
+        f = T.match_buffer(f_h, (n_seq, H, K), "float32")
+        bb = T.match_buffer(b_h, (n_seq, H), "float32")
+        A_log = T.match_buffer(alog_h, (H,), "float32")
+        dt_bias = T.match_buffer(dtb_h, (H * K,), "float32")
+        slots = T.match_buffer(slots_h, (n_seq,), "int32")
+        S = T.match_buffer(state_h, (n_layer, n_slot, H, K, V), "float32")
+        o = T.match_buffer(o_h, (n_seq, H, V), "float32")
+        for blk in T.thread_binding(n_seq * (H * NCB), thread="blockIdx.x"):
+            for tx in T.thread_binding(CB, thread="threadIdx.x"):
+                q_s = T.alloc_buffer((K,), "float32", scope="shared")
+                k_s = T.alloc_buffer((K,), "float32", scope="shared")
+                d_s = T.alloc_buffer((K,), "float32", scope="shared")
+                col = T.alloc_buffer((K,), "float32", scope="local")
+                red = T.alloc_buffer((4,), "float32", scope="local")
+                bi = blk // (H * NCB)
+                h = blk % (H * NCB) // NCB
+                e = blk % NCB * CB + tx
+                slot = slots[bi]
+                # stage q, k and the per-row decay exp(g) of this head in shared memory
+                for i in T.unroll(per_thread):
+                    r = i * CB + tx
+                    q_s[r] = q[bi, h, r]
+                    k_s[r] = k[bi, h, r]
+                    z = T.exp(A_log[h]) * (f[bi, h, r] + dt_bias[h * K + r])
+                    x = f[bi, h, r] + dt_bias[h * K + r]
+                    if use_lb:
+                        d_s[r] = T.exp(T.float32(LB) * T.sigmoid(z))
+                    else:  # −exp(A_log)·softplus(x), softplus(x) = max(x, 0) + log(1 + e^−|x|)
+                        d_s[r] = T.exp(T.float32(0) - T.exp(A_log[h]) * (
+                            T.max(x, T.float32(0)) + T.log(T.float32(1) + T.exp(T.float32(0) - T.fabs(x)))))
+                T.tvm_storage_sync("shared")
+                # norms (every thread reduces the shared vectors; K reads of broadcast data)
+                red[0] = T.float32(0)
+                red[1] = T.float32(0)
+                for r in T.serial(K):
+                    red[0] = red[0] + q_s[r] * q_s[r]
+                    red[1] = red[1] + k_s[r] * k_s[r]
+                red[0] = T.float32(scale) / T.sqrt(red[0] + T.float32(1e-6))
+                red[1] = T.float32(1) / T.sqrt(red[1] + T.float32(1e-6))
+                # load the column once, apply the decay, and form S'ᵀ k̂ in the same pass
+                red[2] = T.float32(0)
+                for r in T.unroll(K):
+                    col[r] = S[layer, slot, h, r, e] * d_s[r]
+                    red[2] = red[2] + col[r] * k_s[r]
+                # u = β (v − S'ᵀ k̂)  (k̂ = k·red[1])
+                red[2] = T.sigmoid(bb[bi, h]) * (v[bi, h, e] - red[2] * red[1]) * red[1]
+                red[3] = T.float32(0)
+                for r in T.unroll(K):
+                    col[r] = col[r] + k_s[r] * red[2]
+                    red[3] = red[3] + col[r] * q_s[r]
+                    S[layer, slot, h, r, e] = col[r]
+                o[bi, h, e] = red[3] * red[0]
+
+    return kda_decode_fused
+
+
+def kda_decode_fused_reference(q, k, v, f, b, A_log, dt_bias, seq_slots, kda_state, layer,
+                               lower_bound):
+    """NumPy float64 reference of :func:`kda_decode_fused_kernel`; updates ``kda_state``.
+
+    Shapes as in the kernel; returns ``o [B, H, V]`` float32.
+    """
+    B, H, K = q.shape
+    o = np.zeros(v.shape, np.float32)
+    for bi in range(B):
+        for h in range(H):
+            S = kda_state[layer, seq_slots[bi], h].astype(np.float64)
+            qh = q[bi, h].astype(np.float64)
+            kh = k[bi, h].astype(np.float64)
+            qh = qh / np.sqrt((qh * qh).sum() + 1e-6) * K ** -0.5
+            kh = kh / np.sqrt((kh * kh).sum() + 1e-6)
+            z = f[bi, h].astype(np.float64) + dt_bias[h * K:(h + 1) * K]
+            a = np.exp(float(A_log[h]))
+            if lower_bound is not None:
+                g = lower_bound / (1 + np.exp(-a * z))
+            else:
+                g = -a * np.log1p(np.exp(z))
+            beta = 1 / (1 + np.exp(-float(b[bi, h])))
+            S = np.exp(g)[:, None] * S
+            u = beta * (v[bi, h] - S.T @ kh)
+            S = S + np.outer(kh, u)
+            o[bi, h] = S.T @ qh
+            kda_state[layer, seq_slots[bi], h] = S
+    return o
