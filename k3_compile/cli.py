@@ -162,13 +162,21 @@ def _load(args: argparse.Namespace):
         lambda m: print(m, file=sys.stderr, flush=True))
     return load_model(args.model, args.lib, args.device, dtype=args.dtype,
                       max_batch_size=args.max_batch_size, context_window=args.context_window,
-                      prefill_chunk=args.prefill_chunk, log=log)
+                      prefill_chunk=args.prefill_chunk, log=log, verbose=args.verbose)
 
 
-def _sampling(args: argparse.Namespace, model, default_max: int):
+def _sampling(args: argparse.Namespace, default_max: int):
+    """Sampling settings from the flags, defaults from the model's generation_config.json
+    (checked before anything is loaded)."""
     from .runtime.sampler import SamplingParams
 
-    gen = model.generation_defaults
+    gen = {}
+    gpath = Path(args.model) / "generation_config.json"
+    if gpath.is_file():
+        try:
+            gen = json.loads(gpath.read_text())
+        except json.JSONDecodeError as e:
+            raise UserError(f"{gpath}: not valid JSON ({e})") from None
     temp = args.temperature
     if temp is None:
         temp = float(gen.get("temperature", 1.0)) if gen.get("do_sample") else 0.0
@@ -187,8 +195,8 @@ def _sampling(args: argparse.Namespace, model, default_max: int):
 
 def cmd_generate(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    params = _sampling(args, 256)
     model = _load(args)
-    params = _sampling(args, model, 256)
     ids = model.encode_prompt(prompt, chat=args.chat)
     model.check_prompt(len(ids))
     if args.json:
@@ -269,8 +277,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from .runtime.model_runner import ChatSession
 
     args.json = False
+    params = _sampling(args, 512)
     model = _load(args)
-    params = _sampling(args, model, 512)
     session = ChatSession(model, system=args.system)
     print(f"k3 chat: {model.model_dir} on {model.device} ({model.metadata['target']}, "
           f"{model.metadata['dtype']}), context {model.context_window} tokens. {_CHAT_HELP}", flush=True)

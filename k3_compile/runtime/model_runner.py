@@ -357,7 +357,8 @@ def _mismatch(lib: Path, meta: dict, what_lib: str, what_here: str) -> ModelLoad
 def load_model(model_dir: str | Path, lib: str | Path | None = None, device: str = "cpu", *,
                dtype: str | None = None, max_batch_size: int | None = None,
                context_window: int | None = None, prefill_chunk: int | None = None,
-               progress: bool = False, log: Callable[[str], None] | None = None) -> LoadedModel:
+               progress: bool = False, log: Callable[[str], None] | None = None,
+               verbose: bool = False) -> LoadedModel:
     """Load ``model_dir`` with the compiled library ``lib`` on ``device``.
 
     Args:
@@ -373,6 +374,7 @@ def load_model(model_dir: str | Path, lib: str | Path | None = None, device: str
     """
     t0 = time.time()
     say = log or (lambda _m: None)
+    detail = say if verbose else (lambda _m: None)
     model_dir = Path(model_dir)
     kind_dev, index = parse_device(device)
     kind = _model_kind(model_dir)
@@ -388,7 +390,7 @@ def load_model(model_dir: str | Path, lib: str | Path | None = None, device: str
             say(f"no cached library for config {cfg.summary_hash()} / {spec.name}; compiling {lib}")
             compile_model(model_dir, spec.name, lib, dtype=dtype or default_dtype(spec), log=log)
         else:
-            say(f"using cached library {lib}")
+            detail(f"using cached library {lib}")
     lib = Path(lib)
     if not lib.is_file():
         raise ModelLoadError(f"library {lib} does not exist (build one with `k3 compile`)")
@@ -427,7 +429,7 @@ def load_model(model_dir: str | Path, lib: str | Path | None = None, device: str
     dev = spec.tvm_device(index)
     vm = VirtualMachine(module, dev) if kind_dev != "cpu" else VirtualMachine(module, tvm.runtime.cpu())
     meta_params = [(n, tuple(s), d) for n, s, d in meta["params"]]
-    say(f"loading parameters from {model_dir} ({kind})")
+    detail(f"loading parameters from {model_dir} ({kind})")
     if kind == "converted":
         params = _load_converted(model_dir, meta_params, dev, progress)
     else:
