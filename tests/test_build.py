@@ -1,0 +1,76 @@
+"""k3_compile.build: the whole k3-nano model compiles for CUDA with precompiled device code.
+
+CPU only (no GPU needed): the CUDA build runs nvcc here; skipped when nvcc is absent. The
+CUDA build runs in a subprocess because it loads ``libtvm_runtime_cuda.so`` into the process
+(k3_compile.device_code), which changes how later plain CUDA compiles in the same process
+behave. Running the result on a GPU: tests/gpu/run_nano_cuda.py.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from k3_compile.config import K3Config
+from k3_compile.device_code import inspect_library, library_has_source_only
+from k3_compile.pipeline import export_model
+
+ROOT = Path(__file__).resolve().parents[1]
+NANO = ROOT / "models" / "k3-nano"
+
+# The hand-written kernels (relax_modules -> schedules/*) by their Relax name prefix.
+HAND_WRITTEN = ("kda_short_conv", "kda_chunk_prefill", "kda_decode", "kda_slot_reset",
+                "kda_slot_copy", "mla_append", "mla_attend", "mla_page_copy", "moe_route",
+                "moe_mxfp4_gemv", "moe_gemv")
+
+
+def _prim_funcs(mod):
+    import tvm
+
+    return {gv.name_hint: f for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
+
+
+def test_gpu_export_uses_scheduled_kernels():
+    """export_model(gpu=True): every hand-written kernel is a thread-bound, scheduled variant;
+    gpu=False keeps the CPU loop nests (no thread bindings)."""
+    cfg = K3Config.from_file(NANO)
+    gpu = _prim_funcs(export_model(cfg, "float32", gpu=True).mod)
+    cpu = _prim_funcs(export_model(cfg, "float32").mod)
+    found = [n for n in gpu if n.startswith(HAND_WRITTEN)]
+    assert {n.rstrip("0123456789_") for n in found} >= set(HAND_WRITTEN) - {"moe_gemv"}
+    for name in found:
+        f = gpu[name]
+        assert f.attrs and f.attrs.get("tirx.is_scheduled"), name
+        assert "threadIdx.x" in f.script(), name
+    for name, f in cpu.items():
+        if name.startswith(HAND_WRITTEN):
+            assert "thread_binding" not in f.script() and "threadIdx" not in f.script(), name
+
+
+_BUILD = textwrap.dedent("""
+    import sys
+    from k3_compile.build import build_module
+    from k3_compile.config import K3Config
+    from k3_compile.pipeline import export_model
+    from targets import get_target
+    cfg = K3Config.from_file(sys.argv[1])
+    ex = export_model(cfg, "float32", gpu=True)
+    build_module(ex.mod, get_target("cuda-sm90a")).export_library(sys.argv[2])
+""")
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH: cannot precompile CUDA")
+def test_nano_compiles_for_sm90a_with_fatbin(tmp_path):
+    out = tmp_path / "k3nano_sm90a.so"
+    r = subprocess.run([sys.executable, "-c", _BUILD, str(NANO), str(out)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    blobs = inspect_library(out)
+    assert blobs, "the library holds no CUDA module"
+    assert all(b.content == "fatbin" for b in blobs), [(b.fmt, b.content) for b in blobs]
+    assert not library_has_source_only(out)
