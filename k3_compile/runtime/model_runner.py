@@ -369,6 +369,8 @@ def load_model(model_dir: str | Path, lib: str | Path | None = None, device: str
         dtype: the library dtype wanted (checked against ``lib``'s; picks the cached library).
         max_batch_size / context_window / prefill_chunk: override the library's defaults;
             on GPU the MLA page pool is also capped by free device memory.
+        log: progress messages (compiling into the cache, page-pool capping).
+        verbose: also log which library is used and where the parameters come from.
     Raises:
         ModelLoadError with a one-line reason; ConfigError / CheckpointError / TokenizerError.
     """
