@@ -407,7 +407,13 @@ def load_model(model_dir: str | Path, lib: str | Path | None = None, device: str
     try:
         module = tvm.runtime.load_module(str(lib))
     except Exception as e:
-        raise ModelLoadError(f"cannot load library {lib}: {str(e).splitlines()[0] if str(e) else e!r}") from None
+        msg = str(e).splitlines()[0] if str(e) else repr(e)
+        m = re.search(r"created using \{(\w+)\}", msg)
+        if m and m.group(1) != spec.device:
+            raise ModelLoadError(f"library {lib} was compiled for a {m.group(1)} target (it holds "
+                                 f"{m.group(1)} device code), the device is {device} (target {spec.name}); "
+                                 "compile it for this device with `k3 compile` (or drop --lib)") from None
+        raise ModelLoadError(f"cannot load library {lib}: {msg}") from None
     try:
         meta = read_metadata(VirtualMachine(module, tvm.runtime.cpu()))
     except CompileError as e:
