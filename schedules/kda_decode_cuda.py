@@ -9,13 +9,15 @@ that reads and writes each sequence's fp32 state exactly once, in place:
     β = σ(b)
     S' = diag(exp(g)) S;   S = S' + β k̂ (v − S'ᵀ k̂)ᵀ;   o = Sᵀ q̂
 
-Mapping (why it reaches the HBM roofline): the state of one head is K×V fp32 (64 KiB for
-K = V = 128). Column e of S evolves independently of the other columns: the reduction
-``S'ᵀ k̂`` and ``Sᵀ q̂`` run over K, i.e. *down* a column. So a thread owns one column and
-keeps it in K registers: it loads the column once (coalesced: a warp reads 32 consecutive
-floats of a row), updates it, writes it once, and reduces within the thread — no shared-memory
-reduction, no second pass over global memory. A block is (sequence, head, group of
-``cols_per_block`` columns); q, k and the decay of the head are staged in shared memory.
+Mapping (why it approaches the HBM roofline): the state of one head is K×V fp32 (64 KiB for
+K = V = 128). Column e of S evolves independently of the other columns: the reductions
+``S'ᵀ k̂`` and ``Sᵀ q̂`` run over K, i.e. *down* a column. So each column is read once into
+registers (coalesced: a warp reads 32 consecutive floats of a row), updated, and written
+once — no second pass over global memory. A column is split over ``k_split`` threads so that
+each holds only K/k_split floats (registers bound occupancy, and occupancy bounds the bytes
+in flight); their partial dot products meet in shared memory. A block is (sequence, head,
+group of ``cols_per_block`` columns); q, k and the decay of the head are staged in shared
+memory, and the state loads are issued before the staging barrier so they overlap it.
 
 Reference: :func:`kda_decode_fused_reference` (NumPy), checked against fla's
 ``naive_recurrent_kda`` in tests/test_kda_cuda.py.
@@ -28,8 +30,14 @@ from tvm.script import tirx as T
 
 
 def kda_decode_fused_kernel(H: int, K: int, V: int, lower_bound: float | None,
-                            cols_per_block: int = 32):
+                            cols_per_block: int = 32, k_split: int = 4):
     """Build the fused decode PrimFunc (CUDA only: uses thread bindings and shared memory).
+
+    A block is (sequence, head, ``cols_per_block`` columns) with ``cols_per_block × k_split``
+    threads: thread (c, s) holds rows ``s·K/k_split … (s+1)·K/k_split − 1`` of column c in
+    registers; the two dot products down a column (S'ᵀk̂, Sᵀq̂) are reduced over the
+    ``k_split`` threads through shared memory. Splitting K keeps registers per thread low
+    (K/k_split floats of state), so more warps — and more loads in flight — fit per SM.
 
     PrimFunc arguments (in order)::
 
@@ -45,16 +53,20 @@ def kda_decode_fused_kernel(H: int, K: int, V: int, lower_bound: float | None,
         o         [B, H, V]        float32   output
 
     Raises:
-        ValueError: ``V`` not a multiple of ``cols_per_block`` or ``K`` not a multiple of it.
+        ValueError: ``V`` not a multiple of ``cols_per_block`` or ``K`` not a multiple of
+            ``cols_per_block × k_split``.
     """
-    CB = cols_per_block
-    if V % CB or K % CB:
-        raise ValueError(f"V={V} and K={K} must be multiples of cols_per_block={CB}")
+    CB, KS = cols_per_block, k_split
+    NT = CB * KS
+    if V % CB or K % NT:
+        raise ValueError(f"V={V} must be a multiple of cols_per_block={CB} and K={K} of "
+                         f"cols_per_block × k_split = {NT}")
     NCB = V // CB
+    KR = K // KS            # rows per thread
     scale = float(K) ** -0.5
     LB = float(lower_bound) if lower_bound is not None else 0.0
     use_lb = lower_bound is not None
-    per_thread = K // CB
+    per_thread = K // NT    # staging loads per thread
 
     @T.prim_func(private=True)
     def kda_decode_fused(q_h: T.handle, k_h: T.handle, v_h: T.handle, f_h: T.handle,
@@ -73,30 +85,33 @@ def kda_decode_fused_kernel(H: int, K: int, V: int, lower_bound: float | None,
         S = T.match_buffer(state_h, (n_layer, n_slot, H, K, V), "float32")
         o = T.match_buffer(o_h, (n_seq, H, V), "float32")
         for blk in T.thread_binding(n_seq * (H * NCB), thread="blockIdx.x"):
-            for tx in T.thread_binding(CB, thread="threadIdx.x"):
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
                 q_s = T.alloc_buffer((K,), "float32", scope="shared")
                 k_s = T.alloc_buffer((K,), "float32", scope="shared")
                 d_s = T.alloc_buffer((K,), "float32", scope="shared")
-                col = T.alloc_buffer((K,), "float32", scope="local")
+                part = T.alloc_buffer((KS, CB), "float32", scope="shared")
+                col = T.alloc_buffer((KR,), "float32", scope="local")
                 red = T.alloc_buffer((4,), "float32", scope="local")
                 bi = blk // (H * NCB)
                 h = blk % (H * NCB) // NCB
-                e = blk % NCB * CB + tx
+                e = blk % NCB * CB + (tx % CB)
                 slot = slots[bi]
                 # stage q, k and the per-row decay exp(g) of this head in shared memory
                 for i in T.unroll(per_thread):
-                    r = i * CB + tx
+                    r = i * NT + tx
                     q_s[r] = q[bi, h, r]
                     k_s[r] = k[bi, h, r]
-                    z = T.exp(A_log[h]) * (f[bi, h, r] + dt_bias[h * K + r])
                     x = f[bi, h, r] + dt_bias[h * K + r]
                     if use_lb:
-                        d_s[r] = T.exp(T.float32(LB) * T.sigmoid(z))
+                        d_s[r] = T.exp(T.float32(LB) * T.sigmoid(T.exp(A_log[h]) * x))
                     else:  # −exp(A_log)·softplus(x), softplus(x) = max(x, 0) + log(1 + e^−|x|)
                         d_s[r] = T.exp(T.float32(0) - T.exp(A_log[h]) * (
                             T.max(x, T.float32(0)) + T.log(T.float32(1) + T.exp(T.float32(0) - T.fabs(x)))))
+                # load this thread's rows of the column once, apply the decay (S' = diag(e^g) S)
+                for i in T.unroll(KR):
+                    col[i] = S[layer, slot, h, (tx // CB) * KR + i, e]
                 T.tvm_storage_sync("shared")
-                # norms (every thread reduces the shared vectors; K reads of broadcast data)
+                # norms (every thread reduces the shared vectors; broadcast reads)
                 red[0] = T.float32(0)
                 red[1] = T.float32(0)
                 for r in T.serial(K):
@@ -104,19 +119,31 @@ def kda_decode_fused_kernel(H: int, K: int, V: int, lower_bound: float | None,
                     red[1] = red[1] + k_s[r] * k_s[r]
                 red[0] = T.float32(scale) / T.sqrt(red[0] + T.float32(1e-6))
                 red[1] = T.float32(1) / T.sqrt(red[1] + T.float32(1e-6))
-                # load the column once, apply the decay, and form S'ᵀ k̂ in the same pass
+                # partial S'ᵀ k over this thread's rows, then over the k_split threads
                 red[2] = T.float32(0)
-                for r in T.unroll(K):
-                    col[r] = S[layer, slot, h, r, e] * d_s[r]
-                    red[2] = red[2] + col[r] * k_s[r]
-                # u = β (v − S'ᵀ k̂)  (k̂ = k·red[1])
+                for i in T.unroll(KR):
+                    col[i] = col[i] * d_s[(tx // CB) * KR + i]
+                    red[2] = red[2] + col[i] * k_s[(tx // CB) * KR + i]
+                part[(tx // CB), (tx % CB)] = red[2]
+                T.tvm_storage_sync("shared")
+                red[2] = T.float32(0)
+                for j in T.unroll(KS):
+                    red[2] = red[2] + part[j, (tx % CB)]
+                # u = β (v − S'ᵀ k̂), folded with the 1/‖k‖ of k̂ in the update below
                 red[2] = T.sigmoid(bb[bi, h]) * (v[bi, h, e] - red[2] * red[1]) * red[1]
                 red[3] = T.float32(0)
-                for r in T.unroll(K):
-                    col[r] = col[r] + k_s[r] * red[2]
-                    red[3] = red[3] + col[r] * q_s[r]
-                    S[layer, slot, h, r, e] = col[r]
-                o[bi, h, e] = red[3] * red[0]
+                for i in T.unroll(KR):
+                    col[i] = col[i] + k_s[(tx // CB) * KR + i] * red[2]
+                    red[3] = red[3] + col[i] * q_s[(tx // CB) * KR + i]
+                    S[layer, slot, h, (tx // CB) * KR + i, e] = col[i]
+                T.tvm_storage_sync("shared")
+                part[(tx // CB), (tx % CB)] = red[3]
+                T.tvm_storage_sync("shared")
+                if (tx // CB) == 0:
+                    red[3] = T.float32(0)
+                    for j in T.unroll(KS):
+                        red[3] = red[3] + part[j, (tx % CB)]
+                    o[bi, h, e] = red[3] * red[0]
 
     return kda_decode_fused
 

@@ -42,7 +42,7 @@ def test_reference_matches_fla_naive_recurrence(lower_bound):
 
 
 def test_kernel_rejects_bad_tiling():
-    with pytest.raises(ValueError, match="multiples of cols_per_block"):
+    with pytest.raises(ValueError, match="must be a multiple of cols_per_block"):
         kda_decode_fused_kernel(2, 128, 100, -5.0)
 
 
