@@ -102,14 +102,12 @@ def unscheduled_gpu_functions(mod) -> list[str]:
     return out
 
 
-def build_module(mod, target_spec: TargetSpec, *, generic_kernels: bool = False, keep_dir=None):
+def build_module(mod, target_spec: TargetSpec, *, keep_dir=None):
     """Compile ``mod`` (from :func:`k3_compile.pipeline.export_model`) for ``target_spec``.
 
     Args:
         mod: the Relax ``IRModule`` (exported with ``gpu=True`` for GPU targets).
         target_spec: a :class:`targets.base.TargetSpec`.
-        generic_kernels: on GPU targets, use the generic (fallback) kernels instead of the
-            hand-written tuned ones. Only the generic ones exist for now, so this is a no-op.
         keep_dir: CUDA targets: keep the generated ``.cu`` sources and fatbins there.
 
     Raises:
@@ -118,7 +116,6 @@ def build_module(mod, target_spec: TargetSpec, *, generic_kernels: bool = False,
     """
     import tvm
 
-    del generic_kernels  # only the generic GPU variants exist so far
     if not target_spec.is_gpu:
         return tvm.compile(mod, target=target_spec.tvm_target())
     if not target_spec.is_cuda:

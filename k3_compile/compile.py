@@ -193,14 +193,14 @@ def compile_model(model: str | Path, target: str, out: str | Path, *, dtype: str
 
     say(f"exporting the Relax graph (config {cfg.summary_hash()}, dtype {dtype})")
     ts = time.time()
-    exported = export_model(cfg, dtype, gpu=spec.is_gpu)
+    exported = export_model(cfg, dtype, gpu=spec.is_gpu, tuned=not generic_kernels)
     meta = build_metadata(exported, spec, max_batch_size=mbs, context_window=ctx,
                           prefill_chunk=chunk, generic_kernels=generic_kernels)
     mod = attach_metadata(exported.mod, meta)
     phases["export"] = time.time() - ts
     say(f"building for {spec.name} ({spec.description})")
     ts = time.time()
-    ex = build_module(mod, spec, generic_kernels=generic_kernels)
+    ex = build_module(mod, spec)
     phases["build"] = time.time() - ts
     say(f"writing {out}")
     ts = time.time()

@@ -20,6 +20,7 @@ from tvm.relax.frontend.nn import op
 from k3_compile.config import K3Config
 from relax_modules.common import ForwardMeta
 from relax_modules.layers import Linear
+from schedules.kda_decode_cuda import decode_tiling, kda_decode_fused_kernel
 from schedules.kda_generic import (
     kda_chunk_prefill_kernel,
     kda_decode_kernel,
@@ -60,8 +61,12 @@ class KimiDeltaAttention(nn.Module):
     ``g_proj`` [H*K, hidden]; ``o_proj`` [hidden, H*K]. Others in the model dtype.
     """
 
-    def __init__(self, config: K3Config, dtype: str = "float32", gpu: bool = False):
+    def __init__(self, config: K3Config, dtype: str = "float32", gpu: bool = False,
+                 tuned: bool = True):
         self.gpu = gpu  # thread-bound kernel variants (schedules/kda_generic.py)
+        # GPU decode: the fused hand-written kernel (schedules/kda_decode_cuda.py) where its
+        # tiling fits the head size; ``tuned=False`` keeps the generic kernel (fallback).
+        self.decode_tiling = decode_tiling(config.kda_head_dim) if gpu and tuned else None
         self.H = H = config.kda_num_heads
         self.K = K = config.kda_head_dim
         self.W = W = config.short_conv_kernel_size
@@ -130,6 +135,9 @@ class KimiDeltaAttention(nn.Module):
         v, conv_state = self._short_conv(self.v_proj(x), self.v_conv1d, CONV_V, meta,
                                          conv_state, kda_index)
         q, k, v = (op.reshape(t, (T, H, K)) for t in (q, k, v))
+        if decode and self.decode_tiling is not None:
+            out, kda_state = self._fused_decode(x, q, k, v, meta, kda_state, kda_index)
+            return out, kda_state, conv_state
         # 2. q, k L2-normalized per head (eps 1e-6); q scaled by K^-1/2 (inside the kernel)
         q, k = self._l2_normalize(q), self._l2_normalize(k)
         # 3. decay gate in log space, per channel
@@ -152,11 +160,30 @@ class KimiDeltaAttention(nn.Module):
                 [q, k, v, g, beta, meta.cu_seqlens, meta.seq_slots, kda_state,
                  _i32(kda_index)],
                 [7, -1], [s_ty, o_ty])
-        # 6. o = RMSNorm_{o_norm}(o) · σ(g_proj x) per head (fp32), then o_proj
+        return self._output(x, o), kda_state, conv_state
+
+    def _output(self, x, o):
+        """Step 6: o = RMSNorm_{o_norm}(o) · σ(g_proj x) per head (fp32), then o_proj."""
+        T, H, K = x.shape[0], self.H, self.K
         o = op.rms_norm(o, self.o_norm.weight, axes=-1, epsilon=self.eps)
         gate = op.sigmoid(op.astype(op.reshape(self.g_proj(x), (T, H, K)), "float32"))
         o = op.astype(op.reshape(o * gate, (T, H * K)), self.dtype)
-        return self.o_proj(o), kda_state, conv_state
+        return self.o_proj(o)
+
+    def _fused_decode(self, x, q, k, v, meta, kda_state, kda_index):
+        """Steps 2–6 with 2–5 in one CUDA kernel (L2 norms, gate, β, recurrence; state in
+        place). Returns ``(out [T, hidden], kda_state)``."""
+        T, H, K = x.shape[0], self.H, self.K
+        f = op.astype(op.reshape(self.f_b_proj(self.f_a_proj(x)), (T, H, K)), "float32")
+        b = op.astype(self.b_proj(x), "float32")
+        cb, ks = self.decode_tiling
+        kernel = kda_decode_fused_kernel(H, K, K, self.lower_bound, cols_per_block=cb, k_split=ks)
+        kda_state, o = op.tensor_ir_inplace_op(
+            kernel, "kda_decode_fused",
+            [q, k, v, f, b, self.A_log, self.dt_bias, meta.seq_slots, kda_state, _i32(kda_index)],
+            [8, -1], [nn.Tensor.placeholder(kda_state.shape, "float32"),
+                      nn.Tensor.placeholder((T, H, K), "float32")])
+        return self._output(x, o), kda_state
 
 
 class KDAStateOps(nn.Module):

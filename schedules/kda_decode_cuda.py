@@ -72,7 +72,7 @@ def kda_decode_fused_kernel(H: int, K: int, V: int, lower_bound: float | None,
     def kda_decode_fused(q_h: T.handle, k_h: T.handle, v_h: T.handle, f_h: T.handle,
                          b_h: T.handle, alog_h: T.handle, dtb_h: T.handle, slots_h: T.handle,
                          state_h: T.handle, layer: T.int32, o_h: T.handle):
-        T.func_attr({"tir.noalias": True})
+        T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
         n_seq, n_layer, n_slot = T.int64(), T.int64(), T.int64()
         q = T.match_buffer(q_h, (n_seq, H, K), "float32")
         k = T.match_buffer(k_h, (n_seq, H, K), "float32")
@@ -146,6 +146,18 @@ def kda_decode_fused_kernel(H: int, K: int, V: int, lower_bound: float | None,
                     o[bi, h, e] = red[3] * red[0]
 
     return kda_decode_fused
+
+
+def decode_tiling(head_dim: int) -> tuple[int, int] | None:
+    """The (cols_per_block, k_split) the model uses for ``head_dim``, or None if none fits.
+
+    (64, 2) was fastest at K3's shapes on the H200 (benchmarks/results/kda_decode_h200_*.json:
+    82% / 91% of the HBM roofline at batch 16 / 64 for 96 heads).
+    """
+    for cb, ks in ((64, 2), (32, 4), (32, 1)):
+        if head_dim % cb == 0 and head_dim % (cb * ks) == 0:
+            return cb, ks
+    return None
 
 
 def kda_decode_fused_reference(q, k, v, f, b, A_log, dt_bias, seq_slots, kda_state, layer,

@@ -229,6 +229,8 @@ def _gpu_memory():
 def run_kernels(out: Path, dev) -> dict:
     import tvm
 
+    if not (out / "kernels_sm90a.so").exists():
+        return {}  # not carried: per-kernel checks off (the model checks below still run)
     lib = tvm.runtime.load_module(str(out / "kernels_sm90a.so"))
     data = np.load(out / "kernels_ref.npz")
     cases = {}
