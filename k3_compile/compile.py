@@ -148,6 +148,14 @@ class CompileResult:
     peak_memory_bytes: int
 
 
+def _rocm_path() -> str | None:
+    """A usable ROCm install (what TVM's ``find_rocm_path`` looks for), or None."""
+    for p in (os.environ.get("ROCM_PATH"), "/opt/rocm"):
+        if p and os.path.exists(os.path.join(p, "lib")):
+            return p
+    return None
+
+
 def compile_model(model: str | Path, target: str, out: str | Path, *, dtype: str | None = None,
                   max_batch_size: int | None = None, context_window: int | None = None,
                   prefill_chunk: int | None = None, generic_kernels: bool = False,
@@ -190,6 +198,13 @@ def compile_model(model: str | Path, target: str, out: str | Path, *, dtype: str
     out = Path(out)
     if out.is_dir():
         raise CompileError(f"output {out} is a directory; give a library file name (e.g. {out}/model.so)")
+    if spec.device == "rocm" and not _rocm_path():
+        raise CompileError(f"{spec.name} does not compile on this machine: TVM's AMDGPU code "
+                           "generator needs a ROCm install (set ROCM_PATH to one with the device "
+                           f"libraries and ld.lld). {spec.notes}")
+    if spec.name == "metal" and sys.platform != "darwin" and out.suffix != ".tar":
+        raise CompileError(f"-o {out}: a Metal library's host code is arm64 macOS and links only on a "
+                           "Mac; here, write the objects with -o NAME.tar and link them there")
 
     say(f"exporting the Relax graph (config {cfg.summary_hash()}, dtype {dtype})")
     ts = time.time()

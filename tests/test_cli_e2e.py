@@ -194,6 +194,17 @@ def test_other_bad_inputs(capsys, tmp_path, lib):
     assert "top_p must be in (0, 1]" in err
 
 
+def test_targets_that_cannot_link_here(capsys, tmp_path, monkeypatch):
+    """Metal objects link only on a Mac (.tar here); ROCm needs a ROCm install."""
+    if sys.platform != "darwin":
+        err = _error(capsys, ["compile", str(NANO), "--target", "metal", "-o", str(tmp_path / "m.so")])
+        assert "links only on a Mac" in err and "NAME.tar" in err
+    monkeypatch.delenv("ROCM_PATH", raising=False)
+    if not Path("/opt/rocm/lib").exists():
+        err = _error(capsys, ["compile", str(NANO), "--target", "rocm-gfx942", "-o", str(tmp_path / "r.so")])
+        assert "rocm-gfx942 does not compile on this machine" in err and "ROCM_PATH" in err
+
+
 def test_cache_compiles_once_and_reuses(capsys, tmp_path, monkeypatch, lib):
     monkeypatch.setenv("K3_CACHE_DIR", str(tmp_path / "cache"))
     from k3_compile.compile import cache_path
