@@ -37,6 +37,8 @@ from __future__ import annotations
 import numpy as np
 from tvm.script import tirx as T
 
+from schedules.cache_ops import pool_copy_kernel, pool_reset_kernel
+
 # ----------------------------------------------------------------------------------------
 # 1. Causal depthwise short conv + SiLU (spec §3 KDA step 1)
 # ----------------------------------------------------------------------------------------
@@ -574,77 +576,21 @@ def _flat(inner: tuple[int, ...]) -> int:
 def slot_reset_kernel(inner: tuple[int, ...], gpu: bool = False):
     """Zero slot ``slot`` of a pool ``[L, S, *inner]`` float32 in every layer (in place, arg 0).
 
-    PrimFunc arguments: ``pool [L, S, R]`` (``R = prod(inner)``; pass the pool reshaped, or
-    use :func:`slot_reset_reference`), ``slot`` int32. A new sequence starts from a reset slot.
+    PrimFunc arguments: ``pool [L, S, R]`` (``R = prod(inner)``; pass the pool reshaped),
+    ``slot`` int64. A new sequence starts from a reset slot. The kernel is
+    :func:`schedules.cache_ops.pool_reset_kernel`; reference :func:`slot_reset_reference`.
     """
-    R = _flat(inner)
-    if gpu:
-        return _slot_op_gpu(R, "float32", copy=False)
-
-    @T.prim_func(private=True)
-    def slot_reset(pool_h: T.handle, slot: T.int64):
-        T.func_attr({"tir.noalias": True})
-        n_layer, n_slot = T.int64(), T.int64()
-        pool = T.match_buffer(pool_h, (n_layer, n_slot, R), "float32")
-        for l in range(n_layer):
-            for r in T.parallel(R):
-                pool[l, slot, r] = T.float32(0)
-
-    return slot_reset
+    return pool_reset_kernel(_flat(inner), "float32", gpu)
 
 
 def slot_copy_kernel(inner: tuple[int, ...], gpu: bool = False):
     """Copy slot ``src`` to slot ``dst`` of a pool ``[L, S, R]`` float32 in every layer (fork).
 
     PrimFunc arguments: ``pool [L, S, R]`` (in place, arg 0), ``src`` int64, ``dst`` int64.
+    The kernel is :func:`schedules.cache_ops.pool_copy_kernel`; reference
+    :func:`slot_copy_reference`.
     """
-    R = _flat(inner)
-    if gpu:
-        return _slot_op_gpu(R, "float32", copy=True)
-
-    @T.prim_func(private=True)
-    def slot_copy(pool_h: T.handle, src: T.int64, dst: T.int64):
-        T.func_attr({"tir.noalias": True})
-        n_layer, n_slot = T.int64(), T.int64()
-        pool = T.match_buffer(pool_h, (n_layer, n_slot, R), "float32")
-        for l in range(n_layer):
-            for r in T.parallel(R):
-                pool[l, dst, r] = pool[l, src, r]
-
-    return slot_copy
-
-
-def _slot_op_gpu(R: int, dtype: str, copy: bool):
-    """GPU slot reset (``copy=False``: ``pool, slot``) or copy (``pool, src, dst``) on a pool
-    ``[L, S, R]``: blockIdx.y over layers, (blockIdx.x, threadIdx.x) over the row."""
-    TX = min(_GPU_THREADS, R)
-    NB = (R + TX - 1) // TX
-    if copy:
-        @T.prim_func(private=True)
-        def slot_copy_gpu(pool_h: T.handle, src: T.int64, dst: T.int64):
-            T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
-            n_layer, n_slot = T.int64(), T.int64()
-            pool = T.match_buffer(pool_h, (n_layer, n_slot, R), dtype)
-            for l in T.thread_binding(n_layer, thread="blockIdx.y"):
-                for bx in T.thread_binding(NB, thread="blockIdx.x"):
-                    for tx in T.thread_binding(TX, thread="threadIdx.x"):
-                        if bx * TX + tx < R:
-                            pool[l, dst, bx * TX + tx] = pool[l, src, bx * TX + tx]
-
-        return slot_copy_gpu
-
-    @T.prim_func(private=True)
-    def slot_reset_gpu(pool_h: T.handle, slot: T.int64):
-        T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
-        n_layer, n_slot = T.int64(), T.int64()
-        pool = T.match_buffer(pool_h, (n_layer, n_slot, R), dtype)
-        for l in T.thread_binding(n_layer, thread="blockIdx.y"):
-            for bx in T.thread_binding(NB, thread="blockIdx.x"):
-                for tx in T.thread_binding(TX, thread="threadIdx.x"):
-                    if bx * TX + tx < R:
-                        pool[l, slot, bx * TX + tx] = T.Cast(dtype, 0)
-
-    return slot_reset_gpu
+    return pool_copy_kernel(_flat(inner), "float32", gpu)
 
 
 def slot_reset_reference(pool: np.ndarray, slot: int) -> None:
