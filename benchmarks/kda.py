@@ -54,6 +54,33 @@ def build(out_dir: Path) -> None:
             path = out_dir / f"kda_decode_h{h}_cb{cb}_ks{ks}.so"
             lib.export_library(str(path))
             print(f"built {path}")
+    build_prefill(out_dir)
+
+
+PREFILL_BV = (16, 32)
+PREFILL_SHAPES = ((8192,), (2048, 2048, 2048, 2048))
+
+
+def build_prefill(out_dir: Path) -> None:
+    """Compile the two prefill kernels (intra-chunk, state pass) per head count and block_v."""
+    import tvm
+
+    from k3_compile.device_code import precompiled_cuda
+    from schedules.kda_prefill_cuda import (kda_prefill_intra_kernel, kda_prefill_state_kernel,
+                                            manual_barriers)
+    from targets import get_target
+
+    spec = get_target("cuda-sm90a")
+    for h in HEADS:
+        for bv in PREFILL_BV:
+            fi = kda_prefill_intra_kernel(h, K, V, K ** -0.5).with_attr("global_symbol", "kda_prefill_intra")
+            fs = kda_prefill_state_kernel(h, K, V, bv).with_attr("global_symbol", "kda_prefill_state")
+            with precompiled_cuda(spec.nvcc_arch), manual_barriers():
+                lib = tvm.compile(tvm.IRModule({"kda_prefill_intra": fi, "kda_prefill_state": fs}),
+                                  target=spec.tvm_target())
+            path = out_dir / f"kda_prefill_h{h}_bv{bv}.so"
+            lib.export_library(str(path))
+            print(f"built {path}")
 
 
 def _time_cuda(fn, iters: int = 30, warmup: int = 5, per_sample: int = 10) -> float:
@@ -177,7 +204,125 @@ def run(lib_dir: Path, out: Path) -> dict:
                    "tilings_ms": tilings}
             results["decode"].append(row)
             print(json.dumps(row))
+    results["prefill"] = run_prefill(lib_dir)
     return results
+
+
+def run_prefill(lib_dir: Path) -> list:
+    """Prefill: correctness vs fla's naive recurrence, timing vs fla ``chunk_kda``.
+
+    Our kernels take preprocessed inputs (q, k L2-normalized, g = −5·σ(…), β = σ(b)). fla is
+    timed twice: on the same preprocessed inputs (``fla_ms``, the like-for-like comparison) and
+    with gate, L2 norms and β sigmoid inside its kernels from raw inputs (``fla_fused_ms``).
+    Ours = intra kernel + state kernel (scratch tensors preallocated)."""
+    import torch
+    import tvm
+
+    from fla.ops.kda import chunk_kda
+    from fla.ops.kda.naive import naive_recurrent_kda
+
+    def prefill_scratch_shapes(n_tok, n_seq, H):
+        # = schedules.kda_prefill_cuda.prefill_scratch_shapes (that module needs the TVM
+        # compiler's tvm.script, absent from the runtime-only TVM here); chunk 64
+        return {"w": (n_tok, H, K), "u": (n_tok, H, V), "qg": (n_tok, H, K), "kg": (n_tok, H, K),
+                "aqk": (n_tok, H, 64), "ge": ((n_tok + 63) // 64 + n_seq, H, K)}
+
+    dev = torch.device("cuda")
+    rows = []
+    l2 = lambda x: x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)  # noqa: E731
+    for H in HEADS:
+        libs = {bv: tvm.runtime.load_module(str(lib_dir / f"kda_prefill_h{H}_bv{bv}.so"))
+                for bv in PREFILL_BV}
+        A_log = torch.log(torch.empty(H, device=dev).uniform_(1, 16))
+        dt_bias = torch.randn(H * K, device=dev) * 0.5
+
+        def inputs(lens):
+            Tn = sum(lens)
+            raw = {n: torch.randn(Tn, H, K, device=dev) for n in ("q", "k", "v", "f")}
+            raw["b"] = torch.randn(Tn, H, device=dev)
+            g = LOWER_BOUND * torch.sigmoid(torch.exp(A_log)[None, :, None] * (raw["f"] + dt_bias.view(1, H, K)))
+            pre = {"q": l2(raw["q"]).contiguous(), "k": l2(raw["k"]).contiguous(), "v": raw["v"],
+                   "g": g.contiguous(), "beta": torch.sigmoid(raw["b"]).contiguous()}
+            cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32, device=dev)
+            return raw, pre, cu
+
+        def ours(bv, pre, cu, pool, slots, o, scr):
+            fi, fs = libs[bv]["kda_prefill_intra"], libs[bv]["kda_prefill_state"]
+            A = tvm.runtime.from_dlpack
+            a_i = [A(pre[n]) for n in ("k", "q", "v", "g", "beta")] + [A(cu)] + [A(scr[n]) for n in ("w", "u", "qg", "kg", "aqk", "ge")]
+            a_s = [A(scr[n]) for n in ("w", "u", "qg", "kg", "aqk", "ge")] + [A(cu), A(slots), A(pool)]
+            o_t = A(o)
+            return lambda: (fi(*a_i), fs(*a_s, 0, o_t))
+
+        def scratch(Tn, B):
+            return {n: torch.empty(s, device=dev) for n, s in prefill_scratch_shapes(Tn, B, H).items()}
+
+        # correctness
+        for lens, init in (((1,), True), ((15,), False), ((63,), True), ((64,), True), ((65,), False),
+                           ((1000,), True), ((1, 15, 64, 65, 200), True), ((130, 7, 64), False)):
+            raw, pre, cu = inputs(lens)
+            B, Tn = len(lens), sum(lens)
+            S0 = torch.randn(B, H, K, V, device=dev) * 0.1 if init else torch.zeros(B, H, K, V, device=dev)
+            slots = torch.randperm(B + 2, device=dev, dtype=torch.int32)[:B]
+            o_ref, S_ref = [], []
+            for i in range(B):
+                sl = slice(int(cu[i]), int(cu[i + 1]))
+                oi, si = naive_recurrent_kda(pre["q"][None, sl], pre["k"][None, sl], pre["v"][None, sl],
+                                             pre["g"][None, sl], pre["beta"][None, sl],
+                                             initial_state=S0[i:i + 1], output_final_state=True)
+                o_ref.append(oi[0])
+                S_ref.append(si[0])
+            o_ref, S_ref = torch.cat(o_ref), torch.stack(S_ref)
+            for bv in PREFILL_BV:
+                pool = torch.zeros(1, B + 2, H, K, V, device=dev)
+                pool[0, slots.long()] = S0
+                o = torch.full((Tn, H, V), float("nan"), device=dev)
+                ours(bv, pre, cu, pool, slots, o, scratch(Tn, B))()
+                torch.cuda.synchronize()
+                row = {"kind": "check", "heads": H, "lens": list(lens), "initial_state": init, "block_v": bv,
+                       "max_err_o": (o - o_ref).abs().max().item(),
+                       "max_err_state": (pool[0, slots.long()] - S_ref).abs().max().item(),
+                       "max_abs_o": o_ref.abs().max().item()}
+                rows.append(row)
+                print(json.dumps(row))
+        # timing
+        for lens in PREFILL_SHAPES:
+            raw, pre, cu = inputs(lens)
+            B, Tn = len(lens), sum(lens)
+            slots = torch.arange(B, device=dev, dtype=torch.int32)
+            pool = torch.randn(1, B, H, K, V, device=dev) * 0.1
+            o = torch.empty(Tn, H, V, device=dev)
+            scr = scratch(Tn, B)
+            per_bv = {f"bv{bv}": _time_cuda(ours(bv, pre, cu, pool, slots, o, scr), iters=10, per_sample=3)
+                      for bv in PREFILL_BV}
+            best = min(per_bv, key=per_bv.get)
+            cu64 = cu.long()
+            S0 = pool[0].clone()
+            with torch.inference_mode():
+                def fla_pre():
+                    return chunk_kda(pre["q"][None], pre["k"][None], pre["v"][None], pre["g"][None],
+                                     pre["beta"][None], initial_state=S0, output_final_state=True,
+                                     cu_seqlens=cu64)
+
+                def fla_fused():
+                    return chunk_kda(raw["q"][None], raw["k"][None], raw["v"][None], raw["f"][None],
+                                     raw["b"][None], initial_state=S0, output_final_state=True,
+                                     use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                     use_beta_sigmoid_in_kernel=True, safe_gate=True,
+                                     lower_bound=LOWER_BOUND, A_log=A_log, dt_bias=dt_bias,
+                                     cu_seqlens=cu64)
+                fla_ms = _time_cuda(fla_pre, iters=10, per_sample=3)
+                try:
+                    fla_fused_ms = _time_cuda(fla_fused, iters=10, per_sample=3)
+                except Exception as e:  # noqa: BLE001
+                    fla_fused_ms = None
+                    print("fla fused failed:", e)
+            row = {"kind": "time", "heads": H, "lens": list(lens), "ours_ms": per_bv[best],
+                   "best_block_v": best, "block_v_ms": per_bv, "fla_ms": fla_ms,
+                   "fla_fused_ms": fla_fused_ms, "speedup_vs_fla": fla_ms / per_bv[best]}
+            rows.append(row)
+            print(json.dumps(row))
+    return rows
 
 
 def _commit() -> str:
@@ -217,7 +362,19 @@ def _plot(res: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(HEADS), figsize=(5 * len(HEADS), 4))
+    fig, axes = plt.subplots(1, len(HEADS) + 1, figsize=(5 * (len(HEADS) + 1), 4))
+    trows = [r for r in res.get("prefill", []) if r["kind"] == "time"]
+    if trows:
+        ax = axes[-1]
+        xs = [f"{r['heads']}h {'x'.join(str(n) for n in sorted(set(r['lens'])))}"
+              + (f"x{len(r['lens'])}" if len(r["lens"]) > 1 else "") for r in trows]
+        idx = range(len(xs))
+        ax.bar([i - 0.2 for i in idx], [r["ours_ms"] for r in trows], 0.4, label="k3-compile TIR")
+        ax.bar([i + 0.2 for i in idx], [r["fla_ms"] for r in trows], 0.4, label="fla chunk_kda")
+        ax.set_xticks(list(idx), xs, fontsize=8)
+        ax.set_ylabel("ms")
+        ax.set_title("KDA prefill (fp32, preprocessed inputs)")
+        ax.legend()
     for ax, H in zip(axes, HEADS):
         rows = [r for r in res["decode"] if r["heads"] == H]
         xs = [str(r["batch"]) for r in rows]
