@@ -89,13 +89,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         if comp != "total":
             p(f"  {comp:16s} {_fmt_count(n):>10s}  ({n:,})")
     p(f"  {'total':16s} {_fmt_count(counts['total']):>10s}  ({counts['total']:,})")
-    p(f"  {'active/token':16s} {_fmt_count(active_parameters(cfg)):>10s}")
+    p(f"  {'active/token':16s} {_fmt_count(active_parameters(cfg)):>10s}  (top-{cfg.num_experts_per_token} "
+      "routed experts; embedding table not counted)")
     p("checkpoint bytes by dtype (implied by the config):")
     for dt, n in sorted(bytes_by_dtype(cfg).items()):
         p(f"  {dt:10s} {_fmt_bytes(n):>12s}")
     if ckpt is not None:
         p(f"checkpoint:     {len(ckpt.files)} shard(s), {ckpt.num_tensors} tensors, all present with the "
           "expected shapes and dtypes")
+    if ckpt is None and converted is None:
+        p("checkpoint:     none (config only: no weights checked)")
     if converted is not None:
         files = {e["file"] for e in converted.get("params", [])}
         p(f"converted:      {len(converted.get('params', []))} parameters in {len(files)} shard(s), "
@@ -187,7 +190,7 @@ def _sampling(args: argparse.Namespace, default_max: int):
             top_k=args.top_k if args.top_k is not None else int(gen.get("top_k", 0)),
             repetition_penalty=(args.repetition_penalty if args.repetition_penalty is not None
                                 else float(gen.get("repetition_penalty", 1.0))),
-            seed=args.seed, max_tokens=args.max_tokens or default_max, stop=tuple(args.stop or ()),
+            seed=args.seed, max_tokens=args.max_tokens if args.max_tokens is not None else default_max, stop=tuple(args.stop or ()),
             ignore_eos=getattr(args, "ignore_eos", False))
     except ValueError as e:
         raise UserError(str(e)) from None
@@ -298,8 +301,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         if cmd == "/stats":
             s = model.stats()
-            print(f"[prefill: {s['prefill_tokens']} tokens, {s['prefill_tokens_per_s']:.1f} tok/s; "
-                  f"decode: {s['decode_tokens']} tokens, {s['decode_tokens_per_s']:.1f} tok/s; "
+            print(f"[session totals: prefill {s['prefill_tokens']} tokens, {s['prefill_tokens_per_s']:.1f} tok/s; "
+                  f"decode {s['decode_tokens']} tokens, {s['decode_tokens_per_s']:.1f} tok/s; "
                   f"cache: {s['mla_pages_used']}/{s['mla_pages']} MLA pages of {s['page_size']} tokens, "
                   f"{s['kda_slots_used']}/{s['kda_slots']} KDA slots; conversation "
                   f"{model.engine.length(session.seq)}/{s['context_window']} tokens]", flush=True)
@@ -330,10 +333,10 @@ def _runtime_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     sp.add_argument("--dtype", choices=["bfloat16", "float32"],
                     help="library dtype (checked against --lib; default float32 on CPU, bfloat16 on GPU)")
-    sp.add_argument("--max-batch-size", type=int)
-    sp.add_argument("--context-window", type=int, help="tokens per sequence (default: the library's)")
-    sp.add_argument("--prefill-chunk", type=int, help="prefill at most this many tokens per call")
-    sp.add_argument("--max-tokens", type=int)
+    sp.add_argument("--max-batch-size", type=positive_int)
+    sp.add_argument("--context-window", type=positive_int, help="tokens per sequence (default: the library's)")
+    sp.add_argument("--prefill-chunk", type=positive_int, help="prefill at most this many tokens per call")
+    sp.add_argument("--max-tokens", type=positive_int)
     sp.add_argument("--temperature", type=float, help="0 = greedy (default: generation_config.json)")
     sp.add_argument("--top-p", type=float)
     sp.add_argument("--top-k", type=int)
@@ -343,8 +346,30 @@ def _runtime_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--verbose", action="store_true", help="progress messages on stderr even with --json")
 
 
+class _UsageError(Exception):
+    """A command-line usage error (bad flag value, missing argument)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with usage errors raised, so ``main`` reports them as one line, exit 2."""
+
+    def error(self, message):
+        raise _UsageError(f"{self.prog}: error: {message}")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (0 is not "use the default")."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="k3", description="Kimi K3 compiled with Apache TVM.")
+    ap = _Parser(prog="k3", description="Kimi K3 compiled with Apache TVM.")
     sub = ap.add_subparsers(dest="command", required=True)
     sp = sub.add_parser("inspect", help="print the parsed config, layer kinds, parameter counts")
     sp.add_argument("model", help="a checkpoint directory or a config.json")
@@ -362,8 +387,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="dtype of the non-expert parameters (default bfloat16)")
     sp.add_argument("--force", action="store_true", help="replace a non-empty output directory")
     sp.add_argument("--shard-size", type=float, default=1.0, help="shard size limit in GB (default 1)")
-    sp.add_argument("--context-window", type=int)
-    sp.add_argument("--prefill-chunk", type=int)
+    sp.add_argument("--context-window", type=positive_int)
+    sp.add_argument("--prefill-chunk", type=positive_int)
     sp.add_argument("--quiet", action="store_true", help="no progress bar")
     sp.set_defaults(func=cmd_convert)
 
@@ -373,9 +398,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("-o", "--output", required=True, help="library file to write (.so)")
     sp.add_argument("--dtype", choices=["bfloat16", "float32"],
                     help="activation/weight dtype (default float32 on CPU targets, bfloat16 on GPU)")
-    sp.add_argument("--max-batch-size", type=int, help="default for the runtime (4)")
-    sp.add_argument("--context-window", type=int, help="default for the runtime (min(model, 8192))")
-    sp.add_argument("--prefill-chunk", type=int, help="default for the runtime (512)")
+    sp.add_argument("--max-batch-size", type=positive_int, help="default for the runtime (4)")
+    sp.add_argument("--context-window", type=positive_int, help="default for the runtime (min(model, 8192))")
+    sp.add_argument("--prefill-chunk", type=positive_int, help="default for the runtime (512)")
     sp.add_argument("--generic-kernels", action="store_true",
                     help="GPU targets: generic kernels instead of the hand-written ones")
     sp.add_argument("--quiet", action="store_true", help="no progress messages")
@@ -403,7 +428,11 @@ def _one_line(e: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except _UsageError as e:
+        print(e, file=sys.stderr)
+        return 2
     try:
         return args.func(args)
     except KeyboardInterrupt:

@@ -186,9 +186,9 @@ def compile_model(model: str | Path, target: str, out: str | Path, *, dtype: str
     if dtype not in ("float32", "bfloat16"):
         raise CompileError(f"--dtype {dtype!r}: expected bfloat16 or float32")
     cfg, defaults = resolve_model_config(model)
-    mbs = int(max_batch_size or DEFAULT_MAX_BATCH_SIZE)
-    ctx = int(context_window or defaults["context_window"])
-    chunk = int(prefill_chunk or defaults["prefill_chunk"])
+    mbs = int(DEFAULT_MAX_BATCH_SIZE if max_batch_size is None else max_batch_size)
+    ctx = int(defaults["context_window"] if context_window is None else context_window)
+    chunk = int(defaults["prefill_chunk"] if prefill_chunk is None else prefill_chunk)
     for flag, v in (("--max-batch-size", mbs), ("--context-window", ctx), ("--prefill-chunk", chunk)):
         if v < 1:
             raise CompileError(f"{flag} must be >= 1, got {v}")

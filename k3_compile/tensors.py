@@ -203,9 +203,11 @@ def bytes_by_dtype(c: K3Config) -> dict[str, int]:
 
 
 def active_parameters(c: K3Config) -> int:
-    """Parameters used per token: everything but the unchosen routed experts."""
+    """Parameters a token multiplies with: all but the unchosen routed experts and the
+    embedding table (a token reads one row of it), the convention of the model card's
+    "104B active" (K3 gives 104.19B)."""
     counts = parameter_counts(c)
     routed = counts.get("routed_experts", 0)
     if c.num_experts:
         routed = routed * c.num_experts_per_token // c.num_experts
-    return counts["total"] - counts.get("routed_experts", 0) + routed
+    return counts["total"] - counts.get("routed_experts", 0) + routed - counts.get("embedding", 0)

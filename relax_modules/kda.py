@@ -190,7 +190,7 @@ class KDAStateOps(nn.Module):
     """Slot operations on the KDA pools, for the runtime (all layers at once, in place).
 
     Export with ``export_tvm(spec={"reset_slot": {"kda_state": ..., "conv_state": ...,
-    "slot": nn.spec.Int()}, "fork_slot": {..., "src": nn.spec.Int(), "dst": nn.spec.Int()}})``.
+    "slot": nn.spec.Int()}, "copy_slot": {..., "src": nn.spec.Int(), "dst": nn.spec.Int()}})``.
     Rollback is done by the runtime from snapshots (not here).
     """
 
@@ -215,7 +215,7 @@ class KDAStateOps(nn.Module):
             out.append(op.reshape(flat, pool.shape))
         return tuple(out)
 
-    def fork_slot(self, kda_state: nn.Tensor, conv_state: nn.Tensor, src: tir.PrimExpr,
+    def copy_slot(self, kda_state: nn.Tensor, conv_state: nn.Tensor, src: tir.PrimExpr,
                   dst: tir.PrimExpr):
         """pool[:, dst] = pool[:, src] for both pools. Returns both pools."""
         out = []

@@ -17,6 +17,7 @@ __all__ = [
     "matmul_fp32acc",
     "rsqrt",
     "mean_last",
+    "take_rows",
     "rms_normalize_fp32",
     "RMSNorm",
     "situ_glu",
@@ -30,6 +31,15 @@ __all__ = [
 def rsqrt(x: Tensor, name: str = "rsqrt") -> Tensor:
     """Elementwise ``1/sqrt(x)`` (Relax ``rsqrt``; nn.op has none)."""
     return op.wrap_nested(rx.op.rsqrt(x._expr), name)
+
+
+def take_rows(x: Tensor, indices: Tensor, name: str = "take") -> Tensor:
+    """``x[indices]`` along axis 0 (``x [N, D]``, ``indices [M]`` int32 → ``[M, D]``).
+
+    Out-of-range indices are clamped (``mode="clip"``) rather than read out of bounds: the
+    runtime validates token ids, and this keeps a bad index from ever touching other memory.
+    """
+    return op.wrap_nested(rx.op.take(x._expr, indices._expr, axis=0, mode="clip"), name)
 
 
 def mean_last(x: Tensor, name: str = "mean") -> Tensor:
@@ -138,7 +148,7 @@ class Embedding(nn.Module):
         self.weight = nn.Parameter((vocab_size, hidden_size), dtype=dtype)
 
     def forward(self, ids: Tensor) -> Tensor:
-        return op.take(self.weight, ids, axis=0)
+        return take_rows(self.weight, ids)
 
 
 class LMHead(nn.Module):

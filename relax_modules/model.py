@@ -19,7 +19,6 @@ of state slots ``S`` and of cache pages ``NP`` are symbolic.
 
 from __future__ import annotations
 
-from tvm import tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import Tensor, op
 
@@ -29,7 +28,7 @@ from schedules.cache_ops import page_copy_kernel
 from .attn_res import AttnRes, AttnResNorm, AttnResProj, BlockResiduals
 from .common import ForwardMeta
 from .kda import KDAStateOps, KimiDeltaAttention
-from .layers import Embedding, LMHead, RMSNorm, SiTUMLP
+from .layers import Embedding, LMHead, RMSNorm, SiTUMLP, take_rows
 from .mla import GatedMLA
 from .moe import LatentMoE
 
@@ -143,7 +142,7 @@ class K3ForCausalLM(nn.Module):
         state = {"kda": kda_state, "conv": conv_state, "mla": mla_cache}
         hidden = self.model(embeds, meta, state, decode)
         if not all_logits:
-            hidden = op.take(hidden, last_token, axis=0)
+            hidden = take_rows(hidden, last_token)
         logits = self.lm_head(hidden)
         return logits, state["kda"], state["conv"], state["mla"]
 
@@ -167,7 +166,7 @@ class K3ForCausalLM(nn.Module):
         return self.state_ops.reset_slot(kda_state, conv_state, slot)
 
     def kda_copy_slot(self, kda_state, conv_state, src, dst):
-        return self.state_ops.fork_slot(kda_state, conv_state, src, dst)
+        return self.state_ops.copy_slot(kda_state, conv_state, src, dst)
 
     def mla_copy_page(self, mla_cache, src, dst):
         kernel = page_copy_kernel(self.page_size * self.cfg.mla_cache_dim, self.dtype, gpu=self.gpu)
@@ -223,7 +222,3 @@ class K3ForCausalLM(nn.Module):
     def export(self):
         """``export_tvm`` with :meth:`get_default_spec`: returns ``(IRModule, params)``."""
         return self.export_tvm(spec=self.get_default_spec())
-
-
-def _unused(_: tirx.PrimExpr) -> None:  # pragma: no cover - keeps the tirx import explicit
-    return None

@@ -29,7 +29,7 @@ def test_inspect_real_config(capsys):
     assert _line(out, "MLA (0-based):").endswith("3,7,11,15,19,23,27,31,35,39,43,47,51,55,59,63,67,71,75,79,83,87,91-92")
     assert _line(out, "total").split()[1] == "2.78T"
     assert "8 blocks" in _line(out, "AttnRes:")
-    assert "checkpoint:" not in out  # a bare config.json: no shards to check
+    assert "checkpoint:     none (config only: no weights checked)" in out  # a bare config.json: no shards to check
 
 
 def test_inspect_k3_nano(capsys):

@@ -178,6 +178,18 @@ def test_prompt_longer_than_context_window(capsys, lib):
     assert "the context window is 16 tokens" in err and "--context-window" in err
 
 
+def test_zero_and_out_of_range_sizes_are_errors(capsys, tmp_path, lib):
+    for argv in (["generate", str(NANO), "--lib", str(lib), "--prompt", "x", "--max-tokens", "0"],
+                 ["compile", str(NANO), "-o", str(tmp_path / "x.so"), "--context-window", "0"],
+                 ["convert-weight", str(NANO), "-o", str(tmp_path / "c"), "--prefill-chunk", "0"]):
+        assert "must be >= 1, got 0" in _error(capsys, argv)
+    err = _error(capsys, ["generate", str(NANO), "--lib", str(lib), "--prompt", "x",
+                          "--context-window", "16000"])
+    assert "--context-window 16000 exceeds the model's maximum" in err
+    err = _error(capsys, ["generate", str(NANO / "config.json"), "--lib", str(lib), "--prompt", "x"])
+    assert "is a file; generate/chat need a model directory" in err
+
+
 def test_unknown_device(capsys, lib):
     err = _error(capsys, ["generate", str(NANO), "--lib", str(lib), "--device", "tpu:0", "--prompt", "x"])
     assert "unknown device 'tpu:0'; accepted forms: cpu, cuda, cuda:N" in err
@@ -229,9 +241,9 @@ def test_chat_over_stdin(lib):
         text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    assert "[prefill: " in out and "tok/s" in out and "MLA pages" in out
+    assert "[session totals: prefill " in out and "tok/s" in out and "MLA pages" in out
     assert "[conversation reset]" in out
-    stats = [ln for ln in out.splitlines() if "[prefill: " in ln]
+    stats = [ln for ln in out.splitlines() if "[session totals: prefill " in ln]
     assert "conversation 0/" in stats[1]
     assert "Traceback" not in proc.stderr
 

@@ -395,14 +395,14 @@ def test_state_ops_reset_and_fork():
             "conv_state": nn.spec.Tensor([N_LAYERS, "S", 3, W_L - 1, H_L * K_L], "float32")}
     mod, _ = KDAStateOps(cfg).export_tvm(spec={
         "reset_slot": {**pool, "slot": nn.spec.Int()},
-        "fork_slot": {**pool, "src": nn.spec.Int(), "dst": nn.spec.Int()}})
+        "copy_slot": {**pool, "src": nn.spec.Int(), "dst": nn.spec.Int()}})
     vm = compile_vm(mod)
     rng = np.random.default_rng(9)
     kda0 = rng.standard_normal((N_LAYERS, N_SLOTS, H_L, K_L, K_L)).astype("float32")
     conv0 = rng.standard_normal((N_LAYERS, N_SLOTS, 3, W_L - 1, H_L * K_L)).astype("float32")
     kda, conv = nd(kda0), nd(conv0)
     shape = tvm.runtime.ShapeTuple
-    kda, conv = vm["fork_slot"](kda, conv, shape([2]), shape([6]))
+    kda, conv = vm["copy_slot"](kda, conv, shape([2]), shape([6]))
     vm["reset_slot"](kda, conv, shape([3]))
     want_kda, want_conv = kda0.copy(), conv0.copy()
     for want in (want_kda, want_conv):

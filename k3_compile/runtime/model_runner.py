@@ -77,6 +77,9 @@ def _ensure_cuda_runtime() -> None:
     try:
         load_cuda_runtime()
     except Exception as e:  # pragma: no cover - GPU machines only
+        if "libcuda" in str(e):
+            raise ModelLoadError("no CUDA driver found (libcuda.so.1): this machine has no usable "
+                                 "NVIDIA GPU; use --device cpu") from None
         raise ModelLoadError(f"cannot load the TVM CUDA runtime: {e}") from None
 
 
@@ -138,9 +141,12 @@ class LoadedModel:
         total = n_new + n_cached
         if total >= self.engine.max_context:
             what = f"{n_new} tokens" + (f" (+ {n_cached} already in the conversation)" if n_cached else "")
-            raise ModelLoadError(f"prompt is {what}; the context window is {self.engine.max_context} tokens "
-                                 "and generating needs at least one more (shorten the prompt or raise "
-                                 "--context-window)")
+            limit = self.engine.max_context
+            hint = ("shorten the prompt or raise --context-window"
+                    if limit < self.engine.cfg.max_position_embeddings
+                    else "shorten the prompt: this is the model's maximum")
+            raise ModelLoadError(f"prompt is {what}; the context window is {limit} tokens and "
+                                 f"generating needs at least one more ({hint})")
 
     def generate(self, prompt_ids: list[int], params: SamplingParams | None = None,
                  stream: Callable[[str], None] | None = None, seq_id: int | None = None) -> GenerationResult:
@@ -186,6 +192,7 @@ class LoadedModel:
         text, emitted = "", 0
         hold = max((len(s) for s in params.stop), default=1) - 1
         finish = "length"
+        cut_by_stop_string = False
         d0, n_dec = eng.stats.decode_seconds, 0
         first_tok = 0.0
         while True:
@@ -201,7 +208,7 @@ class LoadedModel:
             cut = min((i for i in (text.find(s) for s in params.stop) if i >= 0), default=-1)
             if cut >= 0:
                 text = text[:cut]
-                finish = "stop"
+                finish, cut_by_stop_string = "stop", True
                 break
             if stream is not None and len(text) - hold > emitted:
                 stream(text[emitted:len(text) - hold])
@@ -210,7 +217,7 @@ class LoadedModel:
                 break
             logits = eng.decode([sid], [t])
             n_dec += 1
-        if finish != "stop" or not params.stop:
+        if not cut_by_stop_string:  # a stop string cut the text: what follows it is dropped
             text += dec.flush()
         if stream is not None and len(text) > emitted:
             stream(text[emitted:])
@@ -267,6 +274,9 @@ class ChatSession:
 def _model_kind(model_dir: Path) -> str:
     from ..convert import INCOMPLETE_MARKER, PARAMS_INDEX
 
+    if model_dir.is_file():
+        raise ModelLoadError(f"{model_dir} is a file; generate/chat need a model directory with weights "
+                             "(a config.json alone is enough for `k3 inspect` and `k3 compile`)")
     if not model_dir.is_dir():
         raise ModelLoadError(f"model directory {model_dir} does not exist")
     if (model_dir / INCOMPLETE_MARKER).exists() or re.search(r"\.tmp-\d+$", model_dir.name):
@@ -445,13 +455,18 @@ def load_model(model_dir: str | Path, lib: str | Path | None = None, device: str
 
     # ---- sizing
     page = int(meta["page_size"])
-    mbs = int(max_batch_size or meta.get("max_batch_size") or 1)
-    ctx = int(context_window or meta.get("context_window") or cfg.max_position_embeddings)
-    chunk = int(prefill_chunk or meta.get("prefill_chunk") or 512)
+    def pick(given, *fallbacks):
+        return int(given if given is not None else next(f for f in fallbacks if f))
+
+    mbs = pick(max_batch_size, meta.get("max_batch_size"), 1)
+    ctx = pick(context_window, meta.get("context_window"), cfg.max_position_embeddings)
+    chunk = pick(prefill_chunk, meta.get("prefill_chunk"), 512)
     for flag, v in (("--max-batch-size", mbs), ("--context-window", ctx), ("--prefill-chunk", chunk)):
         if v < 1:
             raise ModelLoadError(f"{flag} must be >= 1, got {v}")
-    ctx = min(ctx, cfg.max_position_embeddings)
+    if ctx > cfg.max_position_embeddings:
+        raise ModelLoadError(f"--context-window {ctx} exceeds the model's maximum "
+                             f"(max_position_embeddings {cfg.max_position_embeddings})")
     pages_per_seq = math.ceil(ctx / page)
     num_pages = pages_per_seq * mbs
     slots = mbs + 1  # one spare for fork/checkpoint
