@@ -143,7 +143,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
     log = None if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     r = compile_model(args.model, args.target, args.output, dtype=args.dtype,
                       max_batch_size=args.max_batch_size, context_window=args.context_window,
-                      prefill_chunk=args.prefill_chunk, generic_kernels=args.generic_kernels, log=log)
+                      prefill_chunk=args.prefill_chunk, generic_kernels=args.generic_kernels,
+                      cuda_graph=args.cuda_graph, log=log)
     m = r.metadata
     mp = m["memory_plan"]
     ph = ", ".join(f"{k} {v:.1f} s" for k, v in r.phases.items())
@@ -403,6 +404,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--prefill-chunk", type=positive_int, help="default for the runtime (512)")
     sp.add_argument("--generic-kernels", action="store_true",
                     help="GPU targets: generic kernels instead of the hand-written ones")
+    sp.add_argument("--cuda-graph", action="store_true",
+                    help="CUDA targets: replay weight-only launch sequences as CUDA graphs")
     sp.add_argument("--quiet", action="store_true", help="no progress messages")
     sp.set_defaults(func=cmd_compile)
 

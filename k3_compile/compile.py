@@ -159,6 +159,7 @@ def _rocm_path() -> str | None:
 def compile_model(model: str | Path, target: str, out: str | Path, *, dtype: str | None = None,
                   max_batch_size: int | None = None, context_window: int | None = None,
                   prefill_chunk: int | None = None, generic_kernels: bool = False,
+                  cuda_graph: bool = False,
                   log: Callable[[str], None] | None = None) -> CompileResult:
     """Compile the model (checkpoint dir, converted dir or config.json) for ``target`` into
     the shared library ``out``.
@@ -215,7 +216,7 @@ def compile_model(model: str | Path, target: str, out: str | Path, *, dtype: str
     phases["export"] = time.time() - ts
     say(f"building for {spec.name} ({spec.description})")
     ts = time.time()
-    ex = build_module(mod, spec)
+    ex = build_module(mod, spec, cuda_graph=cuda_graph)
     phases["build"] = time.time() - ts
     say(f"writing {out}")
     ts = time.time()

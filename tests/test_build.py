@@ -80,3 +80,20 @@ def test_nano_compiles_for_sm90a_with_fatbin(tmp_path):
     assert blobs, "the library holds no CUDA module"
     assert all(b.content == "fatbin" for b in blobs), [(b.fmt, b.content) for b in blobs]
     assert not library_has_source_only(out)
+
+
+def test_cuda_graph_rewrite_captures_decode_regions():
+    """``--cuda-graph``: the CUDA pipeline lifts weight-only regions of decode into captured
+    graphs (checked on the Relax side; correctness was checked on the H200, see build.py)."""
+    import tvm
+
+    from k3_compile.build import gpu_relax_pipeline
+    from targets import get_target
+
+    cfg = K3Config.from_file(NANO)
+    mod = export_model(cfg, "bfloat16", gpu=True).mod
+    target = get_target("cuda-sm90a").tvm_target()
+    names = {gv.name_hint for gv in gpu_relax_pipeline(target, cuda_graph=True)(mod).get_global_vars()}
+    assert any(n.startswith("decode_cuda_graph_capture") for n in names)
+    plain = {gv.name_hint for gv in gpu_relax_pipeline(target)(mod).get_global_vars()}
+    assert not any("cuda_graph" in n for n in plain)
