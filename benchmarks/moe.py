@@ -34,6 +34,15 @@ TIME_T = (1, 8, 64)
 FUNCS = ("moe_expert_chain", "moe_mxfp4_gate_up", "moe_mxfp4_down")
 
 
+VARIANTS = {
+    # name: (gate_up kwargs, down kwargs, extra nvcc options); "" is the default build
+    "": ({}, {}, ()),
+    "prefetch_r96": ({"prefetch": True}, {"prefetch": True}, ("-maxrregcount=96",)),
+    "prefetch": ({"prefetch": True}, {"prefetch": True}, ()),
+    "r8_rt4": ({"rows_per_block": 8}, {"rows_per_block": 8, "rows_per_thread": 4}, ()),
+}
+
+
 def build(out_dir: Path) -> None:
     import tvm
 
@@ -42,19 +51,21 @@ def build(out_dir: Path) -> None:
     from schedules import moe_mxfp4_cuda as mc
     from targets import get_target
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     spec = get_target("cuda-sm90a")
-    fs = {
-        "moe_expert_chain": mc.moe_expert_chain_kernel(TOPK),
-        "moe_mxfp4_gate_up": mc.moe_mxfp4_gate_up_kernel(E, L, I, TOPK, BETA, BETA_LIN),
-        "moe_mxfp4_down": mc.moe_mxfp4_down_kernel(E, L, I, TOPK),
-    }
-    mod = tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in fs.items()})
-    with precompiled_cuda(spec.nvcc_arch):
-        lib = tvm.compile(mod, target=spec.tvm_target())
-    path = out_dir / "moe_mxfp4.so"
-    lib.export_library(str(path))
-    print(f"built {path}")
+    for name, (gu_kw, d_kw, opts) in VARIANTS.items():
+        d = out_dir / name if name else out_dir
+        d.mkdir(parents=True, exist_ok=True)
+        fs = {
+            "moe_expert_chain": mc.moe_expert_chain_kernel(TOPK),
+            "moe_mxfp4_gate_up": mc.moe_mxfp4_gate_up_kernel(E, L, I, TOPK, BETA, BETA_LIN, **gu_kw),
+            "moe_mxfp4_down": mc.moe_mxfp4_down_kernel(E, L, I, TOPK, **d_kw),
+        }
+        mod = tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in fs.items()})
+        with precompiled_cuda(spec.nvcc_arch, options=opts):
+            lib = tvm.compile(mod, target=spec.tvm_target())
+        path = d / "moe_mxfp4.so"
+        lib.export_library(str(path))
+        print(f"built {path}")
 
 
 def _time_cuda(fn, iters: int = 20, warmup: int = 3, per_sample: int = 10) -> float:
@@ -110,8 +121,12 @@ def run(lib_dir: Path) -> dict:
     from k3_compile.device_code import load_cuda_runtime
 
     load_cuda_runtime()
-    lib = tvm.runtime.load_module(str(lib_dir / "moe_mxfp4.so"))
-    chain_f, gu_f, down_f = (lib[n] for n in FUNCS)
+
+    def load(d):
+        lib = tvm.runtime.load_module(str(d / "moe_mxfp4.so"))
+        return tuple(lib[n] for n in FUNCS)
+
+    chain_f, gu_f, down_f = load(lib_dir)
     dev = torch.device("cuda")
     bw = copy_bandwidth()
     print(f"copy bandwidth: {bw / 1e9:.0f} GB/s", flush=True)
@@ -124,7 +139,8 @@ def run(lib_dir: Path) -> dict:
     expert_bytes = sum(p[0].numel() + p[1].numel() for p in W.values()) // E
     results = {"copy_bandwidth_GBps": bw / 1e9, "expert_bytes": expert_bytes, "check": [], "timing": []}
 
-    def make(T):
+    def make(T, fns=None):
+        c_f, g_f, d_f = fns or (chain_f, gu_f, down_f)
         z = torch.randn(T, L, device=dev, generator=g).to(torch.bfloat16)
         ids = torch.stack([torch.randperm(E, device=dev, generator=g)[:TOPK] for _ in range(T)]).int()
         chain = torch.empty(T, TOPK, 2, dtype=torch.int32, device=dev)
@@ -133,14 +149,14 @@ def run(lib_dir: Path) -> dict:
         tv = [tvm.runtime.from_dlpack(t) for t in (z, ids, chain, a, o)]
 
         def ours():
-            chain_f(tv[1], tv[2])
-            gu_f(tv[0], *tw["w1"], *tw["w3"], tv[2], tv[1], tv[3])
-            down_f(tv[3], *tw["w2"], tv[2], tv[1], tv[4])
+            c_f(tv[1], tv[2])
+            g_f(tv[0], *tw["w1"], *tw["w3"], tv[2], tv[1], tv[3])
+            d_f(tv[3], *tw["w2"], tv[2], tv[1], tv[4])
 
         return z, ids, a, o, ours
 
-    for T in CHECK_T:
-        z, ids, a, o, ours = make(T)
+    def check(T, fns=None):
+        z, ids, a, o, ours = make(T, fns)
         if T == 7:  # repeated experts across tokens exercise the chains
             ids[3] = ids[0]
             ids[5, :4] = ids[1, 4:8]
@@ -158,10 +174,27 @@ def run(lib_dir: Path) -> dict:
                 ea = max(ea, (a[t, j].float() - ar.float()).abs().max().item())
                 eo = max(eo, (o[t, j].float() - orf).abs().max().item())
                 ma, mo = max(ma, ar.float().abs().max().item()), max(mo, orf.abs().max().item())
-        row = {"T": T, "max_abs_err_a": ea, "max_abs_a": ma, "rel_err_a": ea / ma,
-               "max_abs_err_o": eo, "max_abs_o": mo, "rel_err_o": eo / mo}
+        return {"T": T, "max_abs_err_a": ea, "max_abs_a": ma, "rel_err_a": ea / ma,
+                "max_abs_err_o": eo, "max_abs_o": mo, "rel_err_o": eo / mo}
+
+    for T in CHECK_T:
+        row = check(T)
         results["check"].append(row)
         print(json.dumps(row), flush=True)
+
+    # other schedule variants (subfolders of lib_dir): one check (T = 7) and our timings only
+    results["variants"] = {}
+    for d in sorted(p for p in lib_dir.iterdir() if (p / "moe_mxfp4.so").exists()):
+        fns = load(d)
+        rows = {"check_T7": check(7, fns), "timing": []}
+        for T in TIME_T:
+            z, ids, a, o, ours = make(T, fns)
+            distinct = torch.unique(ids).numel()
+            ms = _time_cuda(ours)
+            rows["timing"].append({"T": T, "ours_ms": ms, "ours_pct_roofline":
+                                   100 * distinct * expert_bytes / bw * 1e3 / ms})
+        results["variants"][d.name] = rows
+        print(d.name, json.dumps(rows), flush=True)
 
     # dequantized bf16 copies of all experts for the torch loop
     Wb = {}

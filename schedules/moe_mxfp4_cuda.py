@@ -96,19 +96,80 @@ def _code_f32(w, j: int):
     return T.Cast("float32", T.reinterpret("float16", T.Cast("uint16", bits)))
 
 
+def _pair_f16x2(w, j):
+    """uint32 holding two fp16 ``v·2^-14``: low half = nibble ``j``, high half = nibble
+    ``j + 4`` of ``w`` (``j`` in 0..3, an unrolled loop variable): shifts and two masks
+    for two codes (nvcc folds the shifts once ``j`` is a constant)."""
+    t = w >> T.Cast("uint32", 4 * j)
+    return ((t << T.uint32(9)) & T.uint32(0x0E000E00)) | ((t << T.uint32(12)) & T.uint32(0x80008000))
+
+
+def _bf(x, jp):
+    """fp32 of bf16 half ``jp`` (0 = low, 1 = high; an unrolled loop variable) of ``x``."""
+    return T.reinterpret("float32", (x << T.Cast("uint32", 16 - 16 * jp)) & T.uint32(0xFFFF0000))
+
+
+def _h_lo(h):
+    return T.Cast("float32", T.reinterpret("float16", T.Cast("uint16", h)))
+
+
+def _h_hi(h):
+    return T.Cast("float32", T.reinterpret("float16", T.Cast("uint16", h >> T.uint32(16))))
+
+
+def _bf_lo(x):
+    return T.reinterpret("float32", x << T.uint32(16))
+
+
+def _bf_hi(x):
+    return T.reinterpret("float32", x & T.uint32(0xFFFF0000))
+
+
 def _scale_f32(s):
     """E8M0 byte -> 2^(s-127) · 2^14 (the fp16 code offset folded in); exact for s ≤ 240."""
     return T.reinterpret("float32", (T.Cast("uint32", s) + T.uint32(14)) << T.uint32(23))
 
 
+def _gemv_kernel(kind: str, E: int, N: int, KD: int, top_k: int, R: int, RT: int, NM: int,
+                 x_dtype: str, out_dtype: str, epilogue):
+    """Shared body of the two GEMV kernels.
+
+    ``NM`` weight matrices of ``[E, N, KD]`` (packed ``KD/2`` bytes per row), a block of
+    ``R`` half-warps, each half-warp ``RT`` rows (``R`` apart) of each of the ``NM``
+    matrices; the activation is row ``x_row(entry)`` of a bf16 ``[*, KD]`` tensor.
+    """
+    S = _check(KD)               # chunks per lane
+    NC = KD // 32                # chunks per row
+    NT = R * LANES
+    RB = R * RT                  # rows per block
+    if N % RB:
+        raise ValueError(f"{N} rows must be a multiple of the rows per block {RB}")
+    NTILE = N // RB
+    NU = KD // 8                 # uint4 of bf16 activations per row
+    per_thread = (NU + NT - 1) // NT
+    RW = KD // 8                 # uint32 words per packed row
+    if E * N * RW >= 2 ** 31:
+        raise ValueError("weights too large for int32 word indexing")
+    NW = NM * RT                 # (matrix, row) pairs per thread
+    K = top_k
+    if x_dtype != "bfloat16":
+        raise ValueError("activations must be bfloat16")
+
+    def body(x_h, ws_h, chain_h, ids_h, out_h):
+        pass
+
+    return S, NC, NT, RB, NTILE, NU, per_thread, RW, NW, K
+
+
 def moe_mxfp4_gate_up_kernel(num_experts: int, latent: int, inter: int, top_k: int,
                              beta: float, beta_lin: float | None, x_dtype: str = "bfloat16",
-                             out_dtype: str = "bfloat16", rows_per_block: int = 8):
+                             out_dtype: str = "bfloat16", rows_per_block: int = 16,
+                             prefetch: bool = False):
     """Fused w1/w3 gather GEMV + SiTU-GLU (CUDA, ``tirx.is_scheduled``).
 
     PrimFunc arguments::
 
-        z            [T, L]          x_dtype   the latent (L = ``latent``)
+        z            [T, L]          x_dtype   the latent (L = ``latent``), bf16
         w1_packed    [E, I, L/2]     uint8     gate
         w1_scale     [E, I, L/32]    uint8
         w3_packed    [E, I, L/2]     uint8     up
@@ -117,17 +178,13 @@ def moe_mxfp4_gate_up_kernel(num_experts: int, latent: int, inter: int, top_k: i
         expert_ids   [T, k]          int32
         a            [T, k, I]       out_dtype SiTU(round(w1 z), round(w3 z))
 
-    ``rows_per_block`` rows per block (8 = 128 threads); L must be a multiple of 512.
+    ``rows_per_block`` rows per block (one half-warp each: 16 = 256 threads); L must be a
+    multiple of 512.
     """
     E, L, I, K = num_experts, latent, inter, top_k
-    S = _check(L)                 # chunks per lane
-    NC = L // 32                  # chunks per row
     R = rows_per_block
-    NT = R * LANES
-    if I % R:
-        raise ValueError(f"inter {I} must be a multiple of rows_per_block {R}")
-    NTILE = I // R
-    per_thread = (L + NT - 1) // NT
+    S, NC, NT, RB, NTILE, NU, per_thread, RW, NW, _ = _gemv_kernel(
+        "gu", E, I, L, K, R, 1, 2, x_dtype, out_dtype, None)
     B = float(beta)
     BL = float(beta_lin) if beta_lin is not None else 0.0
     use_bl = beta_lin is not None
@@ -146,61 +203,78 @@ def moe_mxfp4_gate_up_kernel(num_experts: int, latent: int, inter: int, top_k: i
         chain = T.match_buffer(chain_h, (nt, K, 2), "int32")
         ids = T.match_buffer(ids_h, (nt, K), "int32")
         a = T.match_buffer(a_h, (nt, K, I), out_dtype)
-        w1q = T.decl_buffer((E * I * (L // 8),), "uint32", data=w1p.data)
-        w3q = T.decl_buffer((E * I * (L // 8),), "uint32", data=w3p.data)
+        w1q = T.decl_buffer((E * I * RW,), "uint32", data=w1p.data)
+        w3q = T.decl_buffer((E * I * RW,), "uint32", data=w3p.data)
+        w1b = T.decl_buffer((E * I * (L // 32),), "uint8", data=w1s.data)
+        w3b = T.decl_buffer((E * I * (L // 32),), "uint8", data=w3s.data)
+        zq = T.decl_buffer((nt * (L // 2),), "uint32", data=z.data)
         for blk in T.thread_binding(nt * K * NTILE, thread="blockIdx.x"):
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                x_s = T.alloc_buffer((L,), "float32", scope="shared")
-                r1 = T.alloc_buffer((S * 4,), "uint32", scope="local")
-                r3 = T.alloc_buffer((S * 4,), "uint32", scope="local")
-                sc = T.alloc_buffer((S * 2,), "float32", scope="local")
-                xv = T.alloc_buffer((4,), "float32", scope="local")
-                acc = T.alloc_buffer((4,), "float32", scope="local")
+                x_s = T.alloc_buffer((L // 2,), "uint32", scope="shared")
+                rw = T.alloc_buffer((2 * S * 4,), "uint32", scope="local")
+                sc = T.alloc_buffer((2 * S,), "float32", scope="local")
+                xv = T.alloc_buffer((4,), "uint32", scope="local")
+                acc = T.alloc_buffer((2 * 5,), "float32", scope="local")
                 cur = T.alloc_buffer((1,), "int32", scope="local")
-                if chain[blk // NTILE // K, blk // NTILE % K, 0] == 1:
-                    # this block's rows of W1 and W3: loaded once, reused by every token of the chain
-                    for s in T.unroll(S):
-                        for v in T.vectorized(4):
-                            r1[s * 4 + v] = w1q[((T.Cast("int64", ids[blk // NTILE // K, blk // NTILE % K]) * I
-                                                  + blk % NTILE * R + tx // LANES) * NC + s * LANES + tx % LANES) * 4 + v]
-                        for v in T.vectorized(4):
-                            r3[s * 4 + v] = w3q[((T.Cast("int64", ids[blk // NTILE // K, blk // NTILE % K]) * I
-                                                  + blk % NTILE * R + tx // LANES) * NC + s * LANES + tx % LANES) * 4 + v]
-                        sc[s * 2] = _scale_f32(w1s[ids[blk // NTILE // K, blk // NTILE % K], blk % NTILE * R + tx // LANES, s * LANES + tx % LANES])
-                        sc[s * 2 + 1] = _scale_f32(w3s[ids[blk // NTILE // K, blk // NTILE % K], blk % NTILE * R + tx // LANES, s * LANES + tx % LANES])
-                    cur[0] = T.Cast("int32", blk // NTILE)
+                rbase = T.alloc_buffer((1,), "int32", scope="local")
+                ent = T.Cast("int32", blk // NTILE)
+                if chain[ent // K, ent % K, 0] == 1:
+                    # row index of this half-warp's row (int32: E·I·L/8 < 2^31 is checked)
+                    rbase[0] = ids[ent // K, ent % K] * I + T.Cast("int32", blk % NTILE) * R + tx // LANES
+                    cur[0] = ent
                     while cur[0] >= 0:
+                        if prefetch:
+                            for s in T.unroll(S):
+                                for v in T.vectorized(4):
+                                    rw[s * 4 + v] = w1q[(rbase[0] * NC + s * LANES + tx % LANES) * 4 + v]
+                                for v in T.vectorized(4):
+                                    rw[(S + s) * 4 + v] = w3q[(rbase[0] * NC + s * LANES + tx % LANES) * 4 + v]
+                                sc[s] = _scale_f32(w1b[rbase[0] * NC + s * LANES + tx % LANES])
+                                sc[S + s] = _scale_f32(w3b[rbase[0] * NC + s * LANES + tx % LANES])
                         T.tvm_storage_sync("shared")
                         for p in T.unroll(per_thread):
-                            if p * NT + tx < L:
-                                x_s[((p * NT + tx) % 32 // 4 * NC + (p * NT + tx) // 32) * 4 + (p * NT + tx) % 4] = \
-                                    T.Cast("float32", z[cur[0] // K, p * NT + tx])
+                            if p * NT + tx < NU:
+                                for v in T.vectorized(4):
+                                    x_s[(((p * NT + tx) % 4) * NC + (p * NT + tx) // 4) * 4 + v] = \
+                                        zq[(cur[0] // K) * (L // 2) + (p * NT + tx) * 4 + v]
                         T.tvm_storage_sync("shared")
-                        acc[0] = T.float32(0)
-                        acc[1] = T.float32(0)
+                        acc[4] = T.float32(0)
+                        acc[9] = T.float32(0)
                         for s in T.unroll(S):
-                            acc[2] = T.float32(0)
-                            acc[3] = T.float32(0)
-                            for q in T.unroll(8):
+                            if not prefetch:
+                                for v in T.vectorized(4):
+                                    rw[s * 4 + v] = w1q[(rbase[0] * NC + s * LANES + tx % LANES) * 4 + v]
+                                for v in T.vectorized(4):
+                                    rw[(S + s) * 4 + v] = w3q[(rbase[0] * NC + s * LANES + tx % LANES) * 4 + v]
+                                sc[s] = _scale_f32(w1b[rbase[0] * NC + s * LANES + tx % LANES])
+                                sc[S + s] = _scale_f32(w3b[rbase[0] * NC + s * LANES + tx % LANES])
+                            for m in T.unroll(2):
+                                for c4 in T.unroll(4):
+                                    acc[m * 5 + c4] = T.float32(0)
+                            for q in T.unroll(4):
                                 for v in T.vectorized(4):
                                     xv[v] = x_s[(q * NC + s * LANES + tx % LANES) * 4 + v]
-                                for v in T.unroll(4):
-                                    acc[2] = acc[2] + xv[v] * _code_f32(r1[s * 4 + q // 2], q % 2 * 4 + v)
-                                    acc[3] = acc[3] + xv[v] * _code_f32(r3[s * 4 + q // 2], q % 2 * 4 + v)
-                            acc[0] = acc[0] + acc[2] * sc[s * 2]
-                            acc[1] = acc[1] + acc[3] * sc[s * 2 + 1]
+                                for m in T.unroll(2):
+                                    for j in T.unroll(4):
+                                        acc[m * 5 + j % 2 * 2] = acc[m * 5 + j % 2 * 2] + _h_lo(
+                                            _pair_f16x2(rw[(m * S + s) * 4 + q], j)) * _bf(xv[j // 2], j % 2)
+                                        acc[m * 5 + j % 2 * 2 + 1] = acc[m * 5 + j % 2 * 2 + 1] + _h_hi(
+                                            _pair_f16x2(rw[(m * S + s) * 4 + q], j)) * _bf(xv[j // 2 + 2], j % 2)
+                            for m in T.unroll(2):
+                                acc[m * 5 + 4] = acc[m * 5 + 4] + ((acc[m * 5] + acc[m * 5 + 1])
+                                                                   + (acc[m * 5 + 2] + acc[m * 5 + 3])) * sc[m * S + s]
                         for o in T.unroll(4):
-                            acc[0] = acc[0] + T.call_extern("float32", "__shfl_xor_sync", T.uint32(0xFFFFFFFF), acc[0], 8 >> o, 32)
-                            acc[1] = acc[1] + T.call_extern("float32", "__shfl_xor_sync", T.uint32(0xFFFFFFFF), acc[1], 8 >> o, 32)
+                            acc[4] = acc[4] + T.call_extern("float32", "__shfl_xor_sync", T.uint32(0xFFFFFFFF), acc[4], 8 >> o, 32)
+                            acc[9] = acc[9] + T.call_extern("float32", "__shfl_xor_sync", T.uint32(0xFFFFFFFF), acc[9], 8 >> o, 32)
                         if tx % LANES == 0:
                             if rnd:
-                                acc[0] = T.Cast("float32", T.Cast(out_dtype, acc[0]))
-                                acc[1] = T.Cast("float32", T.Cast(out_dtype, acc[1]))
+                                acc[4] = T.Cast("float32", T.Cast(out_dtype, acc[4]))
+                                acc[9] = T.Cast("float32", T.Cast(out_dtype, acc[9]))
                             if use_bl:
-                                acc[1] = T.float32(BL) * T.tanh(acc[1] * T.float32(1.0 / BL))
-                            a[cur[0] // K, cur[0] % K, blk % NTILE * R + tx // LANES] = T.Cast(
-                                out_dtype, T.float32(B) * T.tanh(acc[0] * T.float32(1.0 / B))
-                                * T.sigmoid(acc[0]) * acc[1])
+                                acc[9] = T.float32(BL) * T.tanh(acc[9] * T.float32(1.0 / BL))
+                            a[cur[0] // K, cur[0] % K, T.Cast("int32", blk % NTILE) * R + tx // LANES] = T.Cast(
+                                out_dtype, T.float32(B) * T.tanh(acc[4] * T.float32(1.0 / B))
+                                * T.sigmoid(acc[4]) * acc[9])
                         cur[0] = chain[cur[0] // K, cur[0] % K, 1]
 
     return moe_mxfp4_gate_up
@@ -208,30 +282,26 @@ def moe_mxfp4_gate_up_kernel(num_experts: int, latent: int, inter: int, top_k: i
 
 def moe_mxfp4_down_kernel(num_experts: int, latent: int, inter: int, top_k: int,
                           x_dtype: str = "bfloat16", out_dtype: str = "bfloat16",
-                          rows_per_block: int = 8, rows_per_thread: int = 2):
+                          rows_per_block: int = 16, rows_per_thread: int = 2,
+                          prefetch: bool = False):
     """w2 gather GEMV over the chosen experts (CUDA, ``tirx.is_scheduled``).
 
     PrimFunc arguments::
 
-        a            [T, k, I]       x_dtype
+        a            [T, k, I]       x_dtype (bf16)
         w2_packed    [E, L, I/2]     uint8
         w2_scale     [E, L, I/32]    uint8
         chain        [T, k, 2]       int32
         expert_ids   [T, k]          int32
         o            [T, k, L]       out_dtype   Σ_i a[t, j, i]·dequant(W2[e, n, i]) (fp32 acc)
 
-    A block covers ``rows_per_block × rows_per_thread`` rows (thread row groups are
+    A block covers ``rows_per_block × rows_per_thread`` rows (a half-warp's rows are
     ``rows_per_block`` apart); I must be a multiple of 512.
     """
     E, L, I, K = num_experts, latent, inter, top_k
-    S = _check(I)
-    NC = I // 32
     R, RT = rows_per_block, rows_per_thread
-    NT = R * LANES
-    if L % (R * RT):
-        raise ValueError(f"latent {L} must be a multiple of rows per block {R * RT}")
-    NTILE = L // (R * RT)
-    per_thread = (I + NT - 1) // NT
+    S, NC, NT, RB, NTILE, NU, per_thread, RW, NW, _ = _gemv_kernel(
+        "d", E, L, I, K, R, RT, 1, x_dtype, out_dtype, None)
 
     @T.prim_func(private=True)
     def moe_mxfp4_down(a_h: T.handle, w2p_h: T.handle, w2s_h: T.handle, chain_h: T.handle,
@@ -244,55 +314,66 @@ def moe_mxfp4_down_kernel(num_experts: int, latent: int, inter: int, top_k: int,
         chain = T.match_buffer(chain_h, (nt, K, 2), "int32")
         ids = T.match_buffer(ids_h, (nt, K), "int32")
         o = T.match_buffer(o_h, (nt, K, L), out_dtype)
-        w2q = T.decl_buffer((E * L * (I // 8),), "uint32", data=w2p.data)
+        w2q = T.decl_buffer((E * L * RW,), "uint32", data=w2p.data)
+        w2b = T.decl_buffer((E * L * (I // 32),), "uint8", data=w2s.data)
+        aq = T.decl_buffer((nt * (K * I // 2),), "uint32", data=a.data)
         for blk in T.thread_binding(nt * K * NTILE, thread="blockIdx.x"):
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                x_s = T.alloc_buffer((I,), "float32", scope="shared")
+                x_s = T.alloc_buffer((I // 2,), "uint32", scope="shared")
                 rw = T.alloc_buffer((RT * S * 4,), "uint32", scope="local")
                 sc = T.alloc_buffer((RT * S,), "float32", scope="local")
-                xv = T.alloc_buffer((4,), "float32", scope="local")
-                acc = T.alloc_buffer((RT * 2,), "float32", scope="local")
+                xv = T.alloc_buffer((4,), "uint32", scope="local")
+                acc = T.alloc_buffer((RT * 5,), "float32", scope="local")
                 cur = T.alloc_buffer((1,), "int32", scope="local")
-                if chain[blk // NTILE // K, blk // NTILE % K, 0] == 1:
-                    for rr in T.unroll(RT):
-                        for s in T.unroll(S):
-                            for v in T.vectorized(4):
-                                rw[(rr * S + s) * 4 + v] = w2q[((T.Cast("int64", ids[blk // NTILE // K, blk // NTILE % K]) * L
-                                                              + blk % NTILE * (R * RT) + rr * R + tx // LANES) * NC
-                                                             + s * LANES + tx % LANES) * 4 + v]
-                            sc[rr * S + s] = _scale_f32(w2s[ids[blk // NTILE // K, blk // NTILE % K],
-                                                            blk % NTILE * (R * RT) + rr * R + tx // LANES,
-                                                            s * LANES + tx % LANES])
-                    cur[0] = T.Cast("int32", blk // NTILE)
+                rbase = T.alloc_buffer((1,), "int32", scope="local")
+                ent = T.Cast("int32", blk // NTILE)
+                if chain[ent // K, ent % K, 0] == 1:
+                    rbase[0] = ids[ent // K, ent % K] * L + T.Cast("int32", blk % NTILE) * RB + tx // LANES
+                    cur[0] = ent
                     while cur[0] >= 0:
+                        if prefetch:
+                            for rr in T.unroll(RT):
+                                for s in T.unroll(S):
+                                    for v in T.vectorized(4):
+                                        rw[(rr * S + s) * 4 + v] = w2q[((rbase[0] + rr * R) * NC + s * LANES + tx % LANES) * 4 + v]
+                                    sc[rr * S + s] = _scale_f32(w2b[(rbase[0] + rr * R) * NC + s * LANES + tx % LANES])
                         T.tvm_storage_sync("shared")
                         for p in T.unroll(per_thread):
-                            if p * NT + tx < I:
-                                x_s[((p * NT + tx) % 32 // 4 * NC + (p * NT + tx) // 32) * 4 + (p * NT + tx) % 4] = \
-                                    T.Cast("float32", a[cur[0] // K, cur[0] % K, p * NT + tx])
+                            if p * NT + tx < NU:
+                                for v in T.vectorized(4):
+                                    x_s[(((p * NT + tx) % 4) * NC + (p * NT + tx) // 4) * 4 + v] = \
+                                        aq[cur[0] * (I // 2) + (p * NT + tx) * 4 + v]
                         T.tvm_storage_sync("shared")
                         for rr in T.unroll(RT):
-                            acc[rr * 2] = T.float32(0)
+                            acc[rr * 5 + 4] = T.float32(0)
                         for s in T.unroll(S):
                             for rr in T.unroll(RT):
-                                acc[rr * 2 + 1] = T.float32(0)
-                            for q in T.unroll(8):
+                                if not prefetch:
+                                    for v in T.vectorized(4):
+                                        rw[(rr * S + s) * 4 + v] = w2q[((rbase[0] + rr * R) * NC + s * LANES + tx % LANES) * 4 + v]
+                                    sc[rr * S + s] = _scale_f32(w2b[(rbase[0] + rr * R) * NC + s * LANES + tx % LANES])
+                                for c4 in T.unroll(4):
+                                    acc[rr * 5 + c4] = T.float32(0)
+                            for q in T.unroll(4):
                                 for v in T.vectorized(4):
                                     xv[v] = x_s[(q * NC + s * LANES + tx % LANES) * 4 + v]
                                 for rr in T.unroll(RT):
-                                    for v in T.unroll(4):
-                                        acc[rr * 2 + 1] = acc[rr * 2 + 1] + xv[v] * _code_f32(
-                                            rw[(rr * S + s) * 4 + q // 2], q % 2 * 4 + v)
+                                    for j in T.unroll(4):
+                                        acc[rr * 5 + j % 2 * 2] = acc[rr * 5 + j % 2 * 2] + _h_lo(
+                                            _pair_f16x2(rw[(rr * S + s) * 4 + q], j)) * _bf(xv[j // 2], j % 2)
+                                        acc[rr * 5 + j % 2 * 2 + 1] = acc[rr * 5 + j % 2 * 2 + 1] + _h_hi(
+                                            _pair_f16x2(rw[(rr * S + s) * 4 + q], j)) * _bf(xv[j // 2 + 2], j % 2)
                             for rr in T.unroll(RT):
-                                acc[rr * 2] = acc[rr * 2] + acc[rr * 2 + 1] * sc[rr * S + s]
+                                acc[rr * 5 + 4] = acc[rr * 5 + 4] + ((acc[rr * 5] + acc[rr * 5 + 1])
+                                                                     + (acc[rr * 5 + 2] + acc[rr * 5 + 3])) * sc[rr * S + s]
                         for rr in T.unroll(RT):
                             for sh in T.unroll(4):
-                                acc[rr * 2] = acc[rr * 2] + T.call_extern(
-                                    "float32", "__shfl_xor_sync", T.uint32(0xFFFFFFFF), acc[rr * 2], 8 >> sh, 32)
+                                acc[rr * 5 + 4] = acc[rr * 5 + 4] + T.call_extern(
+                                    "float32", "__shfl_xor_sync", T.uint32(0xFFFFFFFF), acc[rr * 5 + 4], 8 >> sh, 32)
                         if tx % LANES == 0:
                             for rr in T.unroll(RT):
-                                o[cur[0] // K, cur[0] % K, blk % NTILE * (R * RT) + rr * R + tx // LANES] = \
-                                    T.Cast(out_dtype, acc[rr * 2])
+                                o[cur[0] // K, cur[0] % K, T.Cast("int32", blk % NTILE) * RB + rr * R + tx // LANES] = \
+                                    T.Cast(out_dtype, acc[rr * 5 + 4])
                         cur[0] = chain[cur[0] // K, cur[0] % K, 1]
 
     return moe_mxfp4_down
