@@ -17,28 +17,42 @@ Three kernels (all CUDA-only, ``tirx.is_scheduled``):
 - :func:`moe_expert_chain_kernel` — from ``expert_ids [T, k]`` builds ``chain [T, k, 2]``:
   ``chain[i, 0]`` = 1 if entry ``i`` is the first to pick its expert, ``chain[i, 1]`` = the
   next entry with the same expert (or -1). O((T·k)²) over threads: meant for decode (T ≤ 256).
-- :func:`moe_mxfp4_gate_up_kernel` — one block per (entry, tile of rows). Blocks of entries
-  that are not the first of their expert exit; the first one loads its rows of W1 and W3 into
-  registers **once** and walks the chain, so each distinct expert's bytes cross HBM once
-  (the roofline counts distinct experts).
-- :func:`moe_mxfp4_down_kernel` — the same for W2 on ``a [T, k, I]``.
+- :func:`moe_mxfp4_gate_up_kernel` — one block per (entry, tile of 16 rows). Blocks of
+  entries that are not the first of their expert exit; the first one walks the chain, so
+  each distinct expert is read from HBM once (later tokens of the chain re-read it from L2;
+  the roofline counts distinct experts).
+- :func:`moe_mxfp4_down_kernel` — the same for W2 on ``a [T, k, I]`` (2 rows per half-warp).
 
-Mapping: a half-warp (16 lanes) owns an output row; lane ``l`` owns the 16-byte chunks
-``c = s·16 + l`` (``s < K/512``): one ``uint4`` load = 32 E2M1 codes = exactly one scale
-group, consecutive lanes read consecutive 16 bytes (coalesced). The activation vector is
-staged in shared memory (fp32) in a chunk-interleaved layout (float ``4q + v`` of chunk ``c``
-at ``(q·NC + c)·4 + v``) so that the 16 lanes' float4 reads hit distinct banks. A code is
-dequantized with bit operations: sign and magnitude bits are placed into an fp16 (``m << 9``:
-the fp16 value is exactly ``v·2^-14``, subnormals included, independent of the
-flush-to-zero mode of fp32), converted to fp32, and the ``2^14`` is folded with the group's
-E8M0 scale, applied once per 32 products. The 16 lanes' partial sums meet by ``__shfl_xor_sync``.
+Mapping: a half-warp (16 lanes) owns an output row (both W1 and W3 rows in gate_up); lane
+``l`` streams the 16-byte chunks ``c = s·16 + l`` (``s < K/512``): one ``uint4`` load =
+32 E2M1 codes = exactly one scale group, consecutive lanes read consecutive 16 bytes. The
+weights are loaded chunk by chunk inside the compute loop (not held in registers: loading a
+whole row up front let nvcc hoist the dequant and use 255 registers, see the ``prefetch``
+option). All index arithmetic is int32 (uint32-word offsets, E·N·K/8 < 2^31 is checked).
+The activation (bf16) is staged once per token in shared memory, raw, in a chunk-interleaved
+layout (uint4 ``q`` of chunk ``c`` at ``q·NC + c``: the 16 lanes' ``uint4`` reads are
+consecutive, the two half-warps of a warp read the same words). Dequant works on pairs: from
+a uint32 of 8 codes, shifts and two masks place nibbles ``j`` and ``j+4`` as an fp16x2 of
+``v·2^-14`` (subnormals included), each half converted to fp32 (the ``2^14`` is folded in
+the group's E8M0 scale, applied once per 32 products); bf16 activations become fp32 by a
+shift/mask. Four independent fp32 accumulators per row per chunk; the 16 lanes' partial
+sums meet by ``__shfl_xor_sync``.
 
-Status (benchmarks/results/moe_decode_h200.json, H200): correct (≤ 1 bf16 ulp vs a torch fp32
-reference at T = 1, 7, 8) but only ~5% of the HBM roofline (1.36 ms at T = 1 vs 0.067 ms);
-2.2-3.3x faster than an eager bf16 torch loop. ptxas: 248 registers/thread (2 blocks of
-128 threads per SM), one serial accumulator chain per row and an fp16->fp32 convert per code:
-latency/issue bound, not bandwidth bound. Next: int32 indexing, several accumulators,
-fewer registers (more warps in flight), cheaper dequant (prmt / half2 pairs).
+Status (benchmarks/results/moe_decode_h200.json, H200, commit eea1fbc): correct (≤ 1 bf16
+ulp vs a torch fp32 reference at T = 1, 7, 8; same errors as the first version) and
+0.375 ms at T = 1 = 17.7% of the HBM roofline (0.066 ms; was 1.36 ms / 4.9%), 2.73 ms =
+18.3% at T = 8, 15.6 ms = 16.4% at T = 64; 11.1x / 9.7x / 8.1x faster than an eager bf16
+torch loop. ptxas: 48 registers/thread for both GEMV kernels (was 248), 256 threads/block.
+Variants timed in the same run: ``prefetch`` (whole row loaded first; 255 registers) 6.9%,
+the same with ``-maxrregcount=96`` 6.8%, 8 rows/block with 4 rows/thread for w2 11.0% at
+T = 1. Time scales linearly with distinct experts (throughput, not launch/tail bound).
+Suspected limits (not profiled: no ncu run yet): instructions per code (NVVM splits the
+fp16x2 shifts/masks into 16-bit ops: ~5-6 PTX ops per code vs a budget of ~3.5 at HBM
+rate), and only 32 bytes of weights in flight per thread per chunk step (per-chunk loads,
+no software pipelining). Next: profile with ncu (issue-active vs dram throughput); prefetch
+one chunk ahead (double buffer) to keep more bytes in flight at <96 registers; a prmt / LOP3
+dequant in inline PTX producing half2 + ``__half22float2``; or tensor cores (mma with bf16
+codes, fp32 accumulation) to take the dequant FMA work off the CUDA cores.
 
 Reference: :func:`moe_experts_reference` (built from :mod:`schedules.moe_generic`'s
 ``mxfp4_dequant_reference`` / ``gather_gemv_reference`` / ``situ_reference``).
@@ -117,14 +131,6 @@ def _h_hi(h):
     return T.Cast("float32", T.reinterpret("float16", T.Cast("uint16", h >> T.uint32(16))))
 
 
-def _bf_lo(x):
-    return T.reinterpret("float32", x << T.uint32(16))
-
-
-def _bf_hi(x):
-    return T.reinterpret("float32", x & T.uint32(0xFFFF0000))
-
-
 def _scale_f32(s):
     """E8M0 byte -> 2^(s-127) · 2^14 (the fp16 code offset folded in); exact for s ≤ 240."""
     return T.reinterpret("float32", (T.Cast("uint32", s) + T.uint32(14)) << T.uint32(23))
@@ -132,7 +138,7 @@ def _scale_f32(s):
 
 def _gemv_kernel(kind: str, E: int, N: int, KD: int, top_k: int, R: int, RT: int, NM: int,
                  x_dtype: str, out_dtype: str, epilogue):
-    """Shared body of the two GEMV kernels.
+    """Sizes shared by the two GEMV kernels (and their checks).
 
     ``NM`` weight matrices of ``[E, N, KD]`` (packed ``KD/2`` bytes per row), a block of
     ``R`` half-warps, each half-warp ``RT`` rows (``R`` apart) of each of the ``NM``
@@ -154,9 +160,6 @@ def _gemv_kernel(kind: str, E: int, N: int, KD: int, top_k: int, R: int, RT: int
     K = top_k
     if x_dtype != "bfloat16":
         raise ValueError("activations must be bfloat16")
-
-    def body(x_h, ws_h, chain_h, ids_h, out_h):
-        pass
 
     return S, NC, NT, RB, NTILE, NU, per_thread, RW, NW, K
 

@@ -63,6 +63,17 @@ def test_code_bit_trick_matches_e2m1_table():
             assert f == mg.e2m1_reference(np.array([(w >> (4 * j)) & 15], np.uint8))[0]
 
 
+def test_pair_dequant_trick_matches_e2m1_table():
+    """``_pair_f16x2``: nibbles j and j+4 of a word as an fp16x2 of v·2^-14."""
+    for w in (0x76543210, 0xFEDCBA98, 0x9ABC1357):
+        for j in range(4):
+            t = w >> (4 * j)
+            h = (((t << 9) & 0x0E000E00) | ((t << 12) & 0x80008000)) & 0xFFFFFFFF
+            lo, hi = np.array([h & 0xFFFF, h >> 16], np.uint16).view(np.float16).astype(np.float32) * 2 ** 14
+            codes = np.array([(w >> (4 * j)) & 15, (w >> (4 * j + 16)) & 15], np.uint8)
+            np.testing.assert_array_equal([lo, hi], mg.e2m1_reference(codes))
+
+
 def test_bad_sizes_rejected():
     with pytest.raises(ValueError, match="multiple of 512"):
         mc.moe_mxfp4_gate_up_kernel(4, 100 * 32, 64, 2, 4.0, 25.0)
