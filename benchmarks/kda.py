@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from cuda_timing import copy_bandwidth, git_commit, time_cuda
 
 HEADS = (96, 12)
 DECODE_BATCHES = (1, 16, 64)
@@ -83,41 +83,6 @@ def build_prefill(out_dir: Path) -> None:
             print(f"built {path}")
 
 
-def _time_cuda(fn, iters: int = 30, warmup: int = 5, per_sample: int = 10) -> float:
-    """Median milliseconds per ``fn()`` call, timed with CUDA events.
-
-    Each sample times ``per_sample`` back-to-back calls (so the GPU queue stays busy and
-    host-side call overhead hides behind kernel time where the kernel is longer than it).
-    """
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(per_sample):
-            fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / per_sample)
-    times.sort()
-    return times[len(times) // 2]
-
-
-def copy_bandwidth() -> float:
-    """Measured device-to-device copy bandwidth in bytes/s (read + write counted)."""
-    import torch
-
-    n = 2 ** 29  # 2 GiB fp32
-    x = torch.empty(n, device="cuda")
-    y = torch.empty_like(x)
-    ms = _time_cuda(lambda: y.copy_(x), iters=10, per_sample=2)
-    return 2 * x.numel() * 4 / (ms / 1e3)
-
-
 def run(lib_dir: Path, out: Path) -> dict:
     import numpy as np
     import torch
@@ -158,7 +123,7 @@ def run(lib_dir: Path, out: Path) -> dict:
             pool0 = pool.clone()
             tilings = {}
             for (cb, ks), fn in variants.items():
-                tilings[f"cb{cb}_ks{ks}"] = _time_cuda(lambda: fn(*args, 0, o_t))
+                tilings[f"cb{cb}_ks{ks}"] = time_cuda(lambda: fn(*args, 0, o_t))
             best = min(tilings, key=tilings.get)
             cb, ks = (int(x[2:]) for x in best.split("_"))
             fn = variants[(cb, ks)]
@@ -193,7 +158,7 @@ def run(lib_dir: Path, out: Path) -> dict:
                                                use_beta_sigmoid_in_kernel=True, lower_bound=LOWER_BOUND)
             err_fla = (o_fla[:, 0] - o_ref[:, 0]).abs().max().item()
             ours_ms = tilings[best]
-            fla_ms = _time_cuda(run_fla)
+            fla_ms = time_cuda(run_fla)
             state_bytes = 2 * B * H * K * V * 4
             roof_ms = state_bytes / bw * 1e3
             row = {"heads": H, "batch": B, "ours_ms": ours_ms, "fla_ms": fla_ms,
@@ -293,7 +258,7 @@ def run_prefill(lib_dir: Path) -> list:
             pool = torch.randn(1, B, H, K, V, device=dev) * 0.1
             o = torch.empty(Tn, H, V, device=dev)
             scr = scratch(Tn, B)
-            per_bv = {f"bv{bv}": _time_cuda(ours(bv, pre, cu, pool, slots, o, scr), iters=10, per_sample=3)
+            per_bv = {f"bv{bv}": time_cuda(ours(bv, pre, cu, pool, slots, o, scr), iters=10, per_sample=3)
                       for bv in PREFILL_BV}
             best = min(per_bv, key=per_bv.get)
             cu64 = cu.long()
@@ -311,9 +276,9 @@ def run_prefill(lib_dir: Path) -> list:
                                      use_beta_sigmoid_in_kernel=True, safe_gate=True,
                                      lower_bound=LOWER_BOUND, A_log=A_log, dt_bias=dt_bias,
                                      cu_seqlens=cu64)
-                fla_ms = _time_cuda(fla_pre, iters=10, per_sample=3)
+                fla_ms = time_cuda(fla_pre, iters=10, per_sample=3)
                 try:
-                    fla_fused_ms = _time_cuda(fla_fused, iters=10, per_sample=3)
+                    fla_fused_ms = time_cuda(fla_fused, iters=10, per_sample=3)
                 except Exception as e:  # noqa: BLE001
                     fla_fused_ms = None
                     print("fla fused failed:", e)
@@ -323,13 +288,6 @@ def run_prefill(lib_dir: Path) -> list:
             rows.append(row)
             print(json.dumps(row))
     return rows
-
-
-def _commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
-    except Exception:  # noqa: BLE001 - the GPU machine's copy may have no .git
-        return os.environ.get("K3_COMMIT", "unknown")
 
 
 def main(argv=None) -> int:
@@ -348,7 +306,7 @@ def main(argv=None) -> int:
 
     res = run(args.lib_dir, args.out)
     res.update({"machine": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
-                "commit": _commit(), "fla": "fla-core 0.6.0", "head_dim": K,
+                "commit": git_commit(), "fla": "fla-core 0.6.0", "head_dim": K,
                 "lower_bound": LOWER_BOUND})
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "kda_decode_h200.json").write_text(json.dumps(res, indent=1))

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from cuda_timing import copy_bandwidth, git_commit, time_cuda
 
 E, L, I, TOPK = 896, 3584, 3072, 16
 BETA, BETA_LIN = 4.0, 25.0
@@ -66,34 +66,6 @@ def build(out_dir: Path) -> None:
         path = d / "moe_mxfp4.so"
         lib.export_library(str(path))
         print(f"built {path}")
-
-
-def _time_cuda(fn, iters: int = 20, warmup: int = 3, per_sample: int = 10) -> float:
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(per_sample):
-            fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / per_sample)
-    times.sort()
-    return times[len(times) // 2]
-
-
-def copy_bandwidth() -> float:
-    import torch
-
-    x = torch.empty(2 ** 29, device="cuda")
-    y = torch.empty_like(x)
-    ms = _time_cuda(lambda: y.copy_(x), iters=10, per_sample=2)
-    return 2 * x.numel() * 4 / (ms / 1e3)
 
 
 def _dequant(packed, scale):
@@ -190,7 +162,7 @@ def run(lib_dir: Path) -> dict:
         for T in TIME_T:
             z, ids, a, o, ours = make(T, fns)
             distinct = torch.unique(ids).numel()
-            ms = _time_cuda(ours)
+            ms = time_cuda(ours, iters=20, warmup=3)
             rows["timing"].append({"T": T, "ours_ms": ms, "ours_pct_roofline":
                                    100 * distinct * expert_bytes / bw * 1e3 / ms})
         results["variants"][d.name] = rows
@@ -207,7 +179,7 @@ def run(lib_dir: Path) -> dict:
     for T in TIME_T:
         z, ids, a, o, ours = make(T)
         distinct = torch.unique(ids).numel()
-        ours_ms = _time_cuda(ours)
+        ours_ms = time_cuda(ours, iters=20, warmup=3)
         groups = {}
         for t in range(T):
             for j in range(TOPK):
@@ -224,7 +196,7 @@ def run(lib_dir: Path) -> dict:
                 aa = _situ(gg.float(), uu.float()).bfloat16()
                 out[tt, jj] = aa @ Wb["w2"][e].T
 
-        torch_ms = _time_cuda(torch_loop, iters=5, warmup=1, per_sample=2)
+        torch_ms = time_cuda(torch_loop, iters=5, warmup=1, per_sample=2)
         roof_ms = distinct * expert_bytes / bw * 1e3
         row = {"T": T, "distinct_experts": distinct, "ours_ms": ours_ms, "torch_bf16_loop_ms": torch_ms,
                "roofline_ms": roof_ms, "ours_pct_roofline": 100 * roof_ms / ours_ms,
@@ -232,14 +204,6 @@ def run(lib_dir: Path) -> dict:
         results["timing"].append(row)
         print(json.dumps(row), flush=True)
     return results
-
-
-def _commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
-                                       stderr=subprocess.DEVNULL).strip()
-    except Exception:  # noqa: BLE001
-        return os.environ.get("K3_COMMIT", "unknown")
 
 
 def _plot(res: dict, path: Path) -> None:
@@ -280,7 +244,7 @@ def main(argv=None) -> int:
 
     res = run(args.lib_dir)
     res.update({"machine": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
-                "commit": _commit(), "shapes": {"E": E, "L": L, "I": I, "top_k": TOPK}})
+                "commit": git_commit(), "shapes": {"E": E, "L": L, "I": I, "top_k": TOPK}})
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "moe_decode_h200.json").write_text(json.dumps(res, indent=1))
     try:
