@@ -46,7 +46,12 @@ torch loop. ptxas: 48 registers/thread for both GEMV kernels (was 248), 256 thre
 Variants timed in the same run: ``prefetch`` (whole row loaded first; 255 registers) 6.9%,
 the same with ``-maxrregcount=96`` 6.8%, 8 rows/block with 4 rows/thread for w2 11.0% at
 T = 1. Time scales linearly with distinct experts (throughput, not launch/tail bound).
-Suspected limits (not profiled: no ncu run yet): instructions per code (NVVM splits the
+ncu at T = 1 (benchmarks/results/moe_decode_ncu_h200_2026-11-29.txt, tests/gpu/profile_moe.py):
+gate_up 109 µs, SM throughput 78%, DRAM 36% (1.75 TB/s), 48 registers, 56% occupancy —
+instruction bound; down 316 µs, DRAM 43%, L2 hit 84%, **255 registers/thread and 12.5%
+occupancy** although ptxas on the same generated source reports 48 here — the w2 kernel is
+most of the time and the first thing to look at (dump the embedded cubin's resource usage on
+the GPU machine with cuobjdump). Other suspected limits: instructions per code (NVVM splits the
 fp16x2 shifts/masks into 16-bit ops: ~5-6 PTX ops per code vs a budget of ~3.5 at HBM
 rate), and only 32 bytes of weights in flight per thread per chunk step (per-chunk loads,
 no software pipelining). Next: profile with ncu (issue-active vs dram throughput); prefetch
