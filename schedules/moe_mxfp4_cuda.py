@@ -38,26 +38,17 @@ the group's E8M0 scale, applied once per 32 products); bf16 activations become f
 shift/mask. Four independent fp32 accumulators per row per chunk; the 16 lanes' partial
 sums meet by ``__shfl_xor_sync``.
 
-Status (benchmarks/results/moe_decode_h200.json, H200, commit eea1fbc): correct (≤ 1 bf16
-ulp vs a torch fp32 reference at T = 1, 7, 8; same errors as the first version) and
-0.375 ms at T = 1 = 17.7% of the HBM roofline (0.066 ms; was 1.36 ms / 4.9%), 2.73 ms =
-18.3% at T = 8, 15.6 ms = 16.4% at T = 64; 11.1x / 9.7x / 8.1x faster than an eager bf16
-torch loop. ptxas: 48 registers/thread for both GEMV kernels (was 248), 256 threads/block.
-Variants timed in the same run: ``prefetch`` (whole row loaded first; 255 registers) 6.9%,
-the same with ``-maxrregcount=96`` 6.8%, 8 rows/block with 4 rows/thread for w2 11.0% at
-T = 1. Time scales linearly with distinct experts (throughput, not launch/tail bound).
-ncu at T = 1 (benchmarks/results/moe_decode_ncu_h200_2026-11-29.txt, tests/gpu/profile_moe.py):
-gate_up 109 µs, SM throughput 78%, DRAM 36% (1.75 TB/s), 48 registers, 56% occupancy —
-instruction bound; down 316 µs, DRAM 43%, L2 hit 84%, **255 registers/thread and 12.5%
-occupancy** although ptxas on the same generated source reports 48 here — the w2 kernel is
-most of the time and the first thing to look at (dump the embedded cubin's resource usage on
-the GPU machine with cuobjdump). Other suspected limits: instructions per code (NVVM splits the
-fp16x2 shifts/masks into 16-bit ops: ~5-6 PTX ops per code vs a budget of ~3.5 at HBM
-rate), and only 32 bytes of weights in flight per thread per chunk step (per-chunk loads,
-no software pipelining). Next: profile with ncu (issue-active vs dram throughput); prefetch
-one chunk ahead (double buffer) to keep more bytes in flight at <96 registers; a prmt / LOP3
-dequant in inline PTX producing half2 + ``__half22float2``; or tensor cores (mma with bf16
-codes, fp32 accumulation) to take the dequant FMA work off the CUDA cores.
+Status (benchmarks/results/moe_decode_h200.json, H200): correct (≤ 1 bf16 ulp vs a torch fp32
+reference at T = 1, 7, 8) and 0.129 ms at T = 1 = 51.6% of the HBM roofline (0.066 ms),
+0.91 ms = 54.7% at T = 8, 7.1 ms = 35.6% at T = 64; 18-22x faster than an eager bf16 torch
+loop over the selected experts. Build with ``--ptxas-options=--register-usage-level=5``
+(benchmarks/moe.py ``PTXAS_REGISTER_LEVEL``): TVM 0.27's nvcc flags pass level 10, with which
+ptxas gives the w2 kernel 255 registers and 1.4 KB of spills (ncu: 12.5% occupancy, 316 µs of
+the 0.375 ms at T = 1; benchmarks/results/moe_decode_ncu_h200_2026-11-29.txt); at level 5
+both GEMV kernels use 48 registers. ncu before the fix: gate_up 109 µs at 78% SM / 36% DRAM
+throughput, i.e. instruction bound (~5-6 instructions per E2M1 code). Next: a cheaper dequant
+(prmt / LOP3 in inline PTX producing half2), loads one chunk ahead to keep more bytes in
+flight, and the T = 64 case (many distinct experts: more L2 traffic from the chain walk).
 
 Reference: :func:`moe_experts_reference` (built from :mod:`schedules.moe_generic`'s
 ``mxfp4_dequant_reference`` / ``gather_gemv_reference`` / ``situ_reference``).
