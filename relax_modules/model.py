@@ -57,7 +57,7 @@ class K3DecoderLayer(nn.Module):
         else:
             self.self_attn = GatedMLA(cfg, page_size, dtype, gpu)
         if self.is_moe:
-            self.block_sparse_moe = LatentMoE(cfg, dtype, gpu)
+            self.block_sparse_moe = LatentMoE(cfg, dtype, gpu, tuned)
         else:
             self.mlp = SiTUMLP(h, cfg.intermediate_size, cfg.activation_situ_beta,
                                cfg.activation_situ_linear_beta, dtype)
@@ -79,8 +79,8 @@ class K3DecoderLayer(nn.Module):
         res.add(a)
         # 4. h = AttnRes_mlp(blocks, P); m = mlp(post_attention_layernorm(h)); P = P + m
         h = res.mix(self.mlp_res)
-        ffn = self.block_sparse_moe if self.is_moe else self.mlp
-        res.add(ffn(self.post_attention_layernorm(h)))
+        x = self.post_attention_layernorm(h)
+        res.add(self.block_sparse_moe(x, decode) if self.is_moe else self.mlp(x))
 
 
 class K3Model(nn.Module):

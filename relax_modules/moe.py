@@ -43,6 +43,7 @@ from tvm.relax.frontend.nn import Tensor, op
 
 from relax_modules.layers import Linear, RMSNorm, SiTUMLP, situ_glu
 from schedules import moe_generic as mg
+from schedules import moe_mxfp4_cuda as mc
 
 def _private(func):
     """Drop the PrimFunc's ``global_symbol`` so Relax names it (tensor_ir_op ``name_hint``)."""
@@ -133,9 +134,14 @@ class RoutedExperts(nn.Module):
     """
 
     def __init__(self, num_experts: int, latent: int, inter: int, top_k: int, mxfp4: bool,
-                 beta: float, beta_lin: float, dtype: str, gpu: bool = False):
+                 beta: float, beta_lin: float, dtype: str, gpu: bool = False, tuned: bool = True):
         self.dtype = dtype
         self.beta, self.beta_lin = beta, beta_lin
+        self.sizes = (num_experts, latent, inter, top_k)
+        # CUDA decode: the hand-written MXFP4 kernels (schedules/moe_mxfp4_cuda.py), where the
+        # widths fit their tiling (multiples of 512) and activations are bf16; else generic.
+        self.tuned_decode = (gpu and tuned and mxfp4 and dtype == "bfloat16"
+                             and latent % 512 == 0 and inter % 512 == 0)
         if mxfp4:
             self.w1 = MXFP4StackedLinear(num_experts, latent, inter, top_k, gpu)
             self.w3 = MXFP4StackedLinear(num_experts, latent, inter, top_k, gpu)
@@ -145,11 +151,35 @@ class RoutedExperts(nn.Module):
             self.w3 = StackedLinear(num_experts, latent, inter, top_k, dtype, gpu)
             self.w2 = StackedLinear(num_experts, inter, latent, top_k, dtype, gpu)
 
-    def forward(self, z: Tensor, ids: Tensor) -> Tensor:
+    def forward(self, z: Tensor, ids: Tensor, decode: bool = False) -> Tensor:
+        if decode and self.tuned_decode:
+            return self._decode_tuned(z, ids)
         g = self.w1(z, ids, self.dtype)
         u = self.w3(z, ids, self.dtype)
         a = situ_glu(g, u, self.beta, self.beta_lin)  # fp32 inside, model dtype out
         return self.w2(a, ids, self.dtype)
+
+    def _decode_tuned(self, z: Tensor, ids: Tensor) -> Tensor:
+        """Decode (a few tokens): chain tokens by expert, fused w1/w3 + SiTU, then w2, each
+        distinct expert's weights streamed once (schedules/moe_mxfp4_cuda.py).
+
+        The kernels are hand-scheduled without TIR blocks, which Relax's reshape analysis
+        (``RewriteDataflowReshape``) cannot read for ``call_tir``; they write into fresh
+        buffers as in-place calls instead, which it leaves alone."""
+        E, L, I, k = self.sizes
+        n = z.shape[0]
+
+        def call(kernel, name, args, out_shape, out_dtype):
+            buf = op.zeros(out_shape, out_dtype)
+            return op.tensor_ir_inplace_op(kernel, name, [*args, buf], [len(args)],
+                                           Tensor.placeholder(out_shape, out_dtype))
+
+        chain = call(mc.moe_expert_chain_kernel(k), "moe_expert_chain", [ids], [n, k, 2], "int32")
+        a = call(mc.moe_mxfp4_gate_up_kernel(E, L, I, k, self.beta, self.beta_lin), "moe_mxfp4_gate_up",
+                 [z, self.w1.weight_packed, self.w1.weight_scale, self.w3.weight_packed,
+                  self.w3.weight_scale, chain, ids], [n, k, I], self.dtype)
+        return call(mc.moe_mxfp4_down_kernel(E, L, I, k), "moe_mxfp4_down",
+                    [a, self.w2.weight_packed, self.w2.weight_scale, chain, ids], [n, k, L], self.dtype)
 
 
 class LatentMoE(nn.Module):
@@ -159,7 +189,7 @@ class LatentMoE(nn.Module):
     Built from a :class:`k3_compile.config.K3Config`.
     """
 
-    def __init__(self, config, dtype: str = "float32", gpu: bool = False):
+    def __init__(self, config, dtype: str = "float32", gpu: bool = False, tuned: bool = True):
         c = config
         self.dtype = dtype
         self.hidden = c.hidden_size
@@ -177,7 +207,7 @@ class LatentMoE(nn.Module):
         self.experts = RoutedExperts(
             c.num_experts, L, c.moe_intermediate_size, c.num_experts_per_token,
             c.quantization.experts_mxfp4, c.activation_situ_beta, c.activation_situ_linear_beta,
-            dtype, gpu,
+            dtype, gpu, tuned,
         )
         self.shared_experts = (
             SiTUMLP(c.hidden_size, c.shared_expert_intermediate_size,
@@ -185,12 +215,14 @@ class LatentMoE(nn.Module):
             if c.num_shared_experts else None
         )
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, decode: bool = False) -> Tensor:
+        """``decode``: one token per sequence (T == B), which lets CUDA builds use the tuned
+        decode kernels for the routed experts."""
         ids, w = self.gate(x)
         if self.dtype != "float32":
             w = op.astype(op.astype(w, self.dtype), "float32")  # mlx: weights.astype(in_type)
         z = self.routed_expert_down_proj(x) if self.latent else x
-        o = self.experts(z, ids)  # [T, k, L]
+        o = self.experts(z, ids, decode)  # [T, k, L]
         y = op.sum(op.astype(o, "float32") * op.unsqueeze(w, -1), axis=1)  # fp32 accumulation
         y = op.astype(y, self.dtype)
         if self.routed_expert_norm is not None:

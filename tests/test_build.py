@@ -97,3 +97,23 @@ def test_cuda_graph_rewrite_captures_decode_regions():
     assert any(n.startswith("decode_cuda_graph_capture") for n in names)
     plain = {gv.name_hint for gv in gpu_relax_pipeline(target)(mod).get_global_vars()}
     assert not any("cuda_graph" in n for n in plain)
+
+
+def test_tuned_moe_decode_kernels_dispatched_where_they_fit():
+    """CUDA + tuned + MXFP4 + bf16 + widths that are multiples of 512: decode uses the
+    hand-written MoE kernels (tests/gpu/check_moe_dispatch.py compares them with the generic
+    path on the H200); prefill, --generic-kernels and k3-nano's narrow experts stay generic."""
+    from oracle_mlx import tiny_config
+
+    cfg = K3Config.from_dict(tiny_config(hidden_size=256, routed_expert_hidden_size=512,
+                                         moe_intermediate_size=512, num_experts=3,
+                                         num_experts_per_token=2))
+    tuned = export_model(cfg, "bfloat16", gpu=True).mod
+    decode_src = tuned["decode"].script(show_meta=False)
+    prefill_src = tuned["prefill"].script(show_meta=False)
+    for name in ("moe_expert_chain", "moe_mxfp4_gate_up", "moe_mxfp4_down"):
+        assert name in decode_src and name not in prefill_src
+    generic = export_model(cfg, "bfloat16", gpu=True, tuned=False).mod
+    assert "moe_mxfp4_gate_up" not in generic["decode"].script(show_meta=False)
+    nano = export_model(K3Config.from_file(NANO), "bfloat16", gpu=True).mod
+    assert "moe_mxfp4_gate_up" not in nano["decode"].script(show_meta=False)
