@@ -97,7 +97,7 @@ def _expert_source(cfg_in: K3Config, cfg_out: K3Config, get: Callable[[str], np.
     """A function ``(param_name, expert_source_names) -> iterator of arrays`` for stacked experts,
     converting between the checkpoint's expert format and the output's."""
     from . import mxfp4
-    from .loader import _EXPERT_STACKED
+    from .loader import EXPERT_STACKED
 
     cache: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
@@ -108,7 +108,7 @@ def _expert_source(cfg_in: K3Config, cfg_out: K3Config, get: Callable[[str], np.
         return cache[base_e]
 
     def pieces(name: str, dtype: str) -> Iterator[np.ndarray]:
-        base, w, kind = _EXPERT_STACKED.match(name).groups()
+        base, w, kind = EXPERT_STACKED.match(name).groups()
         for e in range(cfg_out.num_experts):
             base_e = f"{base}.{e}.{w}"
             in_q, out_q = cfg_in.quantization.experts_mxfp4, cfg_out.quantization.experts_mxfp4
@@ -125,9 +125,9 @@ def _expert_source(cfg_in: K3Config, cfg_out: K3Config, get: Callable[[str], np.
 
 
 def _cast(arr: np.ndarray, dtype: str, name: str) -> np.ndarray:
-    from .loader import _convert
+    from .loader import to_param_dtype
 
-    return np.ascontiguousarray(_convert(np.asarray(arr), dtype, name))
+    return np.ascontiguousarray(to_param_dtype(np.asarray(arr), dtype, name))
 
 
 def _write_shard(path: Path, entries: list[tuple[str, tuple, str]],
@@ -223,12 +223,12 @@ def convert(model_dir: str | Path, out_dir: str | Path, *, quantization: str = "
     nsh = len(shards)
     files = [f"params-{i + 1:05d}-of-{nsh:05d}.safetensors" for i in range(nsh)]
 
-    from .loader import _EXPERT_STACKED, load_parameters
+    from .loader import EXPERT_STACKED, load_parameters
 
     experts = _expert_source(cfg_in, cfg_out, reader.get)
 
     def produce(name, shape, dt):
-        if _EXPERT_STACKED.match(name):
+        if EXPERT_STACKED.match(name):
             yield from experts(name, dt)
         else:
             for _, arr in load_parameters(reader.get, [(name, shape, dt)], cfg_out.num_experts):

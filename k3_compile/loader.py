@@ -19,7 +19,8 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-_EXPERT_STACKED = re.compile(r"^(.*\.block_sparse_moe\.experts)\.(w[123])\.(weight_packed|weight_scale|weight)$")
+# A stacked routed-expert parameter: (experts prefix, w1|w2|w3, weight_packed|weight_scale|weight).
+EXPERT_STACKED = re.compile(r"^(.*\.block_sparse_moe\.experts)\.(w[123])\.(weight_packed|weight_scale|weight)$")
 
 
 class ParameterError(ValueError):
@@ -28,14 +29,19 @@ class ParameterError(ValueError):
 
 def source_names(param_name: str, num_experts: int) -> list[str]:
     """Checkpoint tensor names (no prefix) that make up Relax parameter ``param_name``."""
-    m = _EXPERT_STACKED.match(param_name)
+    m = EXPERT_STACKED.match(param_name)
     if m:
         base, w, kind = m.groups()
         return [f"{base}.{e}.{w}.{kind}" for e in range(num_experts)]
     return [param_name]
 
 
-def _convert(arr: np.ndarray, dtype: str, name: str) -> np.ndarray:
+def to_param_dtype(arr: np.ndarray, dtype: str, name: str) -> np.ndarray:
+    """``arr`` as the parameter dtype ``dtype`` (float tensors via float32; uint8 unchanged).
+
+    Raises:
+        ParameterError: a float tensor for a uint8 parameter or the reverse (names ``name``).
+    """
     import ml_dtypes
 
     if str(arr.dtype) == dtype:
@@ -79,7 +85,7 @@ def load_parameters(
                 arr = arr[: shape[0]]
         else:
             arr = np.stack([np.asarray(get(s)) for s in srcs])
-        arr = _convert(np.asarray(arr), dtype, name)
+        arr = to_param_dtype(np.asarray(arr), dtype, name)
         if tuple(arr.shape) != tuple(shape):
             raise ParameterError(
                 f"parameter {name}: the checkpoint gives shape {tuple(arr.shape)}, the compiled "

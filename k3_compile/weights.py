@@ -32,7 +32,7 @@ LIST_CAP = 20  # names listed per problem category in validate()
 PROGRESS_MIN_SHARDS = 8
 
 # safetensors dtype -> (numpy dtype, name used in tensors.py / messages)
-_DTYPES: dict[str, tuple[np.dtype, str]] = {
+SAFETENSORS_DTYPES: dict[str, tuple[np.dtype, str]] = {
     "BF16": (np.dtype(ml_dtypes.bfloat16), "bfloat16"),
     "F16": (np.dtype(np.float16), "float16"),
     "F32": (np.dtype(np.float32), "float32"),
@@ -128,14 +128,14 @@ def read_header(path: Path) -> tuple[dict[str, dict], int]:
                 or not all(isinstance(d, int) and d >= 0 for d in info["shape"] + info["data_offsets"])):
             raise CheckpointError(f"{path}: corrupt header: tensor '{name}' needs 'dtype' (str), "
                                   f"'shape' (list of int) and 'data_offsets' ([begin, end]); got {info!r}")
-        if info["dtype"] not in _DTYPES:
+        if info["dtype"] not in SAFETENSORS_DTYPES:
             raise CheckpointError(f"{path}: tensor '{name}' has unsupported dtype {info['dtype']!r}; "
-                                  f"expected one of {sorted(_DTYPES)}")
+                                  f"expected one of {sorted(SAFETENSORS_DTYPES)}")
         begin, end = info["data_offsets"]
         numel = 1
         for d in info["shape"]:
             numel *= d
-        want = numel * _DTYPES[info["dtype"]][0].itemsize
+        want = numel * SAFETENSORS_DTYPES[info["dtype"]][0].itemsize
         if end - begin != want:
             raise CheckpointError(f"{path}: corrupt header: tensor '{name}' {info['dtype']} "
                                   f"{info['shape']} needs {want} bytes but data_offsets "
@@ -145,6 +145,24 @@ def read_header(path: Path) -> tuple[dict[str, dict], int]:
                                   f"{end}, beyond the end of the data ({data_size} bytes; file "
                                   f"{size} bytes)")
     return header, data_start
+
+
+def map_tensor(path: Path, st_dtype: str, offset: int, shape: tuple[int, ...]) -> np.ndarray:
+    """Memory-map one tensor of a safetensors file, read-only.
+
+    Args:
+        path: the ``.safetensors`` file.
+        st_dtype: its safetensors dtype code (``"BF16"``, ``"F32"``, ``"U8"``...; see
+            ``SAFETENSORS_DTYPES``).
+        offset: absolute byte offset of the data in the file (header end + data offset).
+        shape: the tensor's shape.
+    Returns:
+        a plain ndarray whose base is the mapping (empty tensors: zeros).
+    """
+    dt = SAFETENSORS_DTYPES[st_dtype][0]
+    if int(np.prod(shape)) == 0:
+        return np.zeros(shape, dt)
+    return np.memmap(path, dtype=dt, mode="r", offset=offset, shape=tuple(shape)).view(np.ndarray)
 
 
 def _fmt_shape(shape) -> str:
@@ -269,7 +287,7 @@ class CheckpointReader:
             MissingTensorError: no such tensor.
         """
         e = self._entry(name)
-        return _DTYPES[e.dtype][1], e.shape, self.files[e.shard]
+        return SAFETENSORS_DTYPES[e.dtype][1], e.shape, self.files[e.shard]
 
     def _entry(self, name: str) -> _Entry:
         e = self._entries.get(self._strip(name))
@@ -285,16 +303,12 @@ class CheckpointReader:
             name: checkpoint name without the prefix (a prefixed name is accepted too).
         Returns:
             array of the stored shape; dtype bf16 -> ``ml_dtypes.bfloat16``, F32 -> float32,
-            U8 -> uint8 (see ``_DTYPES``). Stored bytes are little-endian (safetensors).
+            U8 -> uint8 (see ``SAFETENSORS_DTYPES``). Stored bytes are little-endian (safetensors).
         Raises:
             MissingTensorError: no such tensor.
         """
         e = self._entry(name)
-        dt = _DTYPES[e.dtype][0]
-        if e.nbytes == 0:
-            return np.zeros(e.shape, dt)
-        mm = np.memmap(self.files[e.shard], dtype=dt, mode="r", offset=e.start, shape=e.shape)
-        return mm.view(np.ndarray)  # plain read-only ndarray; the mapping lives as its base
+        return map_tensor(self.files[e.shard], e.dtype, e.start, e.shape)
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
@@ -344,7 +358,7 @@ class CheckpointReader:
                 if n not in expected_names:
                     n_unexpected += 1
                     if len(unexpected) < LIST_CAP:
-                        unexpected.append(f"{n} {_fmt_shape(e.shape)} {_DTYPES[e.dtype][1]} "
+                        unexpected.append(f"{n} {_fmt_shape(e.shape)} {SAFETENSORS_DTYPES[e.dtype][1]} "
                                           f"({self.files[e.shard].name})")
         if n_missing or n_bad or n_unexpected:
             parts = [f"{self.path}: checkpoint does not match config {self.cfg.source} "
@@ -360,7 +374,7 @@ class CheckpointReader:
             raise CheckpointError("\n".join(parts))
 
     def _check(self, spec: TensorSpec, e: _Entry) -> str | None:
-        dtype = _DTYPES[e.dtype][1]
+        dtype = SAFETENSORS_DTYPES[e.dtype][1]
         if dtype != spec.dtype or not spec.accepts_shape(e.shape):
             exp = _fmt_shape(spec.shape) + ("" if spec.min_leading is None else
                                             f" (dim 0 >= {spec.min_leading}, zero-padded)")

@@ -294,8 +294,8 @@ def _load_converted(model_dir: Path, meta_params: list, device, progress: bool) 
     import tvm
 
     from ..convert import PARAMS_INDEX
-    from ..loader import _convert
-    from ..weights import _DTYPES, CheckpointError, read_header
+    from ..loader import to_param_dtype
+    from ..weights import SAFETENSORS_DTYPES, CheckpointError, map_tensor, read_header
 
     try:
         index = json.loads((model_dir / PARAMS_INDEX).read_text())
@@ -336,13 +336,11 @@ def _load_converted(model_dir: Path, meta_params: list, device, progress: bool) 
         if list(info["shape"]) != list(shape):
             raise ModelLoadError(f"parameter {name}: {model_dir / e['file']} has shape {info['shape']}, the "
                                  f"library expects {list(shape)}")
-        npdt, dname = _DTYPES[info["dtype"]]
+        dname = SAFETENSORS_DTYPES[info["dtype"]][1]
         if dname != dtype and (dname == "uint8" or dtype == "uint8"):
             raise ModelLoadError(f"parameter {name}: {model_dir} holds {dname}, the library expects {dtype}")
-        b, _ = info["data_offsets"]
-        arr = np.memmap(model_dir / e["file"], dtype=npdt, mode="r", offset=start + b,
-                        shape=tuple(shape)).view(np.ndarray) if int(np.prod(shape)) else np.zeros(shape, npdt)
-        out.append(tvm.runtime.tensor(np.ascontiguousarray(_convert(arr, dtype, name)), device))
+        arr = map_tensor(model_dir / e["file"], info["dtype"], start + info["data_offsets"][0], shape)
+        out.append(tvm.runtime.tensor(np.ascontiguousarray(to_param_dtype(arr, dtype, name)), device))
     return out
 
 
