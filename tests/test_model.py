@@ -61,20 +61,6 @@ def prompts():
     return [tok.encode(p) for p in PROMPTS]
 
 
-def _greedy(eng: Engine, ids: list[int], n: int) -> list[int]:
-    s = eng.add_sequence()
-    try:
-        logits = eng.prefill([s], [ids])
-        out = []
-        for _ in range(n):
-            t = int(np.argmax(logits[0]))
-            out.append(t)
-            logits = eng.decode([s], [t])
-        return out
-    finally:
-        eng.remove_sequence(s)
-
-
 def test_nano_all_position_logits_match_mlx_fp32(nano, nano_mlx, prompts):
     for ids in prompts:
         s = nano.add_sequence()
@@ -87,7 +73,7 @@ def test_nano_all_position_logits_match_mlx_fp32(nano, nano_mlx, prompts):
 
 def test_nano_32_greedy_tokens_match_mlx(nano, nano_mlx, prompts):
     for ids in prompts:
-        assert _greedy(nano, ids, 32) == mlx_greedy(nano_mlx, ids, 32)
+        assert nano.greedy(ids, 32) == mlx_greedy(nano_mlx, ids, 32)
 
 
 def test_prefill_then_decode_equals_whole_prefill(nano, prompts):
@@ -193,7 +179,7 @@ def test_random_tiny_configs_match_mlx(tmp_path, over):
         eng.remove_sequence(s)
         np.testing.assert_allclose(ours, mlx_logits(ref_model, ids), atol=2e-3, rtol=0)
     ids = [int(t) for t in rng.integers(3, 97, size=9)]
-    assert _greedy(eng, ids, 12) == mlx_greedy(ref_model, ids, 12)
+    assert eng.greedy(ids, 12) == mlx_greedy(ref_model, ids, 12)
 
 
 def test_nano_bf16_path_close_to_mlx_fp32(nano_mlx, prompts):

@@ -289,6 +289,22 @@ class Engine:
         self.stats.decode_tokens += len(tokens)
         return logits
 
+    def greedy(self, ids: list[int], n: int) -> list[int]:
+        """``n`` greedy (argmax) tokens after ``ids`` in a fresh sequence, removed afterwards.
+
+        The reference continuation for tests and GPU checks (``k3 generate`` samples through
+        :mod:`k3_compile.runtime.model_runner`)."""
+        s = self.add_sequence()
+        try:
+            logits = self.prefill([s], [ids])
+            out: list[int] = []
+            for _ in range(n):
+                out.append(int(np.argmax(logits[0])))
+                logits = self.decode([s], [out[-1]])
+            return out
+        finally:
+            self.remove_sequence(s)
+
     def cache_usage(self) -> dict:
         used_pages = self.num_pages - len(self._free_pages)
         return {"sequences": len(self._seqs), "kda_slots_used": self.max_slots - len(self._free_slots),

@@ -55,20 +55,6 @@ def _lib_name(dtype: str) -> str:
     return f"k3nano_{'f32' if dtype == 'float32' else 'bf16'}_sm90a.so"
 
 
-def _greedy(eng, ids: list[int], n: int) -> list[int]:
-    s = eng.add_sequence()
-    try:
-        logits = eng.prefill([s], [ids])
-        out = []
-        for _ in range(n):
-            t = int(np.argmax(logits[0]))
-            out.append(t)
-            logits = eng.decode([s], [t])
-        return out
-    finally:
-        eng.remove_sequence(s)
-
-
 # ------------------------------------------------------------------------------ kernels
 def _kernel_cases():
     """(name, builder(gpu) -> PrimFunc, inputs list, index of outputs to compare, atol).
@@ -205,7 +191,7 @@ def prepare(out: Path) -> None:
                 s = eng.add_sequence()
                 ref[f"logits{i}"] = eng.prefill([s], [p], all_logits=True)
                 eng.remove_sequence(s)
-            ref[f"greedy_{tag}_{i}"] = np.array(_greedy(eng, p, N_GREEDY), np.int32)
+            ref[f"greedy_{tag}_{i}"] = np.array(eng.greedy(p, N_GREEDY), np.int32)
     for i, p in enumerate(ids):
         ref[f"ids{i}"] = np.array(p, np.int32)
     np.savez_compressed(out / "reference.npz", **ref)
@@ -342,7 +328,7 @@ def run(out: Path, json_path: Path | None) -> dict:
                     errs.append(float(np.abs(got - ref[f"logits{i}"]).max()))
                 r["all_position_logits_max_abs_err"] = errs
                 r["logits_ok"] = bool(max(errs) <= LOGIT_ATOL)
-            greedy = [_greedy(eng, p, N_GREEDY) for p in ids]
+            greedy = [eng.greedy(p, N_GREEDY) for p in ids]
             want = [ref[f"greedy_{tag}_{i}"].tolist() for i in range(n)]
             r["greedy_tokens"] = greedy
             r["greedy_match_cpu"] = [g == w for g, w in zip(greedy, want)]
