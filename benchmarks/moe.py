@@ -27,14 +27,15 @@ from pathlib import Path
 
 from cuda_timing import copy_bandwidth, git_commit, time_cuda
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from k3_compile.device_code import PTXAS_OPTIONS as PTXAS_REGISTER_LEVEL  # noqa: E402
+
 E, L, I, TOPK = 896, 3584, 3072, 16
 BETA, BETA_LIN = 4.0, 25.0
 CHECK_T = (1, 7, 8)
 TIME_T = (1, 8, 64)
 FUNCS = ("moe_expert_chain", "moe_mxfp4_gate_up", "moe_mxfp4_down")
 
-
-PTXAS_REGISTER_LEVEL = ("--ptxas-options=--register-usage-level=5",)
 VARIANTS = {
     # name: (gate_up kwargs, down kwargs, extra nvcc options); "" is the default build.
     # TVM 0.27 passes ptxas --register-usage-level=10, which makes ptxas give the w2 kernel
@@ -68,6 +69,42 @@ def build(out_dir: Path) -> None:
         path = d / "moe_mxfp4.so"
         lib.export_library(str(path))
         print(f"built {path}")
+    build_prefill(out_dir)
+
+
+PREFILL_FUNCS = ("moe_sort", "moe_grouped_gate_up", "moe_grouped_down")
+
+
+def build_prefill(out_dir: Path) -> None:
+    """The prefill pipeline (schedules/moe_mxfp4_prefill_cuda.py) into ``moe_prefill.so``."""
+    import tvm
+
+    from k3_compile.device_code import precompiled_cuda
+    from schedules import moe_mxfp4_prefill_cuda as mp
+    from targets import get_target
+
+    spec = get_target("cuda-sm90a")
+    fs = {
+        "moe_sort": mp.moe_sort_kernel(E, TOPK),
+        "moe_grouped_gate_up": mp.moe_grouped_gate_up_kernel(E, L, I, TOPK, BETA, BETA_LIN),
+        "moe_grouped_down": mp.moe_grouped_down_kernel(E, L, I, TOPK),
+    }
+    mod = tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in fs.items()})
+    with precompiled_cuda(spec.nvcc_arch, options=PTXAS_REGISTER_LEVEL):
+        lib = tvm.compile(mod, target=spec.tvm_target())
+    path = out_dir / "moe_prefill.so"
+    lib.export_library(str(path))
+    print(f"built {path}")
+    # the small shapes of tests/gpu/check_moe_dispatch.py's model (E=3, top-2, widths 512)
+    fs = {
+        "moe_sort": mp.moe_sort_kernel(3, 2),
+        "moe_grouped_gate_up": mp.moe_grouped_gate_up_kernel(3, 512, 512, 2, BETA, BETA_LIN),
+        "moe_grouped_down": mp.moe_grouped_down_kernel(3, 512, 512, 2),
+    }
+    mod = tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in fs.items()})
+    with precompiled_cuda(spec.nvcc_arch, options=PTXAS_REGISTER_LEVEL):
+        lib = tvm.compile(mod, target=spec.tvm_target())
+    lib.export_library(str(out_dir / "moe_prefill_small.so"))
 
 
 def _dequant(packed, scale):
@@ -87,7 +124,7 @@ def _situ(g, u):
     return BETA * torch.tanh(g / BETA) * torch.sigmoid(g) * (BETA_LIN * torch.tanh(u / BETA_LIN))
 
 
-def run(lib_dir: Path) -> dict:
+def run(lib_dir: Path, decode: bool = True) -> dict:
     import torch
     import tvm
 
@@ -151,14 +188,14 @@ def run(lib_dir: Path) -> dict:
         return {"T": T, "max_abs_err_a": ea, "max_abs_a": ma, "rel_err_a": ea / ma,
                 "max_abs_err_o": eo, "max_abs_o": mo, "rel_err_o": eo / mo}
 
-    for T in CHECK_T:
+    for T in (CHECK_T if decode else ()):
         row = check(T)
         results["check"].append(row)
         print(json.dumps(row), flush=True)
 
     # other schedule variants (subfolders of lib_dir): one check (T = 7) and our timings only
     results["variants"] = {}
-    for d in sorted(p for p in lib_dir.iterdir() if (p / "moe_mxfp4.so").exists()):
+    for d in sorted(p for p in lib_dir.iterdir() if decode and (p / "moe_mxfp4.so").exists()):
         fns = load(d)
         rows = {"check_T7": check(7, fns), "timing": []}
         for T in TIME_T:
@@ -178,7 +215,7 @@ def run(lib_dir: Path) -> dict:
             Wb[n][e0:e0 + 32] = _dequant(p[e0:e0 + 32], s[e0:e0 + 32]).bfloat16()
     torch.cuda.synchronize()
 
-    for T in TIME_T:
+    for T in (TIME_T if decode else ()):
         z, ids, a, o, ours = make(T)
         distinct = torch.unique(ids).numel()
         ours_ms = time_cuda(ours, iters=20, warmup=3)
@@ -205,7 +242,218 @@ def run(lib_dir: Path) -> dict:
                "torch_pct_roofline": 100 * roof_ms / torch_ms, "speedup_vs_torch": torch_ms / ours_ms}
         results["timing"].append(row)
         print(json.dumps(row), flush=True)
+    if (lib_dir / "moe_prefill.so").exists():
+        results["prefill"] = run_prefill(lib_dir, W, Wb, tw, g)
     return results
+
+
+def check_small(path: Path, g) -> list:
+    """E=3, top-2, L=I=512 (the dispatch check's model): every output vs torch fp32."""
+    import torch
+    import tvm
+
+    lib = tvm.runtime.load_module(str(path))
+    f_sort, f_gu, f_down = (lib[n] for n in PREFILL_FUNCS)
+    dev = torch.device("cuda")
+    e_, k_, l_, i_ = 3, 2, 512, 512
+    Ws = {n: (torch.randint(0, 256, (e_, a, b // 2), dtype=torch.uint8, device=dev, generator=g),
+              torch.randint(121, 127, (e_, a, b // 32), dtype=torch.uint8, device=dev, generator=g))
+          for n, (a, b) in (("w1", (i_, l_)), ("w3", (i_, l_)), ("w2", (l_, i_)))}
+    tw = {n: [tvm.runtime.from_dlpack(t) for t in v] for n, v in Ws.items()}
+    rows = []
+    for T in (40, 1, 200):
+        ids = torch.rand(T, e_, device=dev, generator=g).topk(k_, dim=1).indices.int()
+        z = torch.randn(T, l_, device=dev, generator=g).to(torch.bfloat16)
+        P = T * k_
+        b = dict(counts=torch.full((e_,), -7, dtype=torch.int32, device=dev),
+                 tiles=torch.zeros((P + 127) // 128 + e_, 3, dtype=torch.int32, device=dev),
+                 num_tiles=torch.zeros(1, dtype=torch.int32, device=dev),
+                 sorted=torch.full((P,), -7, dtype=torch.int32, device=dev),
+                 a=torch.zeros(P, i_, dtype=torch.bfloat16, device=dev),
+                 o=torch.zeros(T, k_, l_, dtype=torch.bfloat16, device=dev))
+        t = {n: tvm.runtime.from_dlpack(v) for n, v in b.items()}
+        tz, tids = tvm.runtime.from_dlpack(z), tvm.runtime.from_dlpack(ids)
+        f_sort(tids, t["sorted"], t["tiles"], t["num_tiles"], t["counts"])
+        f_gu(tz, *tw["w1"], *tw["w3"], t["sorted"], t["tiles"], t["num_tiles"], t["a"])
+        f_down(t["a"], *tw["w2"], *tw["w2"], t["sorted"], t["tiles"], t["num_tiles"], t["o"])
+        torch.cuda.synchronize()
+        w1, w3, w2 = (_dequant(*Ws[n]) for n in ("w1", "w3", "w2"))
+        x = z.float()
+        gg = torch.einsum("tl,tkil->tki", x, w1[ids.long()]).bfloat16().float()
+        uu = torch.einsum("tl,tkil->tki", x, w3[ids.long()]).bfloat16().float()
+        ar = _situ(gg, uu).bfloat16().float()
+        orf = torch.einsum("tki,tkli->tkl", ar, w2[ids.long()]).bfloat16().float()
+        inv = torch.empty(P, dtype=torch.long, device=dev)
+        inv[b["sorted"].long()] = torch.arange(P, device=dev)
+        got_a = b["a"][inv].reshape(T, k_, i_).float()
+        bad = ((b["o"].float() - orf).abs() > 0.02 * orf.abs().max()).nonzero()
+        row = {"T": T, "counts": b["counts"].tolist(),
+               "num_tiles": int(b["num_tiles"][0]), "tiles": b["tiles"].tolist()[:8],
+               "sorted_head": b["sorted"].tolist()[:12],
+               "rel_err_a": ((got_a - ar).abs().max() / ar.abs().max()).item(),
+               "rel_err_o": ((b["o"].float() - orf).abs().max() / orf.abs().max()).item(),
+               "bad_o": bad[:10].tolist(), "n_bad_o": len(bad)}
+        rows.append(row)
+        print("prefill small", json.dumps(row), flush=True)
+    return rows
+
+
+PREFILL_CHECK = ((37, "skewed"), (300, "hot"), (1, "uniform"))
+PREFILL_T = (8192, 2048)
+
+
+def run_prefill(lib_dir: Path, W, Wb, tw, g) -> dict:
+    import numpy as np
+
+    """Prefill: correctness of the permutation and grouped GEMMs (experts with 0, 1 and many
+    tokens), then timing at 8192 / 2048 tokens against torch._grouped_mm (bf16 weights) and
+    the measured bf16 tensor-core peak."""
+    import torch
+    import tvm
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    lib = tvm.runtime.load_module(str(lib_dir / "moe_prefill.so"))
+    f_sort, f_gu, f_down = (lib[n] for n in PREFILL_FUNCS)
+    dev = torch.device("cuda")
+    BMT = 128
+    res = {"check": [], "timing": []}
+    if (lib_dir / "moe_prefill_small.so").exists():
+        res["check_small"] = check_small(lib_dir / "moe_prefill_small.so", g)
+
+    def routing(T, kind):
+        if kind == "uniform":
+            return torch.rand(T, E, device=dev, generator=g).topk(TOPK, dim=1).indices.int()
+        ids = torch.rand(T, E, device=dev, generator=g).topk(TOPK, dim=1).indices.int()
+        if kind == "skewed":      # few experts: many with 0 tokens, some with > 128
+            ids = torch.stack([torch.randperm(40, device=dev, generator=g)[:TOPK] for _ in range(T)]).int()
+            ids[0, 0] = 777       # an expert with exactly one token (777 never otherwise)
+        if kind == "hot":         # expert 5 in every token's list: 300 rows = 3 tiles
+            ids[:, 0] = 5
+            ids[:, 1:] = torch.where(ids[:, 1:] == 5, torch.full_like(ids[:, 1:], 6), ids[:, 1:])
+            ids[:, 1:] = torch.where(ids[:, 1:] == 6, torch.full_like(ids[:, 1:], 7), ids[:, 1:])
+        return ids
+
+    def pipeline(T, ids, z):
+        P = T * TOPK
+        mt = (P + BMT - 1) // BMT + E
+        bufs = dict(
+            counts=torch.empty(E, dtype=torch.int32, device=dev),
+            tiles=torch.empty(mt, 3, dtype=torch.int32, device=dev),
+            num_tiles=torch.empty(1, dtype=torch.int32, device=dev),
+            sorted=torch.empty(P, dtype=torch.int32, device=dev),
+            a=torch.empty(P, I, dtype=torch.bfloat16, device=dev),
+            o=torch.empty(T, TOPK, L, dtype=torch.bfloat16, device=dev),
+        )
+        tv = {k: tvm.runtime.from_dlpack(v) for k, v in bufs.items()}
+        tz, tids = tvm.runtime.from_dlpack(z), tvm.runtime.from_dlpack(ids)
+
+        def route():
+            f_sort(tids, tv["sorted"], tv["tiles"], tv["num_tiles"], tv["counts"])
+
+        def gemms():
+            f_gu(tz, *tw["w1"], *tw["w3"], tv["sorted"], tv["tiles"], tv["num_tiles"], tv["a"])
+            f_down(tv["a"], *tw["w2"], *tw["w2"], tv["sorted"], tv["tiles"], tv["num_tiles"], tv["o"])
+
+        return bufs, route, gemms
+
+    def plan_reference(ids_np, bm):
+        """counts, offsets, tile table and a stable expert order, in NumPy (the GPU machine
+        has no TVM compiler to import the schedule module's reference)."""
+        flat = ids_np.reshape(-1).astype(np.int64)
+        counts = np.bincount(flat, minlength=E).astype(np.int32)
+        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        tiles = np.array([(e, offsets[e] + i * bm, offsets[e + 1]) for e in range(E)
+                          for i in range(-(-int(counts[e]) // bm))], np.int32).reshape(-1, 3)
+        return counts, offsets, tiles, np.argsort(flat, kind="stable")
+
+    for T, kind in PREFILL_CHECK:
+        ids = routing(T, kind)
+        z = torch.randn(T, L, device=dev, generator=g).to(torch.bfloat16)
+        bufs, route, gemms = pipeline(T, ids, z)
+        route()
+        gemms()
+        torch.cuda.synchronize()
+        counts, offsets, tiles, order = plan_reference(ids.cpu().numpy(), BMT)
+        nt = int(bufs["num_tiles"][0])
+        plan_ok = (bool((bufs["counts"].cpu().numpy() == counts).all())
+                   and nt == len(tiles) and bool((bufs["tiles"][:nt].cpu().numpy() == tiles).all()))
+        srt = bufs["sorted"].cpu().numpy()
+        flat = ids.cpu().numpy().reshape(-1)
+        perm_ok = (sorted(srt.tolist()) == list(range(T * TOPK))
+                   and bool((flat[srt] == flat[order]).all()))
+        ea = eo = ma = mo = 0.0
+        inv = torch.empty(T * TOPK, dtype=torch.long, device=dev)
+        inv[bufs["sorted"].long()] = torch.arange(T * TOPK, device=dev)
+        for e in torch.unique(ids).tolist():
+            tt, jj = (ids == e).nonzero(as_tuple=True)
+            w1, w3, w2 = (_dequant(W[n][0][e], W[n][1][e]) for n in ("w1", "w3", "w2"))
+            x = z[tt].float()
+            gg = (x @ w1.T).bfloat16().float()
+            uu = (x @ w3.T).bfloat16().float()
+            ar = _situ(gg, uu).bfloat16().float()
+            orf = (ar @ w2.T).bfloat16().float()
+            got_a = bufs["a"][inv[tt * TOPK + jj]].float()
+            ea = max(ea, (got_a - ar).abs().max().item())
+            eo = max(eo, (bufs["o"][tt, jj].float() - orf).abs().max().item())
+            ma, mo = max(ma, ar.abs().max().item()), max(mo, orf.abs().max().item())
+        row = {"T": T, "routing": kind, "plan_ok": plan_ok, "permutation_ok": perm_ok,
+               "max_tokens_per_expert": int(counts.max()), "experts_with_one_token": int((counts == 1).sum()),
+               "rel_err_a": ea / ma, "rel_err_o": eo / mo, "max_abs_err_o": eo, "max_abs_o": mo}
+        res["check"].append(row)
+        print("prefill check", json.dumps(row), flush=True)
+
+    # bf16 tensor-core peak (torch.matmul), for the ratio
+    xa = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    xb = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    ms = time_cuda(lambda: xa @ xb, iters=10, per_sample=5)
+    peak = 2 * 8192 ** 3 / (ms / 1e3) / 1e12
+    res["bf16_matmul_peak_tflops"] = peak
+    del xa, xb
+    print(f"bf16 matmul peak {peak:.0f} TFLOP/s", flush=True)
+
+    for T in PREFILL_T:
+        ids = routing(T, "uniform")
+        z = torch.randn(T, L, device=dev, generator=g).to(torch.bfloat16)
+        bufs, route, gemms = pipeline(T, ids, z)
+        route()
+        torch.cuda.synchronize()
+        P = T * TOPK
+        flop = 2 * P * (2 * I * L + L * I)
+        t_route = time_cuda(route, iters=10, per_sample=3)
+        t_gemm = time_cuda(gemms, iters=5, per_sample=2, warmup=1)
+        t_gu = time_cuda(lambda: f_gu(tvm.runtime.from_dlpack(z), *tw["w1"], *tw["w3"],
+                                      *(tvm.runtime.from_dlpack(bufs[k]) for k in ("sorted", "tiles", "num_tiles", "a"))),
+                         iters=5, per_sample=2, warmup=1)
+        row = {"T": T, "pairs": P, "gflop": flop / 1e9, "ours_route_ms": t_route, "ours_gemms_ms": t_gemm,
+               "ours_gate_up_ms": t_gu, "ours_down_ms": t_gemm - t_gu,
+               "ours_tflops": flop / (t_gemm / 1e3) / 1e12}
+        row["ours_pct_peak"] = 100 * row["ours_tflops"] / peak
+        # torch._grouped_mm, bf16 weights, tokens sorted by expert beforehand (not timed)
+        try:
+            order = torch.argsort(ids.reshape(-1), stable=True)
+            cnt = torch.bincount(ids.reshape(-1).long(), minlength=E)
+            offs = torch.cumsum(cnt, 0).int()
+            xs = z[order // TOPK].contiguous()
+            w1t, w3t, w2t = (Wb[n].transpose(1, 2) for n in ("w1", "w3", "w2"))
+
+            def torch_gemms():
+                gg = torch._grouped_mm(xs, w1t, offs=offs)
+                uu = torch._grouped_mm(xs, w3t, offs=offs)
+                aa = _situ(gg.float(), uu.float()).bfloat16()
+                return torch._grouped_mm(aa, w2t, offs=offs)
+
+            t_torch = time_cuda(torch_gemms, iters=5, per_sample=2, warmup=1)
+            row.update({"torch_grouped_mm_ms": t_torch, "torch_tflops": flop / (t_torch / 1e3) / 1e12,
+                        "speedup_vs_torch_grouped_mm": t_torch / t_gemm})
+            # same math, so the outputs agree up to bf16 rounding
+            ref = torch_gemms()
+            got = bufs["o"].reshape(P, L)[order]
+            row["rel_diff_vs_torch"] = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+        except Exception as exc:  # noqa: BLE001 - keep our numbers if torch lacks the op
+            row["torch_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        res["timing"].append(row)
+        print("prefill timing", json.dumps(row), flush=True)
+    return res
 
 
 def _plot(res: dict, path: Path) -> None:
@@ -238,19 +486,21 @@ def main(argv=None) -> int:
     r = sub.add_parser("run")
     r.add_argument("lib_dir", type=Path)
     r.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    r.add_argument("--prefill-only", action="store_true", help="skip the decode kernels")
     args = ap.parse_args(argv)
     if args.cmd == "build":
         build(args.out_dir)
         return 0
     import torch
 
-    res = run(args.lib_dir)
+    res = run(args.lib_dir, decode=not args.prefill_only)
     res.update({"machine": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
                 "commit": git_commit(), "shapes": {"E": E, "L": L, "I": I, "top_k": TOPK}})
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "moe_decode_h200.json").write_text(json.dumps(res, indent=1))
+    name = "moe_prefill_h200" if args.prefill_only else "moe_h200"
+    (args.out / f"{name}.json").write_text(json.dumps(res, indent=1))
     try:
-        _plot(res, args.out / "moe_decode_h200.png")
+        _plot(res, args.out / f"{name}.png")
     except Exception as exc:  # noqa: BLE001 - keep the JSON if matplotlib is missing
         print(f"plot failed: {exc}")
     return 0

@@ -265,9 +265,17 @@ def precompiled_cuda(
             tvm_ffi.remove_global_func(name)
 
 
-def build_cuda(mod, target_spec, *, arch: Optional[str] = None, options: Sequence[str] = (),
+# TVM 0.27's nvcc flags pass ``ptxas --register-usage-level=10``, with which ptxas gave the
+# MoE w2 decode kernel 255 registers and spills (3x slower, benchmarks/results/
+# moe_decode_ncu_h200_2026-11-29.txt); at level 5 it uses 48, the fused KDA decode kernel
+# 67 (70 at level 10). A later option wins, so this is passed after TVM's.
+PTXAS_OPTIONS = ("--ptxas-options=--register-usage-level=5",)
+
+
+def build_cuda(mod, target_spec, *, arch: Optional[str] = None, options: Sequence[str] = PTXAS_OPTIONS,
                embed_ptx: bool = False, keep_dir=None, **compile_kwargs):
-    """``tvm.compile(mod, target)`` with the CUDA device code precompiled to a fatbin.
+    """``tvm.compile(mod, target)`` with the CUDA device code precompiled to a fatbin
+    (nvcc ``options``: :data:`PTXAS_OPTIONS` unless given).
 
     ``target_spec``: a ``targets.TargetSpec`` (its ``nvcc_arch`` is used), a
     ``tvm.target.Target`` or a target dict with ``arch``. Extra keyword arguments go to
@@ -392,4 +400,5 @@ __all__ = [
     "load_cuda_runtime",
     "nvcc_fatbin",
     "precompiled_cuda",
+    "PTXAS_OPTIONS",
 ]

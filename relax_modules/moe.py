@@ -44,6 +44,7 @@ from tvm.relax.frontend.nn import Tensor, op
 from relax_modules.layers import Linear, RMSNorm, SiTUMLP, situ_glu
 from schedules import moe_generic as mg
 from schedules import moe_mxfp4_cuda as mc
+from schedules import moe_mxfp4_prefill_cuda as mp
 
 def _private(func):
     """Drop the PrimFunc's ``global_symbol`` so Relax names it (tensor_ir_op ``name_hint``)."""
@@ -142,6 +143,11 @@ class RoutedExperts(nn.Module):
         # widths fit their tiling (multiples of 512) and activations are bf16; else generic.
         self.tuned_decode = (gpu and tuned and mxfp4 and dtype == "bfloat16"
                              and latent % 512 == 0 and inter % 512 == 0)
+        # CUDA prefill: token permutation + grouped GEMM on tensor cores
+        # (schedules/moe_mxfp4_prefill_cuda.py), where the widths fit its tiles.
+        self.tuned_prefill = (gpu and tuned and mxfp4 and dtype == "bfloat16"
+                              and latent % 128 == 0 and inter % 128 == 0
+                              and num_experts <= mp.PLAN_THREADS)
         if mxfp4:
             self.w1 = MXFP4StackedLinear(num_experts, latent, inter, top_k, gpu)
             self.w3 = MXFP4StackedLinear(num_experts, latent, inter, top_k, gpu)
@@ -154,10 +160,41 @@ class RoutedExperts(nn.Module):
     def forward(self, z: Tensor, ids: Tensor, decode: bool = False) -> Tensor:
         if decode and self.tuned_decode:
             return self._decode_tuned(z, ids)
+        if not decode and self.tuned_prefill:
+            return self._prefill_tuned(z, ids)
         g = self.w1(z, ids, self.dtype)
         u = self.w3(z, ids, self.dtype)
         a = situ_glu(g, u, self.beta, self.beta_lin)  # fp32 inside, model dtype out
         return self.w2(a, ids, self.dtype)
+
+    def _prefill_tuned(self, z: Tensor, ids: Tensor) -> Tensor:
+        """Prefill (many tokens): pairs sorted into expert order with a tile table (one
+        kernel), then the grouped MXFP4 GEMMs (W1/W3 + SiTU into expert order, W2 back
+        into pair order) on tensor cores; only experts that received tokens are read."""
+        E, L, I, k = self.sizes
+        n = z.shape[0]
+        pairs = n * k
+
+        def call(kernel, name, args, outs):
+            """``outs``: (shape, dtype) of fresh buffers the kernel fills in place (the kernels
+            write every output element they later read: no accumulation into these zeros,
+            which Relax may share between calls)."""
+            bufs = [op.zeros(shape, dtype) for shape, dtype in outs]
+            sinfo = [Tensor.placeholder(shape, dtype) for shape, dtype in outs]
+            return op.tensor_ir_inplace_op(
+                kernel, name, [*args, *bufs], list(range(len(args), len(args) + len(bufs))),
+                sinfo[0] if len(sinfo) == 1 else sinfo)
+
+        sorted_pair, tiles, num_tiles, _ = call(
+            mp.moe_sort_kernel(E, k), "moe_sort", [ids],
+            [([pairs], "int32"), ([mp.max_tiles(pairs, E), 3], "int32"), ([1], "int32"), ([E], "int32")])
+        a = call(mp.moe_grouped_gate_up_kernel(E, L, I, k, self.beta, self.beta_lin),
+                 "moe_grouped_gate_up",
+                 [z, self.w1.weight_packed, self.w1.weight_scale, self.w3.weight_packed,
+                  self.w3.weight_scale, sorted_pair, tiles, num_tiles], [([pairs, I], self.dtype)])
+        w2p, w2s = self.w2.weight_packed, self.w2.weight_scale
+        return call(mp.moe_grouped_down_kernel(E, L, I, k), "moe_grouped_down",
+                    [a, w2p, w2s, w2p, w2s, sorted_pair, tiles, num_tiles], [([n, k, L], self.dtype)])
 
     def _decode_tuned(self, z: Tensor, ids: Tensor) -> Tensor:
         """Decode (a few tokens): chain tokens by expert, fused w1/w3 + SiTU, then w2, each

@@ -1,0 +1,467 @@
+"""MXFP4 MoE prefill for CUDA: token permutation into expert order and a grouped GEMM on tensor
+cores over only the experts that received tokens, with the NumPy reference beside it.
+
+Spec §3 "MoE block" (routed experts, SiTU-GLU) and §2 (MXFP4: E2M1 codes, one E8M0 scale per
+32 inputs). For ``T`` tokens with ``top_k`` experts each, entry (pair) ``p = t·top_k + j``
+goes to expert ``e = expert_ids[t, j]``::
+
+    g = W1[e] z[t],  u = W3[e] z[t]                 (latent L -> expert width I)
+    a[p] = SiTU(round(g), round(u))                   (fp32, rounded to bf16)
+    o[p] = round(W2[e] a[p])                          (I -> L, fp32 accumulation)
+
+— the same values as the decode kernels (schedules/moe_mxfp4_cuda.py) and the generic gather
+GEMV (schedules/moe_generic.py); only the order of the fp32 sums differs.
+
+Kernels (CUDA only, ``tirx.is_scheduled``; ``P = T·top_k`` pairs, ``BM`` rows per tile):
+
+1. :func:`moe_sort_kernel` — one block: tokens per expert (shared-memory atomics), their
+   exclusive scan and that of the tiles per expert ``⌈count/BM⌉`` give the tile table
+   ``tiles [MAXT, 3]`` = (expert, first sorted row, end row of the expert) and ``num_tiles``
+   (``MAXT = ⌈P/BM⌉ + E`` bounds the tile count for any routing), then every pair is placed
+   in expert order: ``sorted_pair [P]``.
+2. :func:`moe_grouped_gate_up_kernel` — per (tile, 64 columns of I): ``a_sorted[r] =
+   SiTU(W1 z, W3 z)`` for the tile's rows, tokens gathered from ``z`` through
+   ``sorted_pair``; output in sorted order ``[P, I]``.
+3. :func:`moe_grouped_down_kernel` — per (tile, 128 columns of L): ``o[pair(r)] = W2 a_sorted[r]``,
+   written back in pair order ``[T, top_k, L]`` (the model's combine reads it unchanged).
+
+GEMM mapping (both GEMM kernels; ``mma.sync.m16n8k16`` bf16 x bf16 -> fp32, Ampere/Hopper/
+Blackwell): a block of 8 warps computes a ``BM × 128`` tile (gate_up: 64 gate + the same 64
+up columns, so SiTU is applied in registers); warps are 2 (M) × 4 (N), each ``BM/2 × 32``.
+The K loop moves 64 inputs per step through a two-stage ``cp.async`` pipeline: activations
+(bf16, rows padded to 144 bytes: conflict-free 16-byte reads) and packed codes (rows padded to
+48 bytes); the E8M0 scales of the block's 128 weight rows stay in shared memory for the whole
+K. Dequantization happens in registers, once per warp and reused by all of its M tiles: a
+``uint32`` of 8 codes becomes four bf16x2 words by ``prmt`` look-ups (magnitude → bf16 low
+and high byte; the sign bit moved to bit 15), then one ``mul.rn.bf16x2`` by the scale
+``2^(s-127)`` (exact: a code has two significant bits). The inputs of one k-step are taken in
+a permuted order that makes both operands' fragments contiguous — thread ``(g, q)`` of a warp
+(``g = lane/4``, ``q = lane%4``) holds inputs ``8q .. 8q+7`` of each 32, which the mma sees
+as its ``k = 2q, 2q+1, 2q+8, 2q+9`` (first half-step) and the same +4 (second): one 16-byte
+activation read per row pair and one 4-byte code read per column feed two mmas. A sum over
+k does not depend on the order of k, and the scale group (32 inputs) is the same for all.
+
+E8M0 scale bytes: ``s = 255`` (NaN) gives NaN weights; ``s = 0`` gives ``2^-127`` (a bf16
+subnormal), as the reference.
+
+Reference: :func:`moe_prefill_plan_reference` (counts, offsets, tiles) and
+``schedules.moe_mxfp4_cuda.moe_experts_reference`` (values).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from tvm.backend.cuda.op import cuda_func_call
+from tvm.script import tirx as T
+
+BM = 128          # rows (token-expert pairs) per tile
+BN = 128          # weight rows per block (gate_up: 64 of W1 + 64 of W3)
+BK = 64           # inputs per pipeline step
+NT = 256          # threads per GEMM block (8 warps: 2 along M, 4 along N)
+PLAN_THREADS = 1024
+A_ROW_WORDS = 36  # uint32 per activation row in shared memory (64 bf16 + 8 pad)
+B_ROW_WORDS = 12  # uint32 per packed weight row in shared memory (32 bytes + 16 pad)
+
+# ----------------------------------------------------------------------------- device helpers
+# Inline-PTX device functions called from the TIR kernels (``cuda_func_call``), one per source.
+_MMA = r"""
+__forceinline__ __device__ void k3_mma_bf16(float* d, unsigned a0, unsigned a1, unsigned a2,
+                                            unsigned a3, unsigned b0, unsigned b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+               "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+"""
+_CP_ASYNC = r"""
+__forceinline__ __device__ void k3_cp_async16(void* smem, const void* gmem, int valid) {
+  unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  int n = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(s), "l"(gmem), "r"(n));
+}
+"""
+_COMMIT = r"""
+__forceinline__ __device__ void k3_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+"""
+_WAIT1 = r"""
+__forceinline__ __device__ void k3_cp_async_wait1() { asm volatile("cp.async.wait_group 1;\n" ::); }
+"""
+# 8 E2M1 codes (nibble i of w = input i) times the bf16x2 scale s2 -> 4 bf16x2 words
+# (inputs 0-1, 2-3, 4-5, 6-7). prmt look-ups: magnitude -> low / high byte of its bf16;
+# the sign bits (nibble bit 3) are gathered into bit 7 of the high bytes by one more prmt.
+_DEQUANT = r"""
+__forceinline__ __device__ void k3_e2m1x8_bf16(unsigned* out, unsigned w, unsigned s2) {
+  const unsigned lo_a = 0xC0800000u, lo_b = 0xC0804000u;   // 0, .5, 1, 1.5 | 2, 3, 4, 6
+  const unsigned hi_a = 0x3F3F3F00u, hi_b = 0x40404040u;
+  unsigned t = w << 4;
+  #pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    unsigned sel = (w >> (16 * h)) & 0x7777u;
+    unsigned lo, hi, sg;
+    asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(lo) : "r"(lo_a), "r"(lo_b), "r"(sel));
+    asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(hi) : "r"(hi_a), "r"(hi_b), "r"(sel));
+    asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(sg) : "r"(t), "r"(w), "r"(h ? 0x7362u : 0x5140u));
+    hi |= sg & 0x80808080u;
+    unsigned p0, p1;
+    asm("prmt.b32 %0, %1, %2, 0x5140;\n" : "=r"(p0) : "r"(lo), "r"(hi));
+    asm("prmt.b32 %0, %1, %2, 0x7362;\n" : "=r"(p1) : "r"(lo), "r"(hi));
+    asm("mul.rn.bf16x2 %0, %1, %2;\n" : "=r"(out[2 * h]) : "r"(p0), "r"(s2));
+    asm("mul.rn.bf16x2 %0, %1, %2;\n" : "=r"(out[2 * h + 1]) : "r"(p1), "r"(s2));
+  }
+}
+"""
+
+
+def _mma(d, a0, a1, a2, a3, b0, b1):
+    return cuda_func_call("k3_mma_bf16", d, a0, a1, a2, a3, b0, b1, source_code=_MMA)
+
+
+def _cp_async16(dst, src, valid):
+    return cuda_func_call("k3_cp_async16", dst, src, valid, source_code=_CP_ASYNC)
+
+
+def _commit():
+    return cuda_func_call("k3_cp_async_commit", source_code=_COMMIT)
+
+
+def _wait1():
+    return cuda_func_call("k3_cp_async_wait1", source_code=_WAIT1)
+
+
+def _dequant8(out, w, s2):
+    return cuda_func_call("k3_e2m1x8_bf16", out, w, s2, source_code=_DEQUANT)
+
+
+def _scale_bf16x2(s):
+    """uint32 bf16x2 (both halves) of the E8M0 byte ``s``: 2^(s-127); 0 -> 2^-127 (subnormal
+    0x0040), 255 -> NaN (0x7FC0)."""
+    b = T.Select(s == T.uint32(0), T.uint32(0x40),
+                 T.Select(s == T.uint32(255), T.uint32(0x7FC0), s << T.uint32(7)))
+    return b | (b << T.uint32(16))
+
+
+def max_tiles(num_pairs, num_experts: int, bm: int = BM):
+    """Upper bound of the tile count: Σ_e ⌈c_e/BM⌉ ≤ ⌈P/BM⌉ + E (P = pairs; PrimExpr or int)."""
+    return (num_pairs + bm - 1) // bm + num_experts
+
+
+# ----------------------------------------------------------------------------- permutation
+def moe_sort_kernel(num_experts: int, top_k: int, bm: int = BM):
+    """Token-expert pairs into expert order, and the GEMM tile table (CUDA, one block of
+    1024 threads; E ≤ 1024).
+
+    PrimFunc arguments::
+
+        expert_ids   [T, k]          int32   from the router
+        sorted_pair  [T·k]           int32   out: pairs grouped by expert (expert 0 first)
+        tiles        [MAXT, 3]       int32   out: (expert, first sorted row, expert's end row)
+                                             for the first num_tiles rows (the rest untouched)
+        num_tiles    [1]             int32   out: Σ_e ⌈count_e / BM⌉
+        counts       [E]             int32   out: pairs per expert
+
+    Steps: shared-memory counters zeroed, one ``atomicAdd`` per pair; Hillis-Steele scans of
+    the counts and of the tiles per expert; the counters become cursors at each expert's
+    offset and a second ``atomicAdd`` pass places every pair. Every output is written without
+    being read first, so the buffers need no initialisation. Pairs of one expert come in the
+    order of the atomics; every GEMM row is computed on its own, so results do not depend on it.
+    One block: ~2·T·k/1024 shared atomics per thread (128 each at T = 8192, top-16).
+    """
+    E, K = num_experts, top_k
+    TX = PLAN_THREADS
+    if E > TX:
+        raise ValueError(f"moe_sort_kernel handles at most {TX} experts, got {E}")
+    steps = (TX - 1).bit_length()
+    fin = steps % 2 * 2 * TX  # buffer holding the inclusive scans at the end
+
+    @T.prim_func(private=True)
+    def moe_sort(ids_h: T.handle, sorted_h: T.handle, tiles_h: T.handle,
+                 num_tiles: T.Buffer((1,), "int32"), counts: T.Buffer((E,), "int32")):
+        T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
+        nt = T.int64()
+        mt = T.int64()
+        ids = T.match_buffer(ids_h, (nt, K), "int32")
+        sorted_pair = T.match_buffer(sorted_h, (nt * K,), "int32")
+        tiles = T.match_buffer(tiles_h, (mt, 3), "int32")
+        for bx in T.thread_binding(1, thread="blockIdx.x"):
+            for tx in T.thread_binding(TX, thread="threadIdx.x"):
+                cnt = T.alloc_buffer((TX,), "int32", scope="shared")
+                sc = T.alloc_buffer((2 * 2 * TX,), "int32", scope="shared")  # [buf, {rows, tiles}, e]
+                mine = T.alloc_buffer((2,), "int32", scope="local")
+                i = T.alloc_buffer((1,), "int32", scope="local")
+                p = T.alloc_buffer((1,), "int32", scope="local")
+                cnt[tx] = 0
+                T.tvm_storage_sync("shared")
+                p[0] = tx
+                while p[0] < T.Cast("int32", nt * K):
+                    T.evaluate(T.call_extern("int32", "atomicAdd", T.address_of(cnt[ids[p[0] // K, p[0] % K]]), 1))
+                    p[0] = p[0] + TX
+                T.tvm_storage_sync("shared")
+                mine[0] = cnt[tx]
+                mine[1] = (mine[0] + bm - 1) // bm
+                sc[tx] = mine[0]
+                sc[TX + tx] = mine[1]
+                for s in range(steps):
+                    T.tvm_storage_sync("shared")
+                    sc[(s + 1) % 2 * 2 * TX + tx] = sc[s % 2 * 2 * TX + tx] + T.if_then_else(
+                        tx >= (1 << s), sc[s % 2 * 2 * TX + T.max(tx - (1 << s), 0)], 0)
+                    sc[(s + 1) % 2 * 2 * TX + TX + tx] = sc[s % 2 * 2 * TX + TX + tx] + T.if_then_else(
+                        tx >= (1 << s), sc[s % 2 * 2 * TX + TX + T.max(tx - (1 << s), 0)], 0)
+                T.tvm_storage_sync("shared")
+                # the counter becomes the cursor at the expert's first sorted row
+                cnt[tx] = sc[fin + tx] - mine[0]
+                if tx < E:
+                    counts[tx] = mine[0]
+                    i[0] = 0
+                    while i[0] < mine[1]:
+                        tiles[sc[fin + TX + tx] - mine[1] + i[0], 0] = tx
+                        tiles[sc[fin + TX + tx] - mine[1] + i[0], 1] = sc[fin + tx] - mine[0] + i[0] * bm
+                        tiles[sc[fin + TX + tx] - mine[1] + i[0], 2] = sc[fin + tx]
+                        i[0] = i[0] + 1
+                if tx == TX - 1:
+                    num_tiles[0] = sc[fin + TX + tx]
+                T.tvm_storage_sync("shared")
+                p[0] = tx
+                while p[0] < T.Cast("int32", nt * K):
+                    sorted_pair[T.call_extern("int32", "atomicAdd", T.address_of(cnt[ids[p[0] // K, p[0] % K]]), 1)] = p[0]
+                    p[0] = p[0] + TX
+
+    return moe_sort
+
+
+# ----------------------------------------------------------------------------- grouped GEMM
+def _grouped_gemm(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
+                  beta_lin: float | None = None, out_dtype: str = "bfloat16"):
+    """Builder of the two grouped GEMMs (see module doc); ``N`` output columns, ``KD`` inputs.
+
+    gate_up: args ``z [T, L] bf16, w1p, w1s, w3p, w3s, sorted_pair [P], tiles [MAXT, 3],
+    num_tiles [1], a_sorted [P, I]``. down: ``a_sorted [P, I] bf16, w2p, w2s, sorted_pair,
+    tiles, num_tiles, o [T, k, L]``.
+    """
+    K = top_k
+    gate_up = kind == "gate_up"
+    if KD % BK:
+        raise ValueError(f"input width {KD} must be a multiple of {BK}")
+    cols = BN // 2 if gate_up else BN          # output columns per block
+    if N % cols:
+        raise ValueError(f"output width {N} must be a multiple of {cols}")
+    NTN = N // cols
+    NK = KD // BK
+    KG = KD // 32                               # scale groups per row
+    KGW = KG // 4                               # uint32 words of scales per row
+    if KG % 4:
+        raise ValueError(f"input width {KD} must be a multiple of 128")
+    RW = KD // 8                                # uint32 words of packed codes per row
+    if E * N * RW >= 2 ** 31:
+        raise ValueError("weights too large for int32 word indexing")
+    WM = BM // 2                                # rows per warp
+    MT = WM // 16                               # m16 tiles per warp
+    A_CH = BM * (BK // 8) // NT                 # 16-byte activation chunks per thread per step
+    B = float(beta)
+    BL = float(beta_lin) if beta_lin is not None else 0.0
+    use_bl = beta_lin is not None
+
+    def b_row(wn, j, g):
+        """Shared-memory weight row of the warp's n8 tile ``j`` (0..3), column ``g``."""
+        if gate_up:
+            return (j // 2) * 64 + wn * 16 + (j % 2) * 8 + g
+        return wn * 32 + j * 8 + g
+
+    @T.prim_func(private=True)
+    def grouped(x_h: T.handle, wp0_h: T.handle, ws0_h: T.handle, wp1_h: T.handle, ws1_h: T.handle,
+                sorted_h: T.handle, tiles_h: T.handle, num_tiles: T.Buffer((1,), "int32"),
+                y_h: T.handle):
+        T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
+        nt = T.int64()
+        mt = T.int64()
+        if gate_up:
+            x = T.match_buffer(x_h, (nt, KD), "bfloat16")
+            y = T.match_buffer(y_h, (nt * K, N), out_dtype)
+        else:
+            y = T.match_buffer(y_h, (nt, K, N), out_dtype)
+            x = T.match_buffer(x_h, (nt * K, KD), "bfloat16")
+        wp0 = T.match_buffer(wp0_h, (E, N, KD // 2), "uint8")
+        ws0 = T.match_buffer(ws0_h, (E, N, KG), "uint8")
+        wp1 = T.match_buffer(wp1_h, (E, N, KD // 2), "uint8")
+        ws1 = T.match_buffer(ws1_h, (E, N, KG), "uint8")
+        sorted_pair = T.match_buffer(sorted_h, (nt * K,), "int32")
+        tiles = T.match_buffer(tiles_h, (mt, 3), "int32")
+        wq0 = T.decl_buffer((E * N * RW,), "uint32", data=wp0.data)
+        wq1 = T.decl_buffer((E * N * RW,), "uint32", data=wp1.data)
+        sq0 = T.decl_buffer((E * N * KGW,), "uint32", data=ws0.data)
+        sq1 = T.decl_buffer((E * N * KGW,), "uint32", data=ws1.data)
+        for blk in T.thread_binding(mt * NTN, thread="blockIdx.x"):
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                a_s = T.alloc_buffer((2 * BM * A_ROW_WORDS,), "uint32", scope="shared.dyn")
+                b_s = T.alloc_buffer((2 * BN * B_ROW_WORDS,), "uint32", scope="shared.dyn")
+                sc_s = T.alloc_buffer((BN * KGW,), "uint32", scope="shared.dyn")
+                row_s = T.alloc_buffer((BM,), "int32", scope="shared.dyn")
+                acc = T.alloc_buffer((MT * 4 * 4,), "float32", scope="local")
+                bf = T.alloc_buffer((4 * 4,), "uint32", scope="local")
+                ar = T.alloc_buffer((8,), "uint32", scope="local")
+                ok = T.alloc_buffer((1,), "int32", scope="local")
+                nv = T.alloc_buffer((1,), "int32", scope="local")
+                if T.Cast("int32", blk // NTN) < num_tiles[0]:
+                    nv[0] = tiles[blk // NTN, 2] - tiles[blk // NTN, 1]  # rows of the expert from here
+                    # ---- tile metadata: gathered rows, scales of the block's weight rows
+                    if tx < BM:
+                        if gate_up:
+                            row_s[tx] = T.if_then_else(
+                                tiles[blk // NTN, 1] + tx < tiles[blk // NTN, 2],
+                                sorted_pair[T.min(tiles[blk // NTN, 1] + tx, T.Cast("int32", nt * K) - 1)] // K, -1)
+                        else:
+                            row_s[tx] = T.if_then_else(
+                                tiles[blk // NTN, 1] + tx < tiles[blk // NTN, 2],
+                                tiles[blk // NTN, 1] + tx, -1)
+                    for it in range((BN * KGW + NT - 1) // NT):
+                        if it * NT + tx < BN * KGW:
+                            if gate_up:
+                                sc_s[it * NT + tx] = T.if_then_else(
+                                    (it * NT + tx) // KGW < 64,
+                                    sq0[(tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * 64
+                                         + (it * NT + tx) // KGW) * KGW + (it * NT + tx) % KGW],
+                                    sq1[(tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * 64
+                                         + (it * NT + tx) // KGW - 64) * KGW + (it * NT + tx) % KGW])
+                            else:
+                                sc_s[it * NT + tx] = sq0[(tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * BN
+                                                          + (it * NT + tx) // KGW) * KGW + (it * NT + tx) % KGW]
+                    for i in range(MT * 16):
+                        acc[i] = T.float32(0)
+                    T.tvm_storage_sync("shared.dyn")
+                    # ---- K loop: stage ks+1 loads while ks computes
+                    for ks in range(NK + 1):
+                        if ks < NK:
+                            for c in T.unroll(A_CH):
+                                T.evaluate(_cp_async16(
+                                    T.address_of(a_s[(ks % 2 * BM + (c * NT + tx) // 8) * A_ROW_WORDS
+                                                     + (c * NT + tx) % 8 * 4]),
+                                    T.address_of(x[T.max(row_s[(c * NT + tx) // 8], 0),
+                                                   ks * BK + (c * NT + tx) % 8 * 8]),
+                                    row_s[(c * NT + tx) // 8] >= 0))
+                            if gate_up:
+                                if tx // 2 < 64:
+                                    T.evaluate(_cp_async16(
+                                        T.address_of(b_s[(ks % 2 * BN + tx // 2) * B_ROW_WORDS + tx % 2 * 4]),
+                                        T.address_of(wq0[(tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * 64
+                                                          + tx // 2) * RW + ks * (BK // 8) + tx % 2 * 4]), 1))
+                                else:
+                                    T.evaluate(_cp_async16(
+                                        T.address_of(b_s[(ks % 2 * BN + tx // 2) * B_ROW_WORDS + tx % 2 * 4]),
+                                        T.address_of(wq1[(tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * 64
+                                                          + tx // 2 - 64) * RW + ks * (BK // 8) + tx % 2 * 4]), 1))
+                            else:
+                                T.evaluate(_cp_async16(
+                                    T.address_of(b_s[(ks % 2 * BN + tx // 2) * B_ROW_WORDS + tx % 2 * 4]),
+                                    T.address_of(wq0[(tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * BN
+                                                      + tx // 2) * RW + ks * (BK // 8) + tx % 2 * 4]),
+                                    1))
+                        T.evaluate(_commit())
+                        if ks > 0:
+                            T.evaluate(_wait1())
+                            T.tvm_storage_sync("shared.dyn")
+                            for hk in T.unroll(2):
+                                if tx // 128 * WM < nv[0]:  # the warp has rows in this tile
+                                    for j in T.unroll(4):
+                                        T.evaluate(_dequant8(
+                                            T.address_of(bf[j * 4]),
+                                            b_s[((ks - 1) % 2 * BN + b_row(tx // 32 % 4, j, tx % 32 // 4))
+                                                * B_ROW_WORDS + hk * 4 + tx % 4],
+                                            _scale_bf16x2(
+                                                (sc_s[b_row(tx // 32 % 4, j, tx % 32 // 4) * KGW
+                                                      + ((ks - 1) * 2 + hk) // 4]
+                                                 >> T.Cast("uint32", ((ks - 1) * 2 + hk) % 4 * 8)) & T.uint32(255))))
+                                    for i in T.unroll(MT):
+                                        # m16 tiles past the expert's last row are skipped (warp-uniform)
+                                        if tx // 128 * WM + i * 16 < nv[0]:
+                                            for v in T.vectorized(4):
+                                                ar[v] = a_s[((ks - 1) % 2 * BM + tx // 128 * WM + i * 16 + tx % 32 // 4)
+                                                            * A_ROW_WORDS + hk * 16 + tx % 4 * 4 + v]
+                                            for v in T.vectorized(4):
+                                                ar[4 + v] = a_s[((ks - 1) % 2 * BM + tx // 128 * WM + i * 16
+                                                                 + tx % 32 // 4 + 8) * A_ROW_WORDS + hk * 16 + tx % 4 * 4 + v]
+                                            for j in T.unroll(4):
+                                                T.evaluate(_mma(T.address_of(acc[(i * 4 + j) * 4]),
+                                                                ar[0], ar[4], ar[1], ar[5], bf[j * 4], bf[j * 4 + 1]))
+                                                T.evaluate(_mma(T.address_of(acc[(i * 4 + j) * 4]),
+                                                                ar[2], ar[6], ar[3], ar[7], bf[j * 4 + 2], bf[j * 4 + 3]))
+                            T.tvm_storage_sync("shared.dyn")
+                    # ---- epilogue
+                    for i in T.unroll(MT):
+                        for q in T.unroll(4):
+                            # (a shared-memory read in an if condition trips TVM's sync planner)
+                            ok[0] = row_s[tx // 128 * WM + i * 16 + tx % 32 // 4 + q // 2 * 8]
+                            if ok[0] >= 0:
+                                if gate_up:
+                                    for jj in T.unroll(2):
+                                        y[tiles[blk // NTN, 1] + tx // 128 * WM + i * 16 + tx % 32 // 4 + q // 2 * 8,
+                                          T.Cast("int32", blk % NTN) * 64 + tx // 32 % 4 * 16 + jj * 8 + tx % 4 * 2 + q % 2] = \
+                                            T.Cast(out_dtype, _situ(
+                                                T.Cast("float32", T.Cast("bfloat16", acc[(i * 4 + jj) * 4 + q])),
+                                                T.Cast("float32", T.Cast("bfloat16", acc[(i * 4 + jj + 2) * 4 + q])),
+                                                B, BL, use_bl))
+                                else:
+                                    for j in T.unroll(4):
+                                        y[sorted_pair[tiles[blk // NTN, 1] + tx // 128 * WM + i * 16 + tx % 32 // 4 + q // 2 * 8] // K,
+                                          sorted_pair[tiles[blk // NTN, 1] + tx // 128 * WM + i * 16 + tx % 32 // 4 + q // 2 * 8] % K,
+                                          T.Cast("int32", blk % NTN) * BN + tx // 32 % 4 * 32 + j * 8 + tx % 4 * 2 + q % 2] = \
+                                            T.Cast(out_dtype, acc[(i * 4 + j) * 4 + q])
+
+    return grouped
+
+
+def _situ(g, u, beta, beta_lin, use_bl):
+    """SiTU-GLU (spec §3): ``β·tanh(g/β)·σ(g) · u'`` with ``u' = β_lin·tanh(u/β_lin)`` or ``u``."""
+    up = T.float32(beta_lin) * T.tanh(u * T.float32(1.0 / beta_lin)) if use_bl else u
+    return T.float32(beta) * T.tanh(g * T.float32(1.0 / beta)) * T.sigmoid(g) * up
+
+
+def moe_grouped_gate_up_kernel(num_experts: int, latent: int, inter: int, top_k: int,
+                               beta: float, beta_lin: float | None, out_dtype: str = "bfloat16"):
+    """Grouped MXFP4 GEMM for W1/W3 with SiTU fused (CUDA, ``tirx.is_scheduled``).
+
+    PrimFunc arguments::
+
+        z            [T, L]          bf16    latent activations
+        w1_packed    [E, I, L/2]     uint8   w1_scale [E, I, L/32] uint8
+        w3_packed    [E, I, L/2]     uint8   w3_scale [E, I, L/32] uint8
+        sorted_pair  [T·k]           int32   from moe_sort
+        tiles        [MAXT, 3]       int32   from moe_sort
+        num_tiles    [1]             int32
+        a_sorted     [T·k, I]        bf16    row r = SiTU(round(W1 z), round(W3 z)) of pair sorted_pair[r]
+
+    L must be a multiple of 128, I of 64. Grid: ``MAXT × I/64`` blocks of 256 threads;
+    blocks past ``num_tiles`` exit at once.
+    """
+    return _grouped_gemm("gate_up", num_experts, inter, latent, top_k, beta, beta_lin, out_dtype)
+
+
+def moe_grouped_down_kernel(num_experts: int, latent: int, inter: int, top_k: int,
+                            out_dtype: str = "bfloat16"):
+    """Grouped MXFP4 GEMM for W2 (CUDA, ``tirx.is_scheduled``).
+
+    PrimFunc arguments::
+
+        a_sorted     [T·k, I]        bf16
+        w2_packed    [E, L, I/2]     uint8   w2_scale [E, L, I/32] uint8
+        w2_packed, w2_scale          (passed twice: the builder shares the gate_up signature)
+        sorted_pair  [T·k]           int32
+        tiles        [MAXT, 3]       int32
+        num_tiles    [1]             int32
+        o            [T·k, L]        out_dtype  row sorted_pair[r] = round(W2 a_sorted[r])
+
+    I must be a multiple of 128, L of 128.
+    """
+    return _grouped_gemm("down", num_experts, latent, inter, top_k, out_dtype=out_dtype)
+
+
+# ----------------------------------------------------------------------------- reference
+def moe_prefill_plan_reference(expert_ids: np.ndarray, num_experts: int, bm: int = BM):
+    """NumPy reference of :func:`moe_sort_kernel`: ``(counts [E], offsets [E+1], tiles
+    [num_tiles, 3], order)`` where ``order`` is the stable sort of the pairs by expert (the
+    kernel may order the pairs of one expert differently)."""
+    flat = np.asarray(expert_ids, np.int64).reshape(-1)
+    counts = np.bincount(flat, minlength=num_experts).astype(np.int32)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    tiles = [(e, offsets[e] + i * bm, offsets[e + 1])
+             for e in range(num_experts) for i in range(-(-int(counts[e]) // bm))]
+    order = np.argsort(flat, kind="stable").astype(np.int32)
+    return counts, offsets, np.array(tiles, np.int32).reshape(-1, 3), order

@@ -1,0 +1,150 @@
+"""The MXFP4 MoE prefill kernels (schedules/moe_mxfp4_prefill_cuda.py), on the CPU: the bit-level
+tricks the CUDA code relies on, emulated instruction by instruction and checked against the
+E2M1/E8M0 tables and a plain matmul, the plan reference against an independent count, and that
+the kernels compile (CUDA source always; fatbin where nvcc exists). The kernels run on the H200
+in benchmarks/moe.py and tests/gpu/check_moe_dispatch.py (not in CI: no GPU here)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from schedules import moe_generic as mg
+from schedules import moe_mxfp4_prefill_cuda as mp
+
+
+def _prmt(a: int, b: int, sel: int) -> int:
+    """PTX ``prmt.b32`` (default mode): byte i of the result = byte ``sel`` nibble i of {b, a};
+    nibble bit 3 replicates that byte's sign bit."""
+    pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+    out = 0
+    for i in range(4):
+        n = (sel >> (4 * i)) & 0xF
+        byte = pool[n & 7]
+        if n & 8:
+            byte = 0xFF if byte & 0x80 else 0
+        out |= byte << (8 * i)
+    return out
+
+
+def _bf16x2(word: int) -> np.ndarray:
+    return np.array([word & 0xFFFF, word >> 16], np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def _mul_bf16x2(x: int, y: int) -> int:
+    r = (_bf16x2(x) * _bf16x2(y)).astype(ml_dtypes.bfloat16).view(np.uint16)
+    return int(r[0]) | (int(r[1]) << 16)
+
+
+def _constants():
+    """The look-up words and selectors, read from the CUDA source (so a typo there fails)."""
+    src = mp._DEQUANT
+    lo_a, lo_b = (int(x, 16) for x in re.search(r"lo_a = (0x[0-9A-F]+)u, lo_b = (0x[0-9A-F]+)u", src).groups())
+    hi_a, hi_b = (int(x, 16) for x in re.search(r"hi_a = (0x[0-9A-F]+)u, hi_b = (0x[0-9A-F]+)u", src).groups())
+    return lo_a, lo_b, hi_a, hi_b
+
+
+def _dequant8(w: int, s2: int) -> list[int]:
+    """Instruction-by-instruction emulation of ``k3_e2m1x8_bf16``."""
+    lo_a, lo_b, hi_a, hi_b = _constants()
+    t = (w << 4) & 0xFFFFFFFF
+    out = []
+    for h in range(2):
+        sel = (w >> (16 * h)) & 0x7777
+        lo, hi = _prmt(lo_a, lo_b, sel), _prmt(hi_a, hi_b, sel)
+        hi |= _prmt(t, w, 0x7362 if h else 0x5140) & 0x80808080
+        out += [_mul_bf16x2(_prmt(lo, hi, 0x5140), s2), _mul_bf16x2(_prmt(lo, hi, 0x7362), s2)]
+    return out
+
+
+def _scale2(s: int) -> int:
+    b = 0x40 if s == 0 else (0x7FC0 if s == 255 else s << 7)
+    return b | (b << 16)
+
+
+def test_dequant_trick_matches_e2m1_and_e8m0_tables():
+    rng = np.random.default_rng(0)
+    words = [0x76543210, 0xFEDCBA98] + [int(x) for x in rng.integers(0, 2 ** 32, 60, dtype=np.uint64)]
+    for w in words:
+        for s in (1, 100, 121, 127, 130, 200):
+            vals = np.concatenate([_bf16x2(x) for x in _dequant8(w, _scale2(s))])
+            codes = np.array([(w >> (4 * i)) & 15 for i in range(8)], np.uint8)
+            ref = mg.e2m1_reference(codes) * np.float32(2.0 ** (s - 127))
+            np.testing.assert_array_equal(vals, ref, err_msg=f"w={w:#x} s={s}")
+    nan = np.concatenate([_bf16x2(x) for x in _dequant8(0x11111111, _scale2(255))])
+    assert np.isnan(nan).all()
+
+
+def test_permuted_fragments_compute_the_matmul():
+    """mma.m16n8k16 fragment layout (PTX ISA, "Matrix fragments for mma.m16n8k16") with the
+    kernel's input order: thread (g, q) holds inputs 8q..8q+7 of each 32 for its A rows g, g+8
+    and its B column g; two mmas per 32 inputs must give A @ B."""
+    rng = np.random.default_rng(1)
+    A = rng.standard_normal((16, 32))
+    B = rng.standard_normal((32, 8))
+    C = np.zeros((16, 8))
+    for step in range(2):
+        LA, LB = np.zeros((16, 16)), np.zeros((16, 8))
+        for lane in range(32):
+            g, q = lane // 4, lane % 4
+            r = [A[g, 8 * q + 2 * i: 8 * q + 2 * i + 2] for i in range(4)]
+            r8 = [A[g + 8, 8 * q + 2 * i: 8 * q + 2 * i + 2] for i in range(4)]
+            b = [B[8 * q + 2 * i: 8 * q + 2 * i + 2, g] for i in range(4)]
+            a0, a1, a2, a3 = r[2 * step], r8[2 * step], r[2 * step + 1], r8[2 * step + 1]
+            b0, b1 = b[2 * step], b[2 * step + 1]
+            # what the tensor core reads from each register
+            LA[g, 2 * q:2 * q + 2], LA[g + 8, 2 * q:2 * q + 2] = a0, a1
+            LA[g, 2 * q + 8:2 * q + 10], LA[g + 8, 2 * q + 8:2 * q + 10] = a2, a3
+            LB[2 * q:2 * q + 2, g], LB[2 * q + 8:2 * q + 10, g] = b0, b1
+        C += LA @ LB
+    np.testing.assert_allclose(C, A @ B, rtol=1e-12, atol=1e-12)
+
+
+def test_plan_reference():
+    ids = np.array([[3, 1], [1, 4], [3, 3], [0, 1]], np.int32)
+    counts, offsets, tiles, order = mp.moe_prefill_plan_reference(ids, 6, bm=2)
+    np.testing.assert_array_equal(counts, [1, 3, 0, 3, 1, 0])
+    np.testing.assert_array_equal(offsets, [0, 1, 4, 4, 7, 8, 8])
+    # expert 1 has 3 pairs = 2 tiles of 2 rows; expert 2 none
+    np.testing.assert_array_equal(tiles, [[0, 0, 1], [1, 1, 4], [1, 3, 4], [3, 4, 7], [3, 6, 7], [4, 7, 8]])
+    np.testing.assert_array_equal(ids.reshape(-1)[order], [0, 1, 1, 1, 3, 3, 3, 4])
+    assert len(tiles) <= mp.max_tiles(ids.size, 6, 2)
+
+
+def test_bad_sizes_rejected():
+    with pytest.raises(ValueError, match="multiple of 64"):
+        mp.moe_grouped_gate_up_kernel(4, 100, 128, 2, 4.0, 25.0)
+    with pytest.raises(ValueError, match="at most 1024 experts"):
+        mp.moe_sort_kernel(1025, 2)
+
+
+def _module():
+    import tvm
+
+    fs = {"s": mp.moe_sort_kernel(5, 3),
+          "gu": mp.moe_grouped_gate_up_kernel(5, 256, 192, 3, 4.0, 25.0),
+          "d": mp.moe_grouped_down_kernel(5, 256, 384, 3)}
+    return tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in fs.items()})
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+def test_kernels_compile_to_fatbin_for_sm90a(tmp_path):
+    import subprocess
+    import sys
+
+    code = (
+        "import tvm\n"
+        "from k3_compile.device_code import precompiled_cuda, inspect_library\n"
+        "from tests.test_moe_prefill_cuda import _module\n"
+        "from targets import get_target\n"
+        "with precompiled_cuda('sm_90a'):\n"
+        "    lib = tvm.compile(_module(), target=get_target('cuda-sm90a').tvm_target())\n"
+        f"lib.export_library('{tmp_path}/k.so')\n"
+        f"print([b.content for b in inspect_library('{tmp_path}/k.so')])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "fatbin" in out.stdout
