@@ -73,6 +73,7 @@ def build(out_dir: Path) -> None:
 
 
 PREFILL_FUNCS = ("moe_sort", "moe_grouped_gate_up", "moe_grouped_down")
+PREFILL_STAGE_VARIANTS = (3, 4)  # besides the default (schedules.moe_mxfp4_prefill_cuda.STAGES)
 
 
 def build_prefill(out_dir: Path) -> None:
@@ -81,6 +82,7 @@ def build_prefill(out_dir: Path) -> None:
 
     from k3_compile.device_code import precompiled_cuda
     from schedules import moe_mxfp4_prefill_cuda as mp
+    from schedules.barriers import respect_manual_barriers
     from targets import get_target
 
     spec = get_target("cuda-sm90a")
@@ -90,11 +92,20 @@ def build_prefill(out_dir: Path) -> None:
         "moe_grouped_down": mp.moe_grouped_down_kernel(E, L, I, TOPK),
     }
     mod = tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in fs.items()})
-    with precompiled_cuda(spec.nvcc_arch, options=PTXAS_REGISTER_LEVEL):
+    with precompiled_cuda(spec.nvcc_arch, options=PTXAS_REGISTER_LEVEL), respect_manual_barriers():
         lib = tvm.compile(mod, target=spec.tvm_target())
     path = out_dir / "moe_prefill.so"
     lib.export_library(str(path))
     print(f"built {path}")
+    # pipeline-depth variants, timed in the same run
+    for ns in PREFILL_STAGE_VARIANTS:
+        mod = tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in {
+            "moe_sort": mp.moe_sort_kernel(E, TOPK),
+            "moe_grouped_gate_up": mp.moe_grouped_gate_up_kernel(E, L, I, TOPK, BETA, BETA_LIN, stages=ns),
+            "moe_grouped_down": mp.moe_grouped_down_kernel(E, L, I, TOPK, stages=ns)}.items()})
+        with precompiled_cuda(spec.nvcc_arch, options=PTXAS_REGISTER_LEVEL), respect_manual_barriers():
+            lib = tvm.compile(mod, target=spec.tvm_target())
+        lib.export_library(str(out_dir / f"moe_prefill_stages{ns}.so"))
     # the small shapes of tests/gpu/check_moe_dispatch.py's model (E=3, top-2, widths 512)
     fs = {
         "moe_sort": mp.moe_sort_kernel(3, 2),
@@ -102,7 +113,7 @@ def build_prefill(out_dir: Path) -> None:
         "moe_grouped_down": mp.moe_grouped_down_kernel(3, 512, 512, 2),
     }
     mod = tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in fs.items()})
-    with precompiled_cuda(spec.nvcc_arch, options=PTXAS_REGISTER_LEVEL):
+    with precompiled_cuda(spec.nvcc_arch, options=PTXAS_REGISTER_LEVEL), respect_manual_barriers():
         lib = tvm.compile(mod, target=spec.tvm_target())
     lib.export_library(str(out_dir / "moe_prefill_small.so"))
 
@@ -428,6 +439,17 @@ def run_prefill(lib_dir: Path, W, Wb, tw, g) -> dict:
                "ours_gate_up_ms": t_gu, "ours_down_ms": t_gemm - t_gu,
                "ours_tflops": flop / (t_gemm / 1e3) / 1e12}
         row["ours_pct_peak"] = 100 * row["ours_tflops"] / peak
+        for vp in sorted(lib_dir.glob("moe_prefill_stages*.so")):
+            vl = tvm.runtime.load_module(str(vp))
+            v_gu, v_down = vl["moe_grouped_gate_up"], vl["moe_grouped_down"]
+            tv = {k: tvm.runtime.from_dlpack(bufs[k]) for k in ("sorted", "tiles", "num_tiles", "a", "o")}
+            tz = tvm.runtime.from_dlpack(z)
+
+            def v_gemms():
+                v_gu(tz, *tw["w1"], *tw["w3"], tv["sorted"], tv["tiles"], tv["num_tiles"], tv["a"])
+                v_down(tv["a"], *tw["w2"], *tw["w2"], tv["sorted"], tv["tiles"], tv["num_tiles"], tv["o"])
+
+            row.setdefault("variants_gemms_ms", {})[vp.stem] = time_cuda(v_gemms, iters=5, per_sample=2, warmup=1)
         # torch._grouped_mm, bf16 weights, tokens sorted by expert beforehand (not timed)
         try:
             order = torch.argsort(ids.reshape(-1), stable=True)
@@ -457,23 +479,38 @@ def run_prefill(lib_dir: Path, W, Wb, tw, g) -> dict:
 
 
 def _plot(res: dict, path: Path) -> None:
+    """Decode: % of the HBM roofline per token count; prefill: TFLOP/s vs torch._grouped_mm
+    and the measured bf16 peak."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = res["timing"]
-    xs = [str(r["T"]) for r in rows]
-    idx = range(len(xs))
+    pre = res.get("prefill", {}).get("timing", [])
+    panels = [p for p in (("decode", res.get("timing")), ("prefill", pre)) if p[1]]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
     w = 0.38
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.bar([i - w / 2 for i in idx], [r["ours_pct_roofline"] for r in rows], w, label="k3-compile MXFP4 TIR")
-    ax.bar([i + w / 2 for i in idx], [r["torch_pct_roofline"] for r in rows], w, label="torch bf16 loop")
-    ax.set_xticks(list(idx), xs)
-    ax.set_xlabel("tokens (top-16 each)")
-    ax.set_ylabel("% of HBM roofline (distinct experts, MXFP4 bytes)")
-    ax.set_title("K3 MoE experts decode, H200")
-    ax.legend()
+    for ax, (kind, rows) in zip(axes[0], panels):
+        xs = [str(r["T"]) for r in rows]
+        idx = list(range(len(xs)))
+        if kind == "decode":
+            ours, other = [r["ours_pct_roofline"] for r in rows], [r["torch_pct_roofline"] for r in rows]
+            ax.set_ylabel("% of HBM roofline (distinct experts, MXFP4 bytes)")
+            ax.set_title("K3 MoE experts decode, H200")
+            labels = ("k3-compile MXFP4 TIR", "torch bf16 loop")
+        else:
+            ours = [r["ours_tflops"] for r in rows]
+            other = [r.get("torch_tflops", 0.0) for r in rows]
+            ax.axhline(res["prefill"]["bf16_matmul_peak_tflops"], color="gray", ls="--",
+                       label="bf16 matmul peak (torch)")
+            ax.set_ylabel("TFLOP/s (routed experts, 3 GEMMs)")
+            ax.set_title("K3 MoE experts prefill, H200")
+            labels = ("k3-compile MXFP4 grouped GEMM", "torch._grouped_mm bf16")
+        ax.bar([i - w / 2 for i in idx], ours, w, label=labels[0])
+        ax.bar([i + w / 2 for i in idx], other, w, label=labels[1])
+        ax.set_xticks(idx, xs)
+        ax.set_xlabel("tokens (top-16 each)")
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -128,12 +128,15 @@ def build_module(mod, target_spec: TargetSpec, *, keep_dir=None, cuda_graph: boo
     """
     import tvm
 
+    from schedules.barriers import respect_manual_barriers
+
     if not target_spec.is_gpu:
         return tvm.compile(mod, target=target_spec.tvm_target())
     target = target_spec.tvm_target()
-    if not target_spec.is_cuda:  # Metal, ROCm: TVM's own code generator, same Relax pipeline
-        return tvm.compile(mod, target=target, relax_pipeline=gpu_relax_pipeline(target))
-    from .device_code import build_cuda
+    with respect_manual_barriers():  # hand-pipelined kernels place their own barriers
+        if not target_spec.is_cuda:  # Metal, ROCm: TVM's own code generator, same Relax pipeline
+            return tvm.compile(mod, target=target, relax_pipeline=gpu_relax_pipeline(target))
+        from .device_code import build_cuda
 
-    return build_cuda(mod, target_spec, keep_dir=keep_dir,
-                      relax_pipeline=gpu_relax_pipeline(target, cuda_graph=cuda_graph))
+        return build_cuda(mod, target_spec, keep_dir=keep_dir,
+                          relax_pipeline=gpu_relax_pipeline(target, cuda_graph=cuda_graph))

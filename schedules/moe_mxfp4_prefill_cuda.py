@@ -28,18 +28,23 @@ Kernels (CUDA only, ``tirx.is_scheduled``; ``P = T·top_k`` pairs, ``BM`` rows p
 GEMM mapping (both GEMM kernels; ``mma.sync.m16n8k16`` bf16 x bf16 -> fp32, Ampere/Hopper/
 Blackwell): a block of 8 warps computes a ``BM × 128`` tile (gate_up: 64 gate + the same 64
 up columns, so SiTU is applied in registers); warps are 2 (M) × 4 (N), each ``BM/2 × 32``.
-The K loop moves 64 inputs per step through a two-stage ``cp.async`` pipeline: activations
-(bf16, rows padded to 144 bytes: conflict-free 16-byte reads) and packed codes (rows padded to
-48 bytes); the E8M0 scales of the block's 128 weight rows stay in shared memory for the whole
-K. Dequantization happens in registers, once per warp and reused by all of its M tiles: a
-``uint32`` of 8 codes becomes four bf16x2 words by ``prmt`` look-ups (magnitude → bf16 low
-and high byte; the sign bit moved to bit 15), then one ``mul.rn.bf16x2`` by the scale
-``2^(s-127)`` (exact: a code has two significant bits). The inputs of one k-step are taken in
-a permuted order that makes both operands' fragments contiguous — thread ``(g, q)`` of a warp
-(``g = lane/4``, ``q = lane%4``) holds inputs ``8q .. 8q+7`` of each 32, which the mma sees
-as its ``k = 2q, 2q+1, 2q+8, 2q+9`` (first half-step) and the same +4 (second): one 16-byte
-activation read per row pair and one 4-byte code read per column feed two mmas. A sum over
-k does not depend on the order of k, and the scale group (32 inputs) is the same for all.
+The K loop moves 64 inputs per step through a ``STAGES``-deep ``cp.async`` pipeline (one
+barrier per step): activations (bf16 rows of 128 bytes, 16-byte chunks XOR-swizzled by row
+parity so that fragment reads are free of bank conflicts; rows gathered through
+``sorted_pair``, rows past the expert's end zero-filled) and packed codes (rows padded to 48
+bytes); the E8M0 scales of the block's 128 weight rows stay in shared memory for the whole K.
+Warps (and m16 tiles) holding no row of the expert skip their work, so a tile's cost follows
+its rows in steps of 16. Dequantization happens in registers, once per warp and reused by all
+of its M tiles: a ``uint32`` of 8 codes becomes four bf16x2 words by ``prmt`` look-ups
+(magnitude → bf16 low and high byte; the sign bit moved to bit 15), then one
+``mul.rn.bf16x2`` by the scale ``2^(s-127)`` (exact: a code has two significant bits). The
+inputs of one k-step are taken in a permuted order that makes both operands' fragments
+contiguous — thread ``(g, q)`` of a warp (``g = lane/4``, ``q = lane%4``) holds inputs
+``8q .. 8q+7`` of each 32, which the mma sees as its ``k = 2q, 2q+1, 2q+8, 2q+9`` (first
+half-step) and the same +4 (second): one 16-byte activation read per row pair and one 4-byte
+code read per column feed two mmas. A sum over k does not depend on the order of k, and the
+scale group (32 inputs) is the same for all. The kernels place their own barriers
+(:mod:`schedules.barriers`).
 
 E8M0 scale bytes: ``s = 255`` (NaN) gives NaN weights; ``s = 0`` gives ``2^-127`` (a bf16
 subnormal), as the reference.
@@ -54,20 +59,24 @@ import numpy as np
 from tvm.backend.cuda.op import cuda_func_call
 from tvm.script import tirx as T
 
+from schedules.barriers import mark
+
 BM = 128          # rows (token-expert pairs) per tile
 BN = 128          # weight rows per block (gate_up: 64 of W1 + 64 of W3)
 BK = 64           # inputs per pipeline step
 NT = 256          # threads per GEMM block (8 warps: 2 along M, 4 along N)
 PLAN_THREADS = 1024
-A_ROW_WORDS = 36  # uint32 per activation row in shared memory (64 bf16 + 8 pad)
-B_ROW_WORDS = 12  # uint32 per packed weight row in shared memory (32 bytes + 16 pad)
+STAGES = 2        # cp.async pipeline depth (k-steps in flight; 2 measured fastest, 4 slowest)
+ROW_WORDS = 32    # uint32 per 64-element bf16 activation row in shared memory (16-byte chunks
+                  # XOR-swizzled by row parity: conflict-free fragment reads, no padding)
+B_ROW_WORDS = 12  # uint32 per packed weight row in shared memory (64 codes + 16 bytes pad)
 
 # ----------------------------------------------------------------------------- device helpers
 # Inline-PTX device functions called from the TIR kernels (``cuda_func_call``), one per source.
 _MMA = r"""
 __forceinline__ __device__ void k3_mma_bf16(float* d, unsigned a0, unsigned a1, unsigned a2,
                                             unsigned a3, unsigned b0, unsigned b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
                "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
@@ -83,8 +92,8 @@ __forceinline__ __device__ void k3_cp_async16(void* smem, const void* gmem, int 
 _COMMIT = r"""
 __forceinline__ __device__ void k3_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 """
-_WAIT1 = r"""
-__forceinline__ __device__ void k3_cp_async_wait1() { asm volatile("cp.async.wait_group 1;\n" ::); }
+_WAIT = r"""
+__forceinline__ __device__ void k3_cp_async_wait{n}() {{ asm volatile("cp.async.wait_group {n};\n" ::); }}
 """
 # 8 E2M1 codes (nibble i of w = input i) times the bf16x2 scale s2 -> 4 bf16x2 words
 # (inputs 0-1, 2-3, 4-5, 6-7). prmt look-ups: magnitude -> low / high byte of its bf16;
@@ -124,20 +133,27 @@ def _commit():
     return cuda_func_call("k3_cp_async_commit", source_code=_COMMIT)
 
 
-def _wait1():
-    return cuda_func_call("k3_cp_async_wait1", source_code=_WAIT1)
+def _wait(n: int):
+    """Wait until at most ``n`` committed cp.async groups are in flight."""
+    return cuda_func_call(f"k3_cp_async_wait{n}", source_code=_WAIT.format(n=n))
 
 
 def _dequant8(out, w, s2):
     return cuda_func_call("k3_e2m1x8_bf16", out, w, s2, source_code=_DEQUANT)
 
 
-def _scale_bf16x2(s):
-    """uint32 bf16x2 (both halves) of the E8M0 byte ``s``: 2^(s-127); 0 -> 2^-127 (subnormal
-    0x0040), 255 -> NaN (0x7FC0)."""
-    b = T.Select(s == T.uint32(0), T.uint32(0x40),
-                 T.Select(s == T.uint32(255), T.uint32(0x7FC0), s << T.uint32(7)))
-    return b | (b << T.uint32(16))
+def _scale_bf16(s):
+    """uint32 holding the bf16 bits of the E8M0 byte ``s`` (uint32 0..255): 2^(s-127);
+    0 -> 2^-127 (the subnormal 0x0040), 255 -> NaN (0x7FC0)."""
+    return T.Select(s == T.uint32(0), T.uint32(0x40),
+                    T.Select(s == T.uint32(255), T.uint32(0x7FC0), s << T.uint32(7)))
+
+
+def _dup_half(w, hi):
+    """bf16x2 word with both halves = half ``hi`` (0 low, 1 high; a constant after unrolling)
+    of ``w``: one ``prmt`` (selector 0x1010 or 0x3232)."""
+    return T.call_pure_extern("uint32", "__byte_perm", w, w,
+                              T.uint32(0x1010) + T.Cast("uint32", hi) * T.uint32(0x2222))
 
 
 def max_tiles(num_pairs, num_experts: int, bm: int = BM):
@@ -230,7 +246,7 @@ def moe_sort_kernel(num_experts: int, top_k: int, bm: int = BM):
 
 # ----------------------------------------------------------------------------- grouped GEMM
 def _grouped_gemm(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
-                  beta_lin: float | None = None, out_dtype: str = "bfloat16"):
+                  beta_lin: float | None = None, out_dtype: str = "bfloat16", stages: int = STAGES):
     """Builder of the two grouped GEMMs (see module doc); ``N`` output columns, ``KD`` inputs.
 
     gate_up: args ``z [T, L] bf16, w1p, w1s, w3p, w3s, sorted_pair [P], tiles [MAXT, 3],
@@ -238,6 +254,9 @@ def _grouped_gemm(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 
     tiles, num_tiles, o [T, k, L]``.
     """
     K = top_k
+    NS = stages
+    if NS < 2:
+        raise ValueError(f"stages must be at least 2, got {NS}")
     gate_up = kind == "gate_up"
     if KD % BK:
         raise ValueError(f"input width {KD} must be a multiple of {BK}")
@@ -247,7 +266,8 @@ def _grouped_gemm(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 
     NTN = N // cols
     NK = KD // BK
     KG = KD // 32                               # scale groups per row
-    KGW = KG // 4                               # uint32 words of scales per row
+    KGW = KG // 4                               # uint32 words of E8M0 bytes per row (global)
+    KGH = KG // 2                               # uint32 words of bf16 scale pairs per row (shared)
     if KG % 4:
         raise ValueError(f"input width {KD} must be a multiple of 128")
     RW = KD // 8                                # uint32 words of packed codes per row
@@ -265,6 +285,32 @@ def _grouped_gemm(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 
         if gate_up:
             return (j // 2) * 64 + wn * 16 + (j % 2) * 8 + g
         return wn * 32 + j * 8 + g
+
+    @T.macro
+    def issue(step, a_s, b_s, row_s, xf, wq0, wq1, tiles, blk, tx):
+        """cp.async of k-step ``step`` (activations and packed codes) into stage step % NS."""
+        for c in T.unroll(A_CH):
+            T.evaluate(_cp_async16(
+                T.address_of(a_s[(step % NS * BM + (c * NT + tx) // 8) * ROW_WORDS
+                                 + ((c * NT + tx) % 8 ^ (c * NT + tx) // 8 % 2 * 4) * 4]),
+                T.address_of(xf[T.max(row_s[(c * NT + tx) // 8], T.int64(0)) + step * BK + (c * NT + tx) % 8 * 8]),
+                row_s[(c * NT + tx) // 8] >= T.int64(0)))
+        if gate_up:
+            if tx // 2 < 64:
+                T.evaluate(_cp_async16(
+                    T.address_of(b_s[(step % NS * BN + tx // 2) * B_ROW_WORDS + tx % 2 * 4]),
+                    T.address_of(wq0[(tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * 64
+                                      + tx // 2) * RW + step * (BK // 8) + tx % 2 * 4]), 1))
+            else:
+                T.evaluate(_cp_async16(
+                    T.address_of(b_s[(step % NS * BN + tx // 2) * B_ROW_WORDS + tx % 2 * 4]),
+                    T.address_of(wq1[(tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * 64
+                                      + tx // 2 - 64) * RW + step * (BK // 8) + tx % 2 * 4]), 1))
+        else:
+            T.evaluate(_cp_async16(
+                T.address_of(b_s[(step % NS * BN + tx // 2) * B_ROW_WORDS + tx % 2 * 4]),
+                T.address_of(wq0[(tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * BN
+                                  + tx // 2) * RW + step * (BK // 8) + tx % 2 * 4]), 1))
 
     @T.prim_func(private=True)
     def grouped(x_h: T.handle, wp0_h: T.handle, ws0_h: T.handle, wp1_h: T.handle, ws1_h: T.handle,
@@ -285,20 +331,22 @@ def _grouped_gemm(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 
         ws1 = T.match_buffer(ws1_h, (E, N, KG), "uint8")
         sorted_pair = T.match_buffer(sorted_h, (nt * K,), "int32")
         tiles = T.match_buffer(tiles_h, (mt, 3), "int32")
+        xf = T.decl_buffer((x.shape[0] * KD,), "bfloat16", data=x.data)
         wq0 = T.decl_buffer((E * N * RW,), "uint32", data=wp0.data)
         wq1 = T.decl_buffer((E * N * RW,), "uint32", data=wp1.data)
         sq0 = T.decl_buffer((E * N * KGW,), "uint32", data=ws0.data)
         sq1 = T.decl_buffer((E * N * KGW,), "uint32", data=ws1.data)
         for blk in T.thread_binding(mt * NTN, thread="blockIdx.x"):
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                a_s = T.alloc_buffer((2 * BM * A_ROW_WORDS,), "uint32", scope="shared.dyn")
-                b_s = T.alloc_buffer((2 * BN * B_ROW_WORDS,), "uint32", scope="shared.dyn")
-                sc_s = T.alloc_buffer((BN * KGW,), "uint32", scope="shared.dyn")
-                row_s = T.alloc_buffer((BM,), "int32", scope="shared.dyn")
+                a_s = T.alloc_buffer((NS * BM * ROW_WORDS,), "uint32", scope="shared.dyn")
+                b_s = T.alloc_buffer((NS * BN * B_ROW_WORDS,), "uint32", scope="shared.dyn")
+                sc_s = T.alloc_buffer((BN * KGH,), "uint32", scope="shared.dyn")
+                sw = T.alloc_buffer((1,), "uint32", scope="local")
+                row_s = T.alloc_buffer((BM,), "int64", scope="shared.dyn")  # element offset of the row in x, or -1
                 acc = T.alloc_buffer((MT * 4 * 4,), "float32", scope="local")
                 bf = T.alloc_buffer((4 * 4,), "uint32", scope="local")
                 ar = T.alloc_buffer((8,), "uint32", scope="local")
-                ok = T.alloc_buffer((1,), "int32", scope="local")
+                ok = T.alloc_buffer((1,), "int64", scope="local")
                 nv = T.alloc_buffer((1,), "int32", scope="local")
                 if T.Cast("int32", blk // NTN) < num_tiles[0]:
                     nv[0] = tiles[blk // NTN, 2] - tiles[blk // NTN, 1]  # rows of the expert from here
@@ -307,89 +355,72 @@ def _grouped_gemm(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 
                         if gate_up:
                             row_s[tx] = T.if_then_else(
                                 tiles[blk // NTN, 1] + tx < tiles[blk // NTN, 2],
-                                sorted_pair[T.min(tiles[blk // NTN, 1] + tx, T.Cast("int32", nt * K) - 1)] // K, -1)
+                                T.Cast("int64", sorted_pair[T.min(tiles[blk // NTN, 1] + tx, T.Cast("int32", nt * K) - 1)] // K) * KD,
+                                T.int64(-1))
                         else:
                             row_s[tx] = T.if_then_else(
                                 tiles[blk // NTN, 1] + tx < tiles[blk // NTN, 2],
-                                tiles[blk // NTN, 1] + tx, -1)
+                                T.Cast("int64", tiles[blk // NTN, 1] + tx) * KD, T.int64(-1))
+                    # scales of the block's weight rows for the whole K, as bf16 (word = 2 groups)
                     for it in range((BN * KGW + NT - 1) // NT):
                         if it * NT + tx < BN * KGW:
                             if gate_up:
-                                sc_s[it * NT + tx] = T.if_then_else(
+                                sw[0] = T.if_then_else(
                                     (it * NT + tx) // KGW < 64,
                                     sq0[(tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * 64
                                          + (it * NT + tx) // KGW) * KGW + (it * NT + tx) % KGW],
                                     sq1[(tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * 64
                                          + (it * NT + tx) // KGW - 64) * KGW + (it * NT + tx) % KGW])
                             else:
-                                sc_s[it * NT + tx] = sq0[(tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * BN
-                                                          + (it * NT + tx) // KGW) * KGW + (it * NT + tx) % KGW]
+                                sw[0] = sq0[(tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * BN
+                                             + (it * NT + tx) // KGW) * KGW + (it * NT + tx) % KGW]
+                            for h in T.unroll(2):
+                                sc_s[(it * NT + tx) * 2 + h] = _scale_bf16(
+                                    (sw[0] >> T.uint32(16 * h)) & T.uint32(255)) | (_scale_bf16(
+                                        (sw[0] >> T.uint32(16 * h + 8)) & T.uint32(255)) << T.uint32(16))
                     for i in range(MT * 16):
                         acc[i] = T.float32(0)
                     T.tvm_storage_sync("shared.dyn")
-                    # ---- K loop: stage ks+1 loads while ks computes
-                    for ks in range(NK + 1):
-                        if ks < NK:
-                            for c in T.unroll(A_CH):
-                                T.evaluate(_cp_async16(
-                                    T.address_of(a_s[(ks % 2 * BM + (c * NT + tx) // 8) * A_ROW_WORDS
-                                                     + (c * NT + tx) % 8 * 4]),
-                                    T.address_of(x[T.max(row_s[(c * NT + tx) // 8], 0),
-                                                   ks * BK + (c * NT + tx) % 8 * 8]),
-                                    row_s[(c * NT + tx) // 8] >= 0))
-                            if gate_up:
-                                if tx // 2 < 64:
-                                    T.evaluate(_cp_async16(
-                                        T.address_of(b_s[(ks % 2 * BN + tx // 2) * B_ROW_WORDS + tx % 2 * 4]),
-                                        T.address_of(wq0[(tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * 64
-                                                          + tx // 2) * RW + ks * (BK // 8) + tx % 2 * 4]), 1))
-                                else:
-                                    T.evaluate(_cp_async16(
-                                        T.address_of(b_s[(ks % 2 * BN + tx // 2) * B_ROW_WORDS + tx % 2 * 4]),
-                                        T.address_of(wq1[(tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * 64
-                                                          + tx // 2 - 64) * RW + ks * (BK // 8) + tx % 2 * 4]), 1))
-                            else:
-                                T.evaluate(_cp_async16(
-                                    T.address_of(b_s[(ks % 2 * BN + tx // 2) * B_ROW_WORDS + tx % 2 * 4]),
-                                    T.address_of(wq0[(tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * BN
-                                                      + tx // 2) * RW + ks * (BK // 8) + tx % 2 * 4]),
-                                    1))
+                    # ---- K loop: NS-deep cp.async pipeline, one barrier per step
+                    for st in T.unroll(NS - 1):
+                        if st < NK:
+                            issue(st, a_s, b_s, row_s, xf, wq0, wq1, tiles, blk, tx)
                         T.evaluate(_commit())
-                        if ks > 0:
-                            T.evaluate(_wait1())
-                            T.tvm_storage_sync("shared.dyn")
+                    for ks in range(NK):
+                        T.evaluate(_wait(NS - 2))
+                        T.tvm_storage_sync("shared.dyn")
+                        # refill the stage computed in the previous step
+                        if ks + NS - 1 < NK:
+                            issue(ks + NS - 1, a_s, b_s, row_s, xf, wq0, wq1, tiles, blk, tx)
+                        T.evaluate(_commit())
+                        if tx // 128 * WM < nv[0]:  # the warp has rows in this tile
                             for hk in T.unroll(2):
-                                if tx // 128 * WM < nv[0]:  # the warp has rows in this tile
-                                    for j in T.unroll(4):
-                                        T.evaluate(_dequant8(
-                                            T.address_of(bf[j * 4]),
-                                            b_s[((ks - 1) % 2 * BN + b_row(tx // 32 % 4, j, tx % 32 // 4))
-                                                * B_ROW_WORDS + hk * 4 + tx % 4],
-                                            _scale_bf16x2(
-                                                (sc_s[b_row(tx // 32 % 4, j, tx % 32 // 4) * KGW
-                                                      + ((ks - 1) * 2 + hk) // 4]
-                                                 >> T.Cast("uint32", ((ks - 1) * 2 + hk) % 4 * 8)) & T.uint32(255))))
-                                    for i in T.unroll(MT):
-                                        # m16 tiles past the expert's last row are skipped (warp-uniform)
-                                        if tx // 128 * WM + i * 16 < nv[0]:
-                                            for v in T.vectorized(4):
-                                                ar[v] = a_s[((ks - 1) % 2 * BM + tx // 128 * WM + i * 16 + tx % 32 // 4)
-                                                            * A_ROW_WORDS + hk * 16 + tx % 4 * 4 + v]
-                                            for v in T.vectorized(4):
-                                                ar[4 + v] = a_s[((ks - 1) % 2 * BM + tx // 128 * WM + i * 16
-                                                                 + tx % 32 // 4 + 8) * A_ROW_WORDS + hk * 16 + tx % 4 * 4 + v]
-                                            for j in T.unroll(4):
-                                                T.evaluate(_mma(T.address_of(acc[(i * 4 + j) * 4]),
-                                                                ar[0], ar[4], ar[1], ar[5], bf[j * 4], bf[j * 4 + 1]))
-                                                T.evaluate(_mma(T.address_of(acc[(i * 4 + j) * 4]),
-                                                                ar[2], ar[6], ar[3], ar[7], bf[j * 4 + 2], bf[j * 4 + 3]))
-                            T.tvm_storage_sync("shared.dyn")
+                                for j in T.unroll(4):
+                                    T.evaluate(_dequant8(
+                                        T.address_of(bf[j * 4]),
+                                        b_s[(ks % NS * BN + b_row(tx // 32 % 4, j, tx % 32 // 4))
+                                            * B_ROW_WORDS + hk * 4 + tx % 4],
+                                        _dup_half(sc_s[b_row(tx // 32 % 4, j, tx % 32 // 4) * KGH + ks], hk)))
+                                for i in T.unroll(MT):
+                                    # m16 tiles past the expert's last row are skipped (warp-uniform)
+                                    if tx // 128 * WM + i * 16 < nv[0]:
+                                        for v in T.vectorized(4):
+                                            ar[v] = a_s[(ks % NS * BM + tx // 128 * WM + i * 16 + tx % 32 // 4)
+                                                        * ROW_WORDS + ((hk * 4 + tx % 4) ^ (tx % 32 // 4 % 2 * 4)) * 4 + v]
+                                        for v in T.vectorized(4):
+                                            ar[4 + v] = a_s[(ks % NS * BM + tx // 128 * WM + i * 16 + tx % 32 // 4 + 8)
+                                                            * ROW_WORDS + ((hk * 4 + tx % 4) ^ (tx % 32 // 4 % 2 * 4)) * 4 + v]
+                                        for j in T.unroll(4):
+                                            T.evaluate(_mma(T.address_of(acc[(i * 4 + j) * 4]),
+                                                            ar[0], ar[4], ar[1], ar[5], bf[j * 4], bf[j * 4 + 1]))
+                                            T.evaluate(_mma(T.address_of(acc[(i * 4 + j) * 4]),
+                                                            ar[2], ar[6], ar[3], ar[7], bf[j * 4 + 2], bf[j * 4 + 3]))
                     # ---- epilogue
                     for i in T.unroll(MT):
                         for q in T.unroll(4):
                             # (a shared-memory read in an if condition trips TVM's sync planner)
                             ok[0] = row_s[tx // 128 * WM + i * 16 + tx % 32 // 4 + q // 2 * 8]
-                            if ok[0] >= 0:
+                            if ok[0] >= T.int64(0):
                                 if gate_up:
                                     for jj in T.unroll(2):
                                         y[tiles[blk // NTN, 1] + tx // 128 * WM + i * 16 + tx % 32 // 4 + q // 2 * 8,
@@ -405,7 +436,9 @@ def _grouped_gemm(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 
                                           T.Cast("int32", blk % NTN) * BN + tx // 32 % 4 * 32 + j * 8 + tx % 4 * 2 + q % 2] = \
                                             T.Cast(out_dtype, acc[(i * 4 + j) * 4 + q])
 
-    return grouped
+    # its barriers are its own (TVM's planner cannot follow the cp.async pipeline):
+    # compile inside schedules.barriers.respect_manual_barriers()
+    return mark(grouped)
 
 
 def _situ(g, u, beta, beta_lin, use_bl):
@@ -415,7 +448,8 @@ def _situ(g, u, beta, beta_lin, use_bl):
 
 
 def moe_grouped_gate_up_kernel(num_experts: int, latent: int, inter: int, top_k: int,
-                               beta: float, beta_lin: float | None, out_dtype: str = "bfloat16"):
+                               beta: float, beta_lin: float | None, out_dtype: str = "bfloat16",
+                               stages: int = STAGES):
     """Grouped MXFP4 GEMM for W1/W3 with SiTU fused (CUDA, ``tirx.is_scheduled``).
 
     PrimFunc arguments::
@@ -431,11 +465,11 @@ def moe_grouped_gate_up_kernel(num_experts: int, latent: int, inter: int, top_k:
     L must be a multiple of 128, I of 64. Grid: ``MAXT × I/64`` blocks of 256 threads;
     blocks past ``num_tiles`` exit at once.
     """
-    return _grouped_gemm("gate_up", num_experts, inter, latent, top_k, beta, beta_lin, out_dtype)
+    return _grouped_gemm("gate_up", num_experts, inter, latent, top_k, beta, beta_lin, out_dtype, stages)
 
 
 def moe_grouped_down_kernel(num_experts: int, latent: int, inter: int, top_k: int,
-                            out_dtype: str = "bfloat16"):
+                            out_dtype: str = "bfloat16", stages: int = STAGES):
     """Grouped MXFP4 GEMM for W2 (CUDA, ``tirx.is_scheduled``).
 
     PrimFunc arguments::
@@ -450,7 +484,7 @@ def moe_grouped_down_kernel(num_experts: int, latent: int, inter: int, top_k: in
 
     I must be a multiple of 128, L of 128.
     """
-    return _grouped_gemm("down", num_experts, latent, inter, top_k, out_dtype=out_dtype)
+    return _grouped_gemm("down", num_experts, latent, inter, top_k, out_dtype=out_dtype, stages=stages)
 
 
 # ----------------------------------------------------------------------------- reference
