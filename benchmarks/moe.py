@@ -1,20 +1,30 @@
-"""MoE expert decode benchmark: the MXFP4 CUDA TIR kernels (schedules/moe_mxfp4_cuda.py) vs
-the HBM roofline and vs an eager bf16 torch loop over the selected experts.
+"""MoE expert benchmark: the MXFP4 CUDA TIR kernels for decode (schedules/moe_mxfp4_cuda.py)
+vs the HBM roofline and an eager bf16 torch loop, and for prefill
+(schedules/moe_mxfp4_prefill_cuda.py) vs the bf16 tensor-core peak and ``torch._grouped_mm``.
 
 Two steps, because the GPU machine has no TVM compiler:
 
-1. Here (with nvcc): ``python benchmarks/moe.py build dist/moe`` compiles the three kernels
-   (expert chain, fused w1/w3 + SiTU, w2) for ``cuda-sm90a`` into ``dist/moe/moe_mxfp4.so``.
-2. On the H200 (runtime-only TVM): ``python benchmarks/moe.py run dist/moe --out $OUT``.
+1. Here (with nvcc): ``python benchmarks/moe.py build dist/moe`` compiles the decode kernels
+   (expert chain, fused w1/w3 + SiTU, w2) into ``dist/moe/moe_mxfp4.so`` and the prefill
+   kernels (sort, grouped gate_up, grouped down) into ``moe_prefill.so`` (plus pipeline-depth
+   variants and a small-shape build) for ``cuda-sm90a``.
+2. On the H200 (runtime-only TVM): ``python benchmarks/moe.py run dist/moe --out $OUT``
+   (``--prefill-only`` skips the decode part).
 
 K3 shapes: E = 896 experts, latent L = 3584, expert width I = 3072, top-16; x and outputs
 bf16; all 896 experts resident in MXFP4 (random codes, scales 2^-6..2^-1).
-Correctness (T = 1, 7, 8): both outputs vs a torch reference (dequantize in fp32, fp32
-matmuls, bf16 rounding of g/u/a/o as in the model). Timing (T = 1, 8, 64): CUDA events over
-back-to-back calls of the three kernels; roofline = bytes of the distinct experts touched
+Decode correctness (T = 1, 7, 8): both outputs vs a torch reference (dequantize in fp32, fp32
+matmuls, bf16 rounding of g/u/a/o as in the model). Decode timing (T = 1, 8, 64): CUDA events
+over back-to-back calls of the three kernels; roofline = bytes of the distinct experts touched
 (packed + scales of w1, w3, w2) / measured device-to-device copy bandwidth; the torch loop
 runs per distinct expert (tokens grouped beforehand, outside the timing) with dequantized
-bf16 weights resident. Results: JSON + PNG under ``--out``.
+bf16 weights resident.
+Prefill correctness: the tile table and permutation vs NumPy, both GEMM outputs vs torch fp32
+for routings with experts of 0, 1 and 300 tokens, and at the small shapes of
+tests/gpu/check_moe_dispatch.py. Prefill timing (T = 8192, 2048, uniform top-16 routing):
+the two grouped GEMMs (and the sort on its own) vs ``torch._grouped_mm`` over the same sorted
+tokens with bf16 copies of all 896 experts (sorting outside its timing), and vs the bf16
+peak measured with an 8192³ ``torch.matmul``. Results: JSON + PNG under ``--out``.
 """
 
 from __future__ import annotations
