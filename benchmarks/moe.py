@@ -79,6 +79,20 @@ def build(out_dir: Path) -> None:
         path = d / "moe_mxfp4.so"
         lib.export_library(str(path))
         print(f"built {path}")
+    # the tensor-core GEMVs (schedules/moe_mxfp4_decode_tc.py), same names and arguments
+    from schedules import moe_mxfp4_decode_tc as dt
+    from schedules.barriers import respect_manual_barriers
+
+    fs = {
+        "moe_expert_chain": mc.moe_expert_chain_kernel(TOPK),
+        "moe_mxfp4_gate_up": dt.moe_mxfp4_gate_up_tc_kernel(E, L, I, TOPK, BETA, BETA_LIN),
+        "moe_mxfp4_down": dt.moe_mxfp4_down_tc_kernel(E, L, I, TOPK),
+    }
+    mod = tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in fs.items()})
+    with precompiled_cuda(spec.nvcc_arch, options=PTXAS_REGISTER_LEVEL), respect_manual_barriers():
+        lib = tvm.compile(mod, target=spec.tvm_target())
+    (out_dir / "tensor_cores").mkdir(parents=True, exist_ok=True)
+    lib.export_library(str(out_dir / "tensor_cores" / "moe_mxfp4.so"))
     build_prefill(out_dir)
 
 

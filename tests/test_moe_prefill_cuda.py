@@ -1,4 +1,5 @@
-"""The MXFP4 MoE prefill kernels (schedules/moe_mxfp4_prefill_cuda.py), on the CPU: the bit-level
+"""The MXFP4 MoE tensor-core kernels (schedules/moe_mxfp4_prefill_cuda.py, moe_mxfp4_decode_tc.py,
+mxfp4_ptx.py), on the CPU: the bit-level
 tricks the CUDA code relies on, emulated instruction by instruction and checked against the
 E2M1/E8M0 tables and a plain matmul, the plan reference against an independent count, and that
 the kernels compile (CUDA source always; fatbin where nvcc exists). The kernels run on the H200
@@ -15,6 +16,7 @@ import pytest
 
 from schedules import moe_generic as mg
 from schedules import moe_mxfp4_prefill_cuda as mp
+from schedules import mxfp4_ptx as ptx
 
 
 def _prmt(a: int, b: int, sel: int) -> int:
@@ -42,7 +44,7 @@ def _mul_bf16x2(x: int, y: int) -> int:
 
 def _constants():
     """The look-up words and selectors, read from the CUDA source (so a typo there fails)."""
-    src = mp._DEQUANT
+    src = ptx._DEQUANT
     lo_a, lo_b = (int(x, 16) for x in re.search(r"lo_a = (0x[0-9A-F]+)u, lo_b = (0x[0-9A-F]+)u", src).groups())
     hi_a, hi_b = (int(x, 16) for x in re.search(r"hi_a = (0x[0-9A-F]+)u, hi_b = (0x[0-9A-F]+)u", src).groups())
     return lo_a, lo_b, hi_a, hi_b
@@ -116,6 +118,10 @@ def test_plan_reference():
 
 
 def test_bad_sizes_rejected():
+    from schedules import moe_mxfp4_decode_tc as dt
+
+    with pytest.raises(ValueError, match="multiple of 128"):
+        dt.moe_mxfp4_gate_up_tc_kernel(4, 100, 64, 2, 4.0, 25.0)
     with pytest.raises(ValueError, match="multiple of 64"):
         mp.moe_grouped_gate_up_kernel(4, 100, 128, 2, 4.0, 25.0)
     with pytest.raises(ValueError, match="at most 1024 experts"):
@@ -125,9 +131,13 @@ def test_bad_sizes_rejected():
 def _module():
     import tvm
 
+    from schedules import moe_mxfp4_decode_tc as dt
+
     fs = {"s": mp.moe_sort_kernel(5, 3),
           "gu": mp.moe_grouped_gate_up_kernel(5, 256, 192, 3, 4.0, 25.0),
-          "d": mp.moe_grouped_down_kernel(5, 256, 384, 3)}
+          "d": mp.moe_grouped_down_kernel(5, 256, 384, 3),
+          "tc_gu": dt.moe_mxfp4_gate_up_tc_kernel(5, 256, 96, 3, 4.0, 25.0),
+          "tc_d": dt.moe_mxfp4_down_tc_kernel(5, 256, 128, 3)}
     return tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in fs.items()})
 
 

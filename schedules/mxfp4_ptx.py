@@ -1,0 +1,104 @@
+"""Inline-PTX device functions for the tensor-core MXFP4 kernels, called from TIR through
+``cuda_func_call`` (one CUDA source per function), with the bit layouts they rely on.
+
+- :func:`mma_bf16` — ``mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32`` on fragments
+  held in registers (PTX ISA, "Matrix fragments for mma.m16n8k16": thread ``(g, q) = (lane/4,
+  lane%4)`` holds A rows ``g, g+8`` × k ``2q, 2q+1, 2q+8, 2q+9``, B column ``g`` × the same
+  k, C rows ``g, g+8`` × columns ``2q, 2q+1``).
+- :func:`dequant8` — 8 E2M1 codes (one ``uint32``, nibble i = input i; compressed-tensors
+  packing, low nibble first) times a bf16x2 E8M0 scale -> four bf16x2 words, by ``prmt``
+  look-ups (magnitude -> low / high byte of the bf16; sign bits gathered by one more ``prmt``)
+  and ``mul.rn.bf16x2`` (sm_90+; exact: a code has two significant bits). tests/
+  test_moe_prefill_cuda.py emulates it instruction by instruction against the E2M1 table.
+- :func:`scale_bf16` / :func:`dup_half` — an E8M0 byte as bf16 bits (0 -> 2^-127, 255 -> NaN)
+  and a bf16x2 of one half of a word.
+- :func:`cp_async16`, :func:`commit`, :func:`wait` — 16-byte ``cp.async.cg`` global -> shared
+  copies (zero-filled when not ``valid``) and their group accounting.
+"""
+
+from __future__ import annotations
+
+from tvm.backend.cuda.op import cuda_func_call
+from tvm.script import tirx as T
+
+_MMA = r"""
+__forceinline__ __device__ void k3_mma_bf16(float* d, unsigned a0, unsigned a1, unsigned a2,
+                                            unsigned a3, unsigned b0, unsigned b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+"""
+_CP_ASYNC = r"""
+__forceinline__ __device__ void k3_cp_async16(void* smem, const void* gmem, int valid) {
+  unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  int n = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(s), "l"(gmem), "r"(n));
+}
+"""
+_COMMIT = r"""
+__forceinline__ __device__ void k3_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+"""
+_WAIT = r"""
+__forceinline__ __device__ void k3_cp_async_wait{n}() {{ asm volatile("cp.async.wait_group {n};\n" ::); }}
+"""
+# 8 E2M1 codes (nibble i of w = input i) times the bf16x2 scale s2 -> 4 bf16x2 words
+# (inputs 0-1, 2-3, 4-5, 6-7). prmt look-ups: magnitude -> low / high byte of its bf16;
+# the sign bits (nibble bit 3) are gathered into bit 7 of the high bytes by one more prmt.
+_DEQUANT = r"""
+__forceinline__ __device__ void k3_e2m1x8_bf16(unsigned* out, unsigned w, unsigned s2) {
+  const unsigned lo_a = 0xC0800000u, lo_b = 0xC0804000u;   // 0, .5, 1, 1.5 | 2, 3, 4, 6
+  const unsigned hi_a = 0x3F3F3F00u, hi_b = 0x40404040u;
+  unsigned t = w << 4;
+  #pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    unsigned sel = (w >> (16 * h)) & 0x7777u;
+    unsigned lo, hi, sg;
+    asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(lo) : "r"(lo_a), "r"(lo_b), "r"(sel));
+    asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(hi) : "r"(hi_a), "r"(hi_b), "r"(sel));
+    asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(sg) : "r"(t), "r"(w), "r"(h ? 0x7362u : 0x5140u));
+    hi |= sg & 0x80808080u;
+    unsigned p0, p1;
+    asm("prmt.b32 %0, %1, %2, 0x5140;\n" : "=r"(p0) : "r"(lo), "r"(hi));
+    asm("prmt.b32 %0, %1, %2, 0x7362;\n" : "=r"(p1) : "r"(lo), "r"(hi));
+    asm("mul.rn.bf16x2 %0, %1, %2;\n" : "=r"(out[2 * h]) : "r"(p0), "r"(s2));
+    asm("mul.rn.bf16x2 %0, %1, %2;\n" : "=r"(out[2 * h + 1]) : "r"(p1), "r"(s2));
+  }
+}
+"""
+
+
+def mma_bf16(d, a0, a1, a2, a3, b0, b1):
+    return cuda_func_call("k3_mma_bf16", d, a0, a1, a2, a3, b0, b1, source_code=_MMA)
+
+
+def cp_async16(dst, src, valid):
+    return cuda_func_call("k3_cp_async16", dst, src, valid, source_code=_CP_ASYNC)
+
+
+def commit():
+    return cuda_func_call("k3_cp_async_commit", source_code=_COMMIT)
+
+
+def wait(n: int):
+    """Wait until at most ``n`` committed cp.async groups are in flight."""
+    return cuda_func_call(f"k3_cp_async_wait{n}", source_code=_WAIT.format(n=n))
+
+
+def dequant8(out, w, s2):
+    return cuda_func_call("k3_e2m1x8_bf16", out, w, s2, source_code=_DEQUANT)
+
+
+def scale_bf16(s):
+    """uint32 holding the bf16 bits of the E8M0 byte ``s`` (uint32 0..255): 2^(s-127);
+    0 -> 2^-127 (the subnormal 0x0040), 255 -> NaN (0x7FC0)."""
+    return T.Select(s == T.uint32(0), T.uint32(0x40),
+                    T.Select(s == T.uint32(255), T.uint32(0x7FC0), s << T.uint32(7)))
+
+
+def dup_half(w, hi):
+    """bf16x2 word with both halves = half ``hi`` (0 low, 1 high; a constant after unrolling)
+    of ``w``: one ``prmt`` (selector 0x1010 or 0x3232)."""
+    return T.call_pure_extern("uint32", "__byte_perm", w, w,
+                              T.uint32(0x1010) + T.Cast("uint32", hi) * T.uint32(0x2222))
