@@ -83,19 +83,23 @@ def build(out_dir: Path) -> None:
     from schedules import moe_mxfp4_decode_tc as dt
     from schedules.barriers import respect_manual_barriers
 
-    fs = {
-        "moe_expert_chain": mc.moe_expert_chain_kernel(TOPK),
-        "moe_mxfp4_gate_up": dt.moe_mxfp4_gate_up_tc_kernel(E, L, I, TOPK, BETA, BETA_LIN),
-        "moe_mxfp4_down": dt.moe_mxfp4_down_tc_kernel(E, L, I, TOPK),
-    }
-    mod = tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in fs.items()})
-    with precompiled_cuda(spec.nvcc_arch, options=PTXAS_REGISTER_LEVEL), respect_manual_barriers():
-        lib = tvm.compile(mod, target=spec.tvm_target())
-    (out_dir / "tensor_cores").mkdir(parents=True, exist_ok=True)
-    lib.export_library(str(out_dir / "tensor_cores" / "moe_mxfp4.so"))
+    for name, kw in TC_VARIANTS.items():
+        fs = {
+            "moe_expert_chain": mc.moe_expert_chain_kernel(TOPK),
+            "moe_mxfp4_gate_up": dt.moe_mxfp4_gate_up_tc_kernel(E, L, I, TOPK, BETA, BETA_LIN, **kw),
+            "moe_mxfp4_down": dt.moe_mxfp4_down_tc_kernel(E, L, I, TOPK, **kw),
+        }
+        mod = tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in fs.items()})
+        with precompiled_cuda(spec.nvcc_arch, options=PTXAS_REGISTER_LEVEL), respect_manual_barriers():
+            lib = tvm.compile(mod, target=spec.tvm_target())
+        (out_dir / name).mkdir(parents=True, exist_ok=True)
+        lib.export_library(str(out_dir / name / "moe_mxfp4.so"))
     build_prefill(out_dir)
 
 
+# tensor-core decode GEMVs (schedules/moe_mxfp4_decode_tc.py): name -> builder kwargs
+TC_VARIANTS = {"tensor_cores": {}, "tensor_cores_prefetch1": {"prefetch": 1},
+               "tensor_cores_8warps": {"warps": 8}}
 PREFILL_FUNCS = ("moe_sort", "moe_grouped_gate_up", "moe_grouped_down")
 PREFILL_STAGE_VARIANTS = (3, 4)  # besides the default (schedules.moe_mxfp4_prefill_cuda.STAGES)
 

@@ -23,11 +23,12 @@ The next block's weights are loaded before the current one is used. fp32 accumul
 outputs are rounded as the model's dtype flow says (relax_modules/moe.py).
 
 Status (H200, benchmarks/results/moe_h200_2026-11-29.json, same run as the CUDA-core
-kernels): correct (T = 7 with shared experts, ≤ 1 bf16 ulp); 0.174 ms = 38% of the HBM
-roofline at T = 1 (CUDA-core: 0.129 ms, 51%), 45% at T = 8 (53%), 45% at T = 64 (35%: 1.25×
-faster there, where chains are long). Not dispatched: at one token the weight stream has
-too few bytes in flight (one K block prefetched per warp, 96 registers); next: dequantize
-and load activations just in time to free registers for a deeper prefetch.
+kernels): correct (T = 7 with shared experts, ≤ 1 bf16 ulp); 0.157 ms = 42% of the HBM
+roofline at T = 1 (CUDA-core: 0.131 ms, 51%), 50% at T = 8 (54%), 49% at T = 64 (36%: 1.35×
+faster there, where chains are long). Variants in the same run: one K block in flight
+instead of four, 39-47%; 8 warps per block, 40-47%. Not dispatched. What limits it at one
+token is not the prefetch depth (above); candidates: the per-thread 1-byte scale loads
+(8 sectors per warp request), 15 of 16 mma rows idle, 20 warps per SM at 96 registers.
 
 Reference: ``schedules.moe_mxfp4_cuda.moe_experts_reference``.
 """
@@ -53,7 +54,8 @@ def _check(kd: int, n: int, rows_per_block: int, E: int):
 
 
 def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
-             beta_lin: float | None = None, out_dtype: str = "bfloat16", warps: int = 4):
+             beta_lin: float | None = None, out_dtype: str = "bfloat16", warps: int = 4,
+             prefetch: int = 4):
     """Builder of both kernels (``kind`` "gate_up": two weight matrices + SiTU; "down": one)."""
     K = top_k
     NW = warps
@@ -62,6 +64,7 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
     _check(KD, N, RB, E)
     NTILE = N // RB
     NKB = KD // KB
+    PF = next(p for p in (prefetch, 2, 1) if NKB % p == 0)  # K blocks in flight per thread
     RW = KD // 8                 # uint32 words per packed weight row
     KG = KD // 32                # scale groups per row
     XW = KD // 2                 # uint32 words per activation row
@@ -76,15 +79,16 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
         return entry // K if gate_up else entry
 
     @T.macro
-    def load_weights(dst, kb, wq0, wq1, sb0, sb1, rowg, tx):
-        """Thread's 16 bytes (32 codes) of each matrix for K block ``kb``, and their scales."""
+    def load_weights(dst, off, kb, wq0, wq1, sb0, sb1, rowg, tx):
+        """Thread's 16 bytes (32 codes) of each matrix for K block ``kb``, and their scales,
+        into ``dst[off : off + 10]``."""
         for v in T.vectorized(4):
-            dst[v] = wq0[rowg * RW + kb * 16 + tx % 4 * 4 + v]
-        dst[8] = T.Cast("uint32", sb0[rowg * KG + kb * 4 + tx % 4])
+            dst[off + v] = wq0[rowg * RW + kb * 16 + tx % 4 * 4 + v]
+        dst[off + 8] = T.Cast("uint32", sb0[rowg * KG + kb * 4 + tx % 4])
         if gate_up:
             for v in T.vectorized(4):
-                dst[4 + v] = wq1[rowg * RW + kb * 16 + tx % 4 * 4 + v]
-            dst[9] = T.Cast("uint32", sb1[rowg * KG + kb * 4 + tx % 4])
+                dst[off + 4 + v] = wq1[rowg * RW + kb * 16 + tx % 4 * 4 + v]
+            dst[off + 9] = T.Cast("uint32", sb1[rowg * KG + kb * 4 + tx % 4])
 
     @T.macro
     def body(nt, xq, wq0, wq1, sb0, sb1, chain, ids, y):
@@ -93,10 +97,10 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
                 ent_s = T.alloc_buffer((ROWS + 1,), "int32", scope="shared")  # entries; [ROWS] = next
                 cnt_s = T.alloc_buffer((1,), "int32", scope="shared")
                 wcur = T.alloc_buffer((10,), "uint32", scope="local")
-                wnxt = T.alloc_buffer((10,), "uint32", scope="local")
-                bf = T.alloc_buffer((2 * 16,), "uint32", scope="local")
-                xa = T.alloc_buffer((16,), "uint32", scope="local")
-                xb = T.alloc_buffer((16,), "uint32", scope="local")
+                ring = T.alloc_buffer((PF * 10,), "uint32", scope="local")
+                bf = T.alloc_buffer((2 * 4,), "uint32", scope="local")
+                xa = T.alloc_buffer((2,), "uint32", scope="local")
+                xb = T.alloc_buffer((2,), "uint32", scope="local")
                 acc = T.alloc_buffer((8,), "float32", scope="local")
                 s2 = T.alloc_buffer((2,), "uint32", scope="local")
                 rr = T.alloc_buffer((3,), "int32", scope="local")  # row of g, entries of g and g+8
@@ -121,35 +125,34 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
                         cur[0] = ent_s[ROWS]
                         for i in T.unroll(8):
                             acc[i] = T.float32(0)
-                        load_weights(wnxt, 0, wq0, wq1, sb0, sb1, rr[0], tx)
-                        for kb in range(NKB):
-                            for v in T.unroll(10):
-                                wcur[v] = wnxt[v]
-                            if kb + 1 < NKB:
-                                load_weights(wnxt, kb + 1, wq0, wq1, sb0, sb1, rr[0], tx)
-                            # activations of entries g and g + 8: inputs 32q .. 32q+31 of the block
-                            for v in T.unroll(16):
-                                xa[v] = T.uint32(0)
-                                xb[v] = T.uint32(0)
-                            if rr[1] >= 0:
-                                for c in T.unroll(4):
-                                    for v in T.vectorized(4):
-                                        xa[c * 4 + v] = xq[xrow(rr[1]) * XW
-                                                           + kb * 64 + tx % 4 * 16 + c * 4 + v]
-                            if rr[2] >= 0:
-                                for c in T.unroll(4):
-                                    for v in T.vectorized(4):
-                                        xb[c * 4 + v] = xq[xrow(rr[2]) * XW
-                                                           + kb * 64 + tx % 4 * 16 + c * 4 + v]
-                            for m in T.unroll(NM):
-                                s2[m] = dup_half(scale_bf16(wcur[8 + m]), 0)
-                                for w in T.unroll(4):
-                                    T.evaluate(dequant8(T.address_of(bf[m * 16 + w * 4]), wcur[m * 4 + w], s2[m]))
-                            for s in T.unroll(8):
+                        # K blocks PF ahead in a register ring
+                        for r in T.unroll(PF):
+                            load_weights(ring, r * 10, r, wq0, wq1, sb0, sb1, rr[0], tx)
+                        for kb0 in range(NKB // PF):
+                            for r in T.unroll(PF):
+                                for v in T.unroll(10):
+                                    wcur[v] = ring[r * 10 + v]
+                                if kb0 * PF + r + PF < NKB:
+                                    load_weights(ring, r * 10, kb0 * PF + r + PF, wq0, wq1, sb0, sb1, rr[0], tx)
                                 for m in T.unroll(NM):
-                                    T.evaluate(mma_bf16(
-                                        T.address_of(acc[m * 4]), xa[2 * s], xb[2 * s], xa[2 * s + 1], xb[2 * s + 1],
-                                        bf[m * 16 + s // 2 * 4 + s % 2 * 2], bf[m * 16 + s // 2 * 4 + s % 2 * 2 + 1]))
+                                    s2[m] = dup_half(scale_bf16(wcur[8 + m]), 0)
+                                for s in T.unroll(8):
+                                    if s % 2 == 0:
+                                        for m in T.unroll(NM):
+                                            T.evaluate(dequant8(T.address_of(bf[m * 4]), wcur[m * 4 + s // 2], s2[m]))
+                                    # activations of entries g and g + 8: inputs 32q + 4s .. +3
+                                    for v in T.unroll(2):
+                                        xa[v] = T.uint32(0)
+                                        xb[v] = T.uint32(0)
+                                    if rr[1] >= 0:
+                                        for v in T.vectorized(2):
+                                            xa[v] = xq[xrow(rr[1]) * XW + (kb0 * PF + r) * 64 + tx % 4 * 16 + 2 * s + v]
+                                    if rr[2] >= 0:
+                                        for v in T.vectorized(2):
+                                            xb[v] = xq[xrow(rr[2]) * XW + (kb0 * PF + r) * 64 + tx % 4 * 16 + 2 * s + v]
+                                    for m in T.unroll(NM):
+                                        T.evaluate(mma_bf16(T.address_of(acc[m * 4]), xa[0], xb[0], xa[1], xb[1],
+                                                            bf[m * 4 + s % 2 * 2], bf[m * 4 + s % 2 * 2 + 1]))
                         # ---- outputs: c0, c1 -> entry g, rows 2q, 2q+1 of the warp; c2, c3 -> entry g+8
                         for h in T.unroll(2):
                             if rr[1 + h] >= 0:
@@ -220,17 +223,19 @@ def _situ(g, u, beta, beta_lin, use_bl):
 
 def moe_mxfp4_gate_up_tc_kernel(num_experts: int, latent: int, inter: int, top_k: int,
                                 beta: float, beta_lin: float | None, out_dtype: str = "bfloat16",
-                                warps: int = 4):
+                                warps: int = 4, prefetch: int = 4):
     """Fused W1/W3 GEMV + SiTU on tensor cores. Arguments as
     :func:`schedules.moe_mxfp4_cuda.moe_mxfp4_gate_up_kernel`: ``z [T, L] bf16, w1_packed,
     w1_scale, w3_packed, w3_scale, chain [T, k, 2], expert_ids [T, k], a [T, k, I]``.
-    L must be a multiple of 128, I of ``8·warps``."""
-    return _gemv_tc("gate_up", num_experts, inter, latent, top_k, beta, beta_lin, out_dtype, warps)
+    L must be a multiple of 128, I of ``8·warps``; ``prefetch`` K blocks of 128 inputs are in
+    flight per thread (fewer where they do not divide the K blocks)."""
+    return _gemv_tc("gate_up", num_experts, inter, latent, top_k, beta, beta_lin, out_dtype, warps, prefetch)
 
 
 def moe_mxfp4_down_tc_kernel(num_experts: int, latent: int, inter: int, top_k: int,
-                             out_dtype: str = "bfloat16", warps: int = 4):
+                             out_dtype: str = "bfloat16", warps: int = 4, prefetch: int = 4):
     """W2 GEMV on tensor cores. Arguments as :func:`schedules.moe_mxfp4_cuda.
     moe_mxfp4_down_kernel`: ``a [T, k, I] bf16, w2_packed, w2_scale, chain, expert_ids, o [T, k, L]``.
     I must be a multiple of 128, L of ``8·warps``."""
-    return _gemv_tc("down", num_experts, latent, inter, top_k, out_dtype=out_dtype, warps=warps)
+    return _gemv_tc("down", num_experts, latent, inter, top_k, out_dtype=out_dtype, warps=warps,
+                    prefetch=prefetch)
