@@ -101,7 +101,8 @@ def build(out_dir: Path) -> None:
 TC_VARIANTS = {"tensor_cores": {}, "tensor_cores_prefetch1": {"prefetch": 1},
                "tensor_cores_8warps": {"warps": 8}}
 PREFILL_FUNCS = ("moe_sort", "moe_grouped_gate_up", "moe_grouped_down")
-PREFILL_STAGE_VARIANTS = (3, 4)  # besides the default (schedules.moe_mxfp4_prefill_cuda.STAGES)
+# besides the defaults of schedules.moe_mxfp4_prefill_cuda (STAGES = 2, WARPS_M = 2)
+PREFILL_VARIANTS = {"stages3": {"stages": 3}, "warps_m1": {"warps_m": 1}, "warps_m4": {"warps_m": 4}}
 
 
 def build_prefill(out_dir: Path) -> None:
@@ -125,15 +126,15 @@ def build_prefill(out_dir: Path) -> None:
     path = out_dir / "moe_prefill.so"
     lib.export_library(str(path))
     print(f"built {path}")
-    # pipeline-depth variants, timed in the same run
-    for ns in PREFILL_STAGE_VARIANTS:
+    # schedule variants (pipeline depth, warp layout), timed in the same run
+    for name, kw in PREFILL_VARIANTS.items():
         mod = tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in {
             "moe_sort": mp.moe_sort_kernel(E, TOPK),
-            "moe_grouped_gate_up": mp.moe_grouped_gate_up_kernel(E, L, I, TOPK, BETA, BETA_LIN, stages=ns),
-            "moe_grouped_down": mp.moe_grouped_down_kernel(E, L, I, TOPK, stages=ns)}.items()})
+            "moe_grouped_gate_up": mp.moe_grouped_gate_up_kernel(E, L, I, TOPK, BETA, BETA_LIN, **kw),
+            "moe_grouped_down": mp.moe_grouped_down_kernel(E, L, I, TOPK, **kw)}.items()})
         with precompiled_cuda(spec.nvcc_arch, options=PTXAS_REGISTER_LEVEL), respect_manual_barriers():
             lib = tvm.compile(mod, target=spec.tvm_target())
-        lib.export_library(str(out_dir / f"moe_prefill_stages{ns}.so"))
+        lib.export_library(str(out_dir / f"moe_prefill_{name}.so"))
     # the small shapes of tests/gpu/check_moe_dispatch.py's model (E=3, top-2, widths 512)
     fs = {
         "moe_sort": mp.moe_sort_kernel(3, 2),
@@ -467,7 +468,7 @@ def run_prefill(lib_dir: Path, W, Wb, tw, g) -> dict:
                "ours_gate_up_ms": t_gu, "ours_down_ms": t_gemm - t_gu,
                "ours_tflops": flop / (t_gemm / 1e3) / 1e12}
         row["ours_pct_peak"] = 100 * row["ours_tflops"] / peak
-        for vp in sorted(lib_dir.glob("moe_prefill_stages*.so")):
+        for vp in sorted(p for p in lib_dir.glob("moe_prefill_*.so") if p.stem != "moe_prefill_small"):
             vl = tvm.runtime.load_module(str(vp))
             v_gu, v_down = vl["moe_grouped_gate_up"], vl["moe_grouped_down"]
             tv = {k: tvm.runtime.from_dlpack(bufs[k]) for k in ("sorted", "tiles", "num_tiles", "a", "o")}

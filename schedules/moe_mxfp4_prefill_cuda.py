@@ -68,6 +68,7 @@ BN = 128          # weight rows per block (gate_up: 64 of W1 + 64 of W3)
 BK = 64           # inputs per pipeline step
 NT = 256          # threads per GEMM block (8 warps: 2 along M, 4 along N)
 PLAN_THREADS = 1024
+WARPS_M = 2       # warps along M (of 8): each warp then covers BM/WARPS_M rows × 128·WARPS_M/8 columns
 STAGES = 2        # cp.async pipeline depth (k-steps in flight; 2 measured fastest, 4 slowest)
 ROW_WORDS = 32    # uint32 per 64-element bf16 activation row in shared memory (16-byte chunks
                   # XOR-swizzled by row parity: conflict-free fragment reads, no padding)
@@ -163,7 +164,8 @@ def moe_sort_kernel(num_experts: int, top_k: int, bm: int = BM):
 
 # ----------------------------------------------------------------------------- grouped GEMM
 def _grouped_gemm(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
-                  beta_lin: float | None = None, out_dtype: str = "bfloat16", stages: int = STAGES):
+                  beta_lin: float | None = None, out_dtype: str = "bfloat16", stages: int = STAGES,
+                  warps_m: int = WARPS_M):
     """Builder of the two grouped GEMMs (see module doc); ``N`` output columns, ``KD`` inputs.
 
     gate_up: args ``z [T, L] bf16, w1p, w1s, w3p, w3s, sorted_pair [P], tiles [MAXT, 3],
@@ -190,18 +192,25 @@ def _grouped_gemm(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 
     RW = KD // 8                                # uint32 words of packed codes per row
     if E * N * RW >= 2 ** 31:
         raise ValueError("weights too large for int32 word indexing")
-    WM = BM // 2                                # rows per warp
+    if warps_m not in (1, 2, 4):
+        raise ValueError(f"warps_m must be 1, 2 or 4, got {warps_m}")
+    WMN = warps_m                               # warps along M
+    WN = 8 // WMN                               # warps along N
+    WM = BM // WMN                              # rows per warp
     MT = WM // 16                               # m16 tiles per warp
+    CPW = BN // WN                              # weight rows (B columns) per warp
+    NJ = CPW // 8                               # n8 tiles per warp
     A_CH = BM * (BK // 8) // NT                 # 16-byte activation chunks per thread per step
     B = float(beta)
     BL = float(beta_lin) if beta_lin is not None else 0.0
     use_bl = beta_lin is not None
 
     def b_row(wn, j, g):
-        """Shared-memory weight row of the warp's n8 tile ``j`` (0..3), column ``g``."""
+        """Shared-memory weight row of the warp's n8 tile ``j`` (0..NJ-1), column ``g``
+        (gate_up: the first NJ/2 tiles are W1 rows, the last NJ/2 the same rows of W3)."""
         if gate_up:
-            return (j // 2) * 64 + wn * 16 + (j % 2) * 8 + g
-        return wn * 32 + j * 8 + g
+            return (j // (NJ // 2)) * 64 + wn * (CPW // 2) + (j % (NJ // 2)) * 8 + g
+        return wn * CPW + j * 8 + g
 
     @T.macro
     def issue(step, a_s, b_s, row_s, xf, wq0, wq1, tiles, blk, tx):
@@ -260,8 +269,8 @@ def _grouped_gemm(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 
                 sc_s = T.alloc_buffer((BN * KGH,), "uint32", scope="shared.dyn")
                 sw = T.alloc_buffer((1,), "uint32", scope="local")
                 row_s = T.alloc_buffer((BM,), "int64", scope="shared.dyn")  # element offset of the row in x, or -1
-                acc = T.alloc_buffer((MT * 4 * 4,), "float32", scope="local")
-                bf = T.alloc_buffer((4 * 4,), "uint32", scope="local")
+                acc = T.alloc_buffer((MT * NJ * 4,), "float32", scope="local")
+                bf = T.alloc_buffer((NJ * 4,), "uint32", scope="local")
                 ar = T.alloc_buffer((8,), "uint32", scope="local")
                 ok = T.alloc_buffer((1,), "int64", scope="local")
                 nv = T.alloc_buffer((1,), "int32", scope="local")
@@ -295,7 +304,7 @@ def _grouped_gemm(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 
                                 sc_s[(it * NT + tx) * 2 + h] = _scale_bf16(
                                     (sw[0] >> T.uint32(16 * h)) & T.uint32(255)) | (_scale_bf16(
                                         (sw[0] >> T.uint32(16 * h + 8)) & T.uint32(255)) << T.uint32(16))
-                    for i in range(MT * 16):
+                    for i in range(MT * NJ * 4):
                         acc[i] = T.float32(0)
                     T.tvm_storage_sync("shared.dyn")
                     # ---- K loop: NS-deep cp.async pipeline, one barrier per step
@@ -310,48 +319,48 @@ def _grouped_gemm(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 
                         if ks + NS - 1 < NK:
                             issue(ks + NS - 1, a_s, b_s, row_s, xf, wq0, wq1, tiles, blk, tx)
                         T.evaluate(_commit())
-                        if tx // 128 * WM < nv[0]:  # the warp has rows in this tile
+                        if tx // (32 * WN) * WM < nv[0]:  # the warp has rows in this tile
                             for hk in T.unroll(2):
-                                for j in T.unroll(4):
+                                for j in T.unroll(NJ):
                                     T.evaluate(_dequant8(
                                         T.address_of(bf[j * 4]),
-                                        b_s[(ks % NS * BN + b_row(tx // 32 % 4, j, tx % 32 // 4))
+                                        b_s[(ks % NS * BN + b_row(tx // 32 % WN, j, tx % 32 // 4))
                                             * B_ROW_WORDS + hk * 4 + tx % 4],
-                                        _dup_half(sc_s[b_row(tx // 32 % 4, j, tx % 32 // 4) * KGH + ks], hk)))
+                                        _dup_half(sc_s[b_row(tx // 32 % WN, j, tx % 32 // 4) * KGH + ks], hk)))
                                 for i in T.unroll(MT):
                                     # m16 tiles past the expert's last row are skipped (warp-uniform)
-                                    if tx // 128 * WM + i * 16 < nv[0]:
+                                    if tx // (32 * WN) * WM + i * 16 < nv[0]:
                                         for v in T.vectorized(4):
-                                            ar[v] = a_s[(ks % NS * BM + tx // 128 * WM + i * 16 + tx % 32 // 4)
+                                            ar[v] = a_s[(ks % NS * BM + tx // (32 * WN) * WM + i * 16 + tx % 32 // 4)
                                                         * ROW_WORDS + ((hk * 4 + tx % 4) ^ (tx % 32 // 4 % 2 * 4)) * 4 + v]
                                         for v in T.vectorized(4):
-                                            ar[4 + v] = a_s[(ks % NS * BM + tx // 128 * WM + i * 16 + tx % 32 // 4 + 8)
+                                            ar[4 + v] = a_s[(ks % NS * BM + tx // (32 * WN) * WM + i * 16 + tx % 32 // 4 + 8)
                                                             * ROW_WORDS + ((hk * 4 + tx % 4) ^ (tx % 32 // 4 % 2 * 4)) * 4 + v]
-                                        for j in T.unroll(4):
-                                            T.evaluate(_mma(T.address_of(acc[(i * 4 + j) * 4]),
+                                        for j in T.unroll(NJ):
+                                            T.evaluate(_mma(T.address_of(acc[(i * NJ + j) * 4]),
                                                             ar[0], ar[4], ar[1], ar[5], bf[j * 4], bf[j * 4 + 1]))
-                                            T.evaluate(_mma(T.address_of(acc[(i * 4 + j) * 4]),
+                                            T.evaluate(_mma(T.address_of(acc[(i * NJ + j) * 4]),
                                                             ar[2], ar[6], ar[3], ar[7], bf[j * 4 + 2], bf[j * 4 + 3]))
                     # ---- epilogue
                     for i in T.unroll(MT):
                         for q in T.unroll(4):
                             # (a shared-memory read in an if condition trips TVM's sync planner)
-                            ok[0] = row_s[tx // 128 * WM + i * 16 + tx % 32 // 4 + q // 2 * 8]
+                            ok[0] = row_s[tx // (32 * WN) * WM + i * 16 + tx % 32 // 4 + q // 2 * 8]
                             if ok[0] >= T.int64(0):
                                 if gate_up:
-                                    for jj in T.unroll(2):
-                                        y[tiles[blk // NTN, 1] + tx // 128 * WM + i * 16 + tx % 32 // 4 + q // 2 * 8,
-                                          T.Cast("int32", blk % NTN) * 64 + tx // 32 % 4 * 16 + jj * 8 + tx % 4 * 2 + q % 2] = \
+                                    for jj in T.unroll(NJ // 2):
+                                        y[tiles[blk // NTN, 1] + tx // (32 * WN) * WM + i * 16 + tx % 32 // 4 + q // 2 * 8,
+                                          T.Cast("int32", blk % NTN) * 64 + tx // 32 % WN * (CPW // 2) + jj * 8 + tx % 4 * 2 + q % 2] = \
                                             T.Cast(out_dtype, _situ(
-                                                T.Cast("float32", T.Cast("bfloat16", acc[(i * 4 + jj) * 4 + q])),
-                                                T.Cast("float32", T.Cast("bfloat16", acc[(i * 4 + jj + 2) * 4 + q])),
+                                                T.Cast("float32", T.Cast("bfloat16", acc[(i * NJ + jj) * 4 + q])),
+                                                T.Cast("float32", T.Cast("bfloat16", acc[(i * NJ + jj + NJ // 2) * 4 + q])),
                                                 B, BL, use_bl))
                                 else:
-                                    for j in T.unroll(4):
-                                        y[sorted_pair[tiles[blk // NTN, 1] + tx // 128 * WM + i * 16 + tx % 32 // 4 + q // 2 * 8] // K,
-                                          sorted_pair[tiles[blk // NTN, 1] + tx // 128 * WM + i * 16 + tx % 32 // 4 + q // 2 * 8] % K,
-                                          T.Cast("int32", blk % NTN) * BN + tx // 32 % 4 * 32 + j * 8 + tx % 4 * 2 + q % 2] = \
-                                            T.Cast(out_dtype, acc[(i * 4 + j) * 4 + q])
+                                    for j in T.unroll(NJ):
+                                        y[sorted_pair[tiles[blk // NTN, 1] + tx // (32 * WN) * WM + i * 16 + tx % 32 // 4 + q // 2 * 8] // K,
+                                          sorted_pair[tiles[blk // NTN, 1] + tx // (32 * WN) * WM + i * 16 + tx % 32 // 4 + q // 2 * 8] % K,
+                                          T.Cast("int32", blk % NTN) * BN + tx // 32 % WN * CPW + j * 8 + tx % 4 * 2 + q % 2] = \
+                                            T.Cast(out_dtype, acc[(i * NJ + j) * 4 + q])
 
     # its barriers are its own (TVM's planner cannot follow the cp.async pipeline):
     # compile inside schedules.barriers.respect_manual_barriers()
@@ -366,7 +375,7 @@ def _situ(g, u, beta, beta_lin, use_bl):
 
 def moe_grouped_gate_up_kernel(num_experts: int, latent: int, inter: int, top_k: int,
                                beta: float, beta_lin: float | None, out_dtype: str = "bfloat16",
-                               stages: int = STAGES):
+                               stages: int = STAGES, warps_m: int = WARPS_M):
     """Grouped MXFP4 GEMM for W1/W3 with SiTU fused (CUDA, ``tirx.is_scheduled``).
 
     PrimFunc arguments::
@@ -382,11 +391,12 @@ def moe_grouped_gate_up_kernel(num_experts: int, latent: int, inter: int, top_k:
     L must be a multiple of 128, I of 64. Grid: ``MAXT × I/64`` blocks of 256 threads;
     blocks past ``num_tiles`` exit at once.
     """
-    return _grouped_gemm("gate_up", num_experts, inter, latent, top_k, beta, beta_lin, out_dtype, stages)
+    return _grouped_gemm("gate_up", num_experts, inter, latent, top_k, beta, beta_lin, out_dtype, stages,
+                         warps_m)
 
 
 def moe_grouped_down_kernel(num_experts: int, latent: int, inter: int, top_k: int,
-                            out_dtype: str = "bfloat16", stages: int = STAGES):
+                            out_dtype: str = "bfloat16", stages: int = STAGES, warps_m: int = WARPS_M):
     """Grouped MXFP4 GEMM for W2 (CUDA, ``tirx.is_scheduled``).
 
     PrimFunc arguments::
@@ -401,7 +411,8 @@ def moe_grouped_down_kernel(num_experts: int, latent: int, inter: int, top_k: in
 
     I must be a multiple of 128, L of 128.
     """
-    return _grouped_gemm("down", num_experts, latent, inter, top_k, out_dtype=out_dtype, stages=stages)
+    return _grouped_gemm("down", num_experts, latent, inter, top_k, out_dtype=out_dtype, stages=stages,
+                         warps_m=warps_m)
 
 
 # ----------------------------------------------------------------------------- reference
