@@ -1,0 +1,111 @@
+"""The GPU MoE router (schedules/moe_generic.py ``moe_route_kernel(gpu=True)``: one warp per
+token) against an independent NumPy top-k, and timed against the earlier one-thread-per-token
+loop, on the H200.
+
+Here: ``python tests/gpu/check_route.py build dist/route`` (K3: 896 experts top-16 with
+routed_scaling_factor 2.5; odd sizes 32/top-4 and 37/top-5 without renormalization). There:
+``python3 tests/gpu/check_route.py run dist/route``. Scores are rounded to a coarse grid so
+that many ties occur: the lowest expert index must win them.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+CASES = {"route896": (896, 16, 2.5, True), "route32": (32, 4, 1.0, True), "route37": (37, 5, 1.5, False)}
+
+
+def build(out: Path) -> None:
+    import importlib.util
+    import subprocess
+
+    import tvm
+
+    from k3_compile.device_code import precompiled_cuda
+    from schedules import moe_generic as mg
+    from targets import get_target
+
+    fs = {n: mg.moe_route_kernel(e, k, rsf, norm, gpu=True) for n, (e, k, rsf, norm) in CASES.items()}
+    # the previous GPU router (one thread per token), for the timing comparison
+    old_src = subprocess.check_output(["git", "show", "d993f4c:schedules/moe_generic.py"], cwd=ROOT, text=True)
+    old_path = out / "moe_generic_d993f4c.py"
+    out.mkdir(parents=True, exist_ok=True)
+    old_path.write_text(old_src)
+    spec = importlib.util.spec_from_file_location("moe_generic_d993f4c", old_path)
+    old = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(old)
+    fs["route896_thread"] = old.moe_route_kernel(896, 16, 2.5, True, gpu=True)
+    mod = tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in fs.items()})
+    target = get_target("cuda-sm90a")
+    with precompiled_cuda(target.nvcc_arch):
+        lib = tvm.compile(mod, target=target.tvm_target())
+    lib.export_library(str(out / "route.so"))
+    old_path.unlink()
+
+
+def reference(logits, bias, k, rsf, norm):
+    """Top-k of sigmoid(logits) + bias, larger first, ties to the lower index (a stable sort
+    of the negated scores); weights sigmoid(logit) renormalized (+1e-20) and scaled."""
+    s = 1.0 / (1.0 + np.exp(-logits.astype(np.float64)))
+    sel = (s + bias).astype(np.float32)
+    ids = np.argsort(-sel, axis=1, kind="stable")[:, :k]
+    w = np.take_along_axis(s, ids, 1)
+    if norm and k > 1:
+        w = w / (w.sum(1, keepdims=True) + 1e-20)
+    return ids.astype(np.int32), (w * rsf).astype(np.float32)
+
+
+def run(out: Path) -> dict:
+    import torch
+    import tvm
+
+    from cuda_timing import time_cuda
+    from k3_compile.device_code import load_cuda_runtime
+
+    load_cuda_runtime()
+    lib = tvm.runtime.load_module(str(out / "route.so"))
+    rng = np.random.default_rng(0)
+    res = {"check": [], "timing": []}
+    for name, (E, k, rsf, norm) in CASES.items():
+        for T in (1, 7, 300):
+            logits = (np.round(rng.standard_normal((T, E)) * 4) / 4).astype(np.float32)  # ties
+            bias = (np.round(rng.standard_normal(E) * 4) / 8).astype(np.float32)
+            ids = torch.empty(T, k, dtype=torch.int32, device="cuda")
+            w = torch.empty(T, k, dtype=torch.float32, device="cuda")
+            args = [tvm.runtime.from_dlpack(t) for t in (torch.from_numpy(logits).cuda(),
+                                                         torch.from_numpy(bias).cuda(), ids, w)]
+            lib[name](*args)
+            torch.cuda.synchronize()
+            rid, rw = reference(logits, bias, k, rsf, norm)
+            row = {"kernel": name, "T": T, "same_ids": bool((ids.cpu().numpy() == rid).all()),
+                   "max_w_err": float(np.abs(w.cpu().numpy() - rw).max())}
+            res["check"].append(row)
+            print(json.dumps(row), flush=True)
+    for T in (1, 64, 8192):
+        logits = torch.randn(T, 896, device="cuda")
+        bias = torch.randn(896, device="cuda") * 0.1
+        ids = torch.empty(T, 16, dtype=torch.int32, device="cuda")
+        w = torch.empty(T, 16, dtype=torch.float32, device="cuda")
+        args = [tvm.runtime.from_dlpack(t) for t in (logits, bias, ids, w)]
+        row = {"T": T}
+        for name in ("route896", "route896_thread"):
+            row[f"{name}_ms"] = time_cuda(lambda: lib[name](*args), iters=10, per_sample=5)
+        row["speedup"] = row["route896_thread_ms"] / row["route896_ms"]
+        res["timing"].append(row)
+        print(json.dumps(row), flush=True)
+    return res
+
+
+if __name__ == "__main__":
+    step, out = sys.argv[1], Path(sys.argv[2])
+    if step == "build":
+        build(out)
+    else:
+        r = run(out)
+        if len(sys.argv) > 3:
+            Path(sys.argv[3]).write_text(json.dumps(r, indent=1))
