@@ -10,6 +10,11 @@ Two steps, because the GPU machine has no TVM compiler:
    at K3 shapes (head_dim 128; 96 heads, and 12 heads = the tensor-parallel-8 share), with the
    same gate settings (lower bound −5; gate, L2 norms and β sigmoid inside the kernel).
 
+Prefill only (tensor-core kernels of schedules/kda_prefill_tc.py vs fla ``chunk_kda``):
+``build --only prefill dist/kda_tc`` here, ``run dist/kda_tc --only prefill [--quick] --out $OUT``
+on the GPU (rows also appended to ``$OUT/kda_prefill_rows.jsonl`` as they come, so a run cut
+by a time limit still returns what it measured; about 4 minutes in full, 1 with ``--quick``).
+
 Decode roofline: the state bytes a step must move (read + write of B·H·K·V fp32) divided by
 the measured device-to-device copy bandwidth (``torch`` copy of 2 GiB).
 Results: JSON (machine, date, commit) and a PNG plot under ``--out``.
@@ -57,22 +62,33 @@ def build(out_dir: Path) -> None:
     build_prefill(out_dir)
 
 
-PREFILL_BV = (16, 32)
+PREFILL_BV = (32,)             # CUDA-core kernels (schedules/kda_prefill_cuda.py), baseline
+# tensor-core state pass (schedules/kda_prefill_tc.py): (block_v, a_batch) variants
+PREFILL_TC = ((8, 8), (8, 16), (16, 4), (16, 8), (16, 16), (32, 4), (32, 8), (64, 4))
+PREFILL_TC_QUICK = ((16, 8), (16, 16), (32, 4), (64, 4))   # the best of each shape on 2026-11-29, (16, 16)
 PREFILL_SHAPES = ((8192,), (2048, 2048, 2048, 2048))
+# TVM 0.27 passes ptxas --register-usage-level=10; level 5 as for the MoE kernels
+PREFILL_NVCC_OPTIONS = ("--ptxas-options=--register-usage-level=5",)
 
 
-def build_prefill(out_dir: Path) -> None:
-    """Compile the two prefill kernels (intra-chunk, state pass) per head count and block_v."""
+def build_prefill(out_dir: Path, baseline: bool = True) -> None:
+    """Compile the prefill kernels per head count: the CUDA-core pair per block_v
+    (``kda_prefill_h{H}_bv{BV}.so``, unless ``baseline`` is false) and the tensor-core pair per
+    (block_v, a_batch) (``kda_prefill_tc_h{H}_bv{BV}_ab{AB}.so``: ``kda_prefill_intra_tc``, the
+    same with ``hoist_loads`` ``kda_prefill_intra_tc_hoist``, ``kda_prefill_state_tc``)."""
     import tvm
 
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from k3_compile.device_code import precompiled_cuda
     from schedules.kda_prefill_cuda import (kda_prefill_intra_kernel, kda_prefill_state_kernel,
                                             manual_barriers)
+    from schedules.kda_prefill_tc import kda_prefill_intra_tc_kernel, kda_prefill_state_tc_kernel
     from targets import get_target
 
     spec = get_target("cuda-sm90a")
+    out_dir.mkdir(parents=True, exist_ok=True)
     for h in HEADS:
-        for bv in PREFILL_BV:
+        for bv in PREFILL_BV if baseline else ():
             fi = kda_prefill_intra_kernel(h, K, V, K ** -0.5).with_attr("global_symbol", "kda_prefill_intra")
             fs = kda_prefill_state_kernel(h, K, V, bv).with_attr("global_symbol", "kda_prefill_state")
             with precompiled_cuda(spec.nvcc_arch), manual_barriers():
@@ -81,105 +97,35 @@ def build_prefill(out_dir: Path) -> None:
             path = out_dir / f"kda_prefill_h{h}_bv{bv}.so"
             lib.export_library(str(path))
             print(f"built {path}")
+        for bv, ab in PREFILL_TC:
+            fi = kda_prefill_intra_tc_kernel(h, K, V, K ** -0.5).with_attr("global_symbol", "kda_prefill_intra_tc")
+            fh = kda_prefill_intra_tc_kernel(h, K, V, K ** -0.5, hoist_loads=True).with_attr(
+                "global_symbol", "kda_prefill_intra_tc_hoist")
+            fs = kda_prefill_state_tc_kernel(h, K, V, bv, ab).with_attr("global_symbol", "kda_prefill_state_tc")
+            with precompiled_cuda(spec.nvcc_arch, options=PREFILL_NVCC_OPTIONS), manual_barriers():
+                lib = tvm.compile(tvm.IRModule({"kda_prefill_intra_tc": fi, "kda_prefill_intra_tc_hoist": fh,
+                                                "kda_prefill_state_tc": fs}), target=spec.tvm_target())
+            path = out_dir / f"kda_prefill_tc_h{h}_bv{bv}_ab{ab}.so"
+            lib.export_library(str(path))
+            print(f"built {path}")
 
 
-def run(lib_dir: Path, out: Path) -> dict:
-    import numpy as np
-    import torch
-    import tvm
-
-    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
-    from fla.ops.kda.naive import naive_recurrent_kda
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from k3_compile.device_code import load_cuda_runtime
-
-    load_cuda_runtime()
-    dev = torch.device("cuda")
-    bw = copy_bandwidth()
-    results = {"copy_bandwidth_GBps": bw / 1e9, "decode": []}
-    print(f"copy bandwidth: {bw / 1e9:.0f} GB/s")
-    torch.manual_seed(0)
-    for H in HEADS:
-        variants = {(cb, ks): tvm.runtime.load_module(
-            str(lib_dir / f"kda_decode_h{H}_cb{cb}_ks{ks}.so"))["kda_decode_fused"]
-            for cb, ks in DECODE_TILINGS}
-        A_log = torch.log(torch.empty(H, device=dev).uniform_(1, 16))
-        dt_bias = torch.randn(H * K, device=dev) * 0.5
-        for B in DECODE_BATCHES:
-            q = torch.randn(B, H, K, device=dev)
-            k = torch.randn(B, H, K, device=dev)
-            v = torch.randn(B, H, V, device=dev)
-            f = torch.randn(B, H, K, device=dev)
-            b = torch.randn(B, H, device=dev)
-            S0 = torch.randn(B, H, K, V, device=dev) * 0.1
-            slots = torch.randperm(B, device=dev, dtype=torch.int32)  # scattered pool slots
-            pool = torch.zeros(1, B, H, K, V, device=dev)
-            pool[0, slots.long()] = S0
-            o = torch.empty(B, H, V, device=dev)
-            args = [tvm.runtime.from_dlpack(t) for t in (q, k, v, f, b, A_log, dt_bias, slots, pool)]
-            o_t = tvm.runtime.from_dlpack(o)
-            # time every tiling from the same initial pool, keep the fastest
-            pool0 = pool.clone()
-            tilings = {}
-            for (cb, ks), fn in variants.items():
-                tilings[f"cb{cb}_ks{ks}"] = time_cuda(lambda: fn(*args, 0, o_t))
-            best = min(tilings, key=tilings.get)
-            cb, ks = (int(x[2:]) for x in best.split("_"))
-            fn = variants[(cb, ks)]
-            pool.copy_(pool0)
-            # correctness: one step vs fla's naive recurrence (gate from the same formula)
-            fn(*args, 0, o_t)
-            torch.cuda.synchronize()
-            g = LOWER_BOUND * torch.sigmoid(torch.exp(A_log)[None, :, None] * (f + dt_bias.view(1, H, K)))
-            l2 = lambda x: x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)  # noqa: E731
-            o_ref, S_ref = naive_recurrent_kda(
-                l2(q)[:, None], l2(k)[:, None],
-                v[:, None], g[:, None], torch.sigmoid(b)[:, None], initial_state=S0,
-                output_final_state=True)
-            err_o = (o - o_ref[:, 0]).abs().max().item()
-            err_s = (pool[0, slots.long()] - S_ref).abs().max().item()
-            # fla fused_recurrent_kda, same settings, state updated in place through indices
-            fla_pool = S0.clone()
-            qf, kf, vf, ff = q[:, None], k[:, None], v[:, None], f[:, None]
-            bf = b[:, None]
-
-            def run_fla():
-                fused_recurrent_kda_fwd(qf, kf, vf, ff, bf, A_log=A_log, dt_bias=dt_bias,
-                                        initial_state=fla_pool, inplace_final_state=True,
-                                        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                                        use_beta_sigmoid_in_kernel=True, lower_bound=LOWER_BOUND)
-
-            run_fla()
-            torch.cuda.synchronize()
-            o_fla, _ = fused_recurrent_kda_fwd(qf, kf, vf, ff, bf, A_log=A_log, dt_bias=dt_bias,
-                                               initial_state=S0.clone(), inplace_final_state=True,
-                                               use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                                               use_beta_sigmoid_in_kernel=True, lower_bound=LOWER_BOUND)
-            err_fla = (o_fla[:, 0] - o_ref[:, 0]).abs().max().item()
-            ours_ms = tilings[best]
-            fla_ms = time_cuda(run_fla)
-            state_bytes = 2 * B * H * K * V * 4
-            roof_ms = state_bytes / bw * 1e3
-            row = {"heads": H, "batch": B, "ours_ms": ours_ms, "fla_ms": fla_ms,
-                   "roofline_ms": roof_ms, "ours_pct_roofline": 100 * roof_ms / ours_ms,
-                   "fla_pct_roofline": 100 * roof_ms / fla_ms, "speedup_vs_fla": fla_ms / ours_ms,
-                   "max_err_o_vs_naive": err_o, "max_err_state_vs_naive": err_s,
-                   "fla_max_err_o_vs_naive": err_fla, "best_tiling": best,
-                   "tilings_ms": tilings}
-            results["decode"].append(row)
-            print(json.dumps(row))
-    results["prefill"] = run_prefill(lib_dir)
-    return results
-
-
-def run_prefill(lib_dir: Path) -> list:
+def run_prefill(lib_dir: Path, log: Path | None = None, fla_checks: bool = True, quick: bool = False) -> list:
     """Prefill: correctness vs fla's naive recurrence, timing vs fla ``chunk_kda``.
 
-    Our kernels take preprocessed inputs (q, k L2-normalized, g = −5·σ(…), β = σ(b)). fla is
-    timed twice: on the same preprocessed inputs (``fla_ms``, the like-for-like comparison) and
-    with gate, L2 norms and β sigmoid inside its kernels from raw inputs (``fla_fused_ms``).
-    Ours = intra kernel + state kernel (scratch tensors preallocated)."""
+    Our kernels take preprocessed inputs (q, k L2-normalized, g = −5·σ(…), β = σ(b)); fla
+    ``chunk_kda`` is timed on the same preprocessed fp32 inputs (``fla_ms``; Triton's tl.dot
+    runs them as TF32, as ours). Ours = intra kernel + state kernel (scratch tensors
+    preallocated), every (block_v, a_batch) variant of the state pass with each intra variant
+    (``tc_…``: intra as measured on 2026-11-29, ``tch_…``: ``hoist_loads``), plus each kernel
+    alone (``tc_intra_ms`` for the best pair, ``intra_ms`` per intra variant, ``tc_state_ms``);
+    the CUDA-core pair where its library is present (``fp32_ms``).
+    Accuracy: max |o − o_naive| and |S − S_naive| of ours and (``fla_checks``) of fla
+    ``chunk_kda`` on the same inputs (naive = fla ``naive_recurrent_kda``, fp32, token by token).
+    Work is ordered by importance (our checks, our timings, fla timings, fla accuracy) and each
+    row is appended to ``log`` (JSON lines) as soon as it exists. ``quick``: two ragged checks,
+    three state-pass variants, no long checks and no fla accuracy (about a minute of GPU time).
+    """
     import torch
     import tvm
 
@@ -193,15 +139,36 @@ def run_prefill(lib_dir: Path) -> list:
                 "aqk": (n_tok, H, 64), "ge": ((n_tok + 63) // 64 + n_seq, H, K)}
 
     dev = torch.device("cuda")
+    torch.manual_seed(0)
     rows = []
+
+    def emit(row):
+        rows.append(row)
+        print(json.dumps(row))
+        if log is not None:
+            with open(log, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
     l2 = lambda x: x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)  # noqa: E731
+    SN = ("w", "u", "qg", "kg", "aqk", "ge")
+    later = []   # (H, fla timing / accuracy closures) run after all of ours
     for H in HEADS:
-        libs = {bv: tvm.runtime.load_module(str(lib_dir / f"kda_prefill_h{H}_bv{bv}.so"))
-                for bv in PREFILL_BV}
+        fns = {}
+        for bv in PREFILL_BV:
+            path = lib_dir / f"kda_prefill_h{H}_bv{bv}.so"
+            if path.exists():
+                m = tvm.runtime.load_module(str(path))
+                fns[f"fp32_bv{bv}"] = (m["kda_prefill_intra"], m["kda_prefill_state"])
+        for bv, ab in PREFILL_TC:
+            if quick and (bv, ab) not in PREFILL_TC_QUICK:
+                continue
+            m = tvm.runtime.load_module(str(lib_dir / f"kda_prefill_tc_h{H}_bv{bv}_ab{ab}.so"))
+            fns[f"tc_bv{bv}_ab{ab}"] = (m["kda_prefill_intra_tc"], m["kda_prefill_state_tc"])
+            fns[f"tch_bv{bv}_ab{ab}"] = (m["kda_prefill_intra_tc_hoist"], m["kda_prefill_state_tc"])
         A_log = torch.log(torch.empty(H, device=dev).uniform_(1, 16))
         dt_bias = torch.randn(H * K, device=dev) * 0.5
 
-        def inputs(lens):
+        def inputs(lens, A_log=A_log, dt_bias=dt_bias, H=H):
             Tn = sum(lens)
             raw = {n: torch.randn(Tn, H, K, device=dev) for n in ("q", "k", "v", "f")}
             raw["b"] = torch.randn(Tn, H, device=dev)
@@ -211,20 +178,25 @@ def run_prefill(lib_dir: Path) -> list:
             cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32, device=dev)
             return raw, pre, cu
 
-        def ours(bv, pre, cu, pool, slots, o, scr):
-            fi, fs = libs[bv]["kda_prefill_intra"], libs[bv]["kda_prefill_state"]
+        def ours(name, pre, cu, pool, slots, o, scr, part="both", fns=fns):
+            fi, fs = fns[name]
             A = tvm.runtime.from_dlpack
-            a_i = [A(pre[n]) for n in ("k", "q", "v", "g", "beta")] + [A(cu)] + [A(scr[n]) for n in ("w", "u", "qg", "kg", "aqk", "ge")]
-            a_s = [A(scr[n]) for n in ("w", "u", "qg", "kg", "aqk", "ge")] + [A(cu), A(slots), A(pool)]
+            a_i = [A(pre[n]) for n in ("k", "q", "v", "g", "beta")] + [A(cu)] + [A(scr[n]) for n in SN]
+            a_s = [A(scr[n]) for n in SN] + [A(cu), A(slots), A(pool)]
             o_t = A(o)
+            if part == "intra":
+                return lambda: fi(*a_i)
+            if part == "state":
+                return lambda: fs(*a_s, 0, o_t)
             return lambda: (fi(*a_i), fs(*a_s, 0, o_t))
 
-        def scratch(Tn, B):
+        def scratch(Tn, B, H=H):
             return {n: torch.empty(s, device=dev) for n, s in prefill_scratch_shapes(Tn, B, H).items()}
 
-        # correctness
-        for lens, init in (((1,), True), ((15,), False), ((63,), True), ((64,), True), ((65,), False),
-                           ((1000,), True), ((1, 15, 64, 65, 200), True), ((130, 7, 64), False)):
+        # correctness of ours vs the naive recurrence
+        long_case = (8192,) if H == HEADS[-1] else (2048,) * 4
+
+        def check(lens, init, H=H, fns=fns, inputs=inputs, ours=ours, scratch=scratch, long_case=long_case):
             raw, pre, cu = inputs(lens)
             B, Tn = len(lens), sum(lens)
             S0 = torch.randn(B, H, K, V, device=dev) * 0.1 if init else torch.zeros(B, H, K, V, device=dev)
@@ -238,19 +210,37 @@ def run_prefill(lib_dir: Path) -> list:
                 o_ref.append(oi[0])
                 S_ref.append(si[0])
             o_ref, S_ref = torch.cat(o_ref), torch.stack(S_ref)
-            for bv in PREFILL_BV:
+            row = {"kind": "check", "heads": H, "lens": list(lens), "initial_state": init,
+                   "max_abs_o": o_ref.abs().max().item(), "max_abs_state": S_ref.abs().max().item(),
+                   "ours": {}}
+            for name in fns:
+                if name.startswith("fp32") and Tn > 2000:
+                    continue
                 pool = torch.zeros(1, B + 2, H, K, V, device=dev)
                 pool[0, slots.long()] = S0
                 o = torch.full((Tn, H, V), float("nan"), device=dev)
-                ours(bv, pre, cu, pool, slots, o, scratch(Tn, B))()
+                ours(name, pre, cu, pool, slots, o, scratch(Tn, B))()
                 torch.cuda.synchronize()
-                row = {"kind": "check", "heads": H, "lens": list(lens), "initial_state": init, "block_v": bv,
-                       "max_err_o": (o - o_ref).abs().max().item(),
-                       "max_err_state": (pool[0, slots.long()] - S_ref).abs().max().item(),
-                       "max_abs_o": o_ref.abs().max().item()}
-                rows.append(row)
-                print(json.dumps(row))
-        # timing
+                row["ours"][name] = {"max_err_o": (o - o_ref).abs().max().item(),
+                                     "max_err_state": (pool[0, slots.long()] - S_ref).abs().max().item()}
+            emit(row)
+            if fla_checks and not quick and lens in (long_case, (63,), (1, 15, 64, 65, 200)):
+                def fla_check(pre=pre, S0=S0, cu=cu, o_ref=o_ref, S_ref=S_ref, lens=lens, init=init, H=H):
+                    with torch.inference_mode():
+                        o_fla, S_fla = chunk_kda(pre["q"][None], pre["k"][None], pre["v"][None], pre["g"][None],
+                                                 pre["beta"][None], initial_state=S0.clone(), output_final_state=True,
+                                                 cu_seqlens=cu.long())
+                    emit({"kind": "fla_check", "heads": H, "lens": list(lens), "initial_state": init,
+                          "fla_max_err_o": (o_fla[0] - o_ref).abs().max().item(),
+                          "fla_max_err_state": (S_fla - S_ref).abs().max().item()})
+                later.append(("check", fla_check))
+        checks = (((1,), True), ((15,), False), ((63,), True), ((64,), True), ((65,), False),
+                  ((1000,), True), ((1, 15, 64, 65, 200), True), ((130, 7, 64), False))
+        for lens, init in checks[6:] if quick else checks:
+            check(lens, init)
+        if not quick:
+            later.append(("long", lambda check=check, long_case=long_case: check(long_case, True)))
+        # timing of ours
         for lens in PREFILL_SHAPES:
             raw, pre, cu = inputs(lens)
             B, Tn = len(lens), sum(lens)
@@ -258,35 +248,33 @@ def run_prefill(lib_dir: Path) -> list:
             pool = torch.randn(1, B, H, K, V, device=dev) * 0.1
             o = torch.empty(Tn, H, V, device=dev)
             scr = scratch(Tn, B)
-            per_bv = {f"bv{bv}": time_cuda(ours(bv, pre, cu, pool, slots, o, scr), iters=10, per_sample=3)
-                      for bv in PREFILL_BV}
-            best = min(per_bv, key=per_bv.get)
-            cu64 = cu.long()
-            S0 = pool[0].clone()
-            with torch.inference_mode():
-                def fla_pre():
-                    return chunk_kda(pre["q"][None], pre["k"][None], pre["v"][None], pre["g"][None],
-                                     pre["beta"][None], initial_state=S0, output_final_state=True,
-                                     cu_seqlens=cu64)
+            tm = lambda f: time_cuda(f, iters=5, warmup=2, per_sample=3)  # noqa: E731
+            per = {name: tm(ours(name, pre, cu, pool, slots, o, scr)) for name in fns}
+            tc = [n for n in per if n.startswith("tc")]
+            best = min(tc, key=per.get)
+            row = {"kind": "time", "heads": H, "lens": list(lens), "ours_ms": per[best], "best": best,
+                   "variants_ms": per,
+                   "tc_intra_ms": tm(ours(best, pre, cu, pool, slots, o, scr, "intra")),
+                   "intra_ms": {kind: tm(ours(min((n for n in tc if n.startswith(kind + "_")), key=per.get),
+                                              pre, cu, pool, slots, o, scr, "intra")) for kind in ("tc", "tch")},
+                   "tc_state_ms": {n: tm(ours(n, pre, cu, pool, slots, o, scr, "state"))
+                                   for n in tc if n.startswith("tc_")},
+                   "fp32_ms": min([per[n] for n in per if n.startswith("fp32")], default=None)}
+            emit(row)
 
-                def fla_fused():
-                    return chunk_kda(raw["q"][None], raw["k"][None], raw["v"][None], raw["f"][None],
-                                     raw["b"][None], initial_state=S0, output_final_state=True,
-                                     use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                                     use_beta_sigmoid_in_kernel=True, safe_gate=True,
-                                     lower_bound=LOWER_BOUND, A_log=A_log, dt_bias=dt_bias,
-                                     cu_seqlens=cu64)
-                fla_ms = time_cuda(fla_pre, iters=10, per_sample=3)
-                try:
-                    fla_fused_ms = time_cuda(fla_fused, iters=10, per_sample=3)
-                except Exception as e:  # noqa: BLE001
-                    fla_fused_ms = None
-                    print("fla fused failed:", e)
-            row = {"kind": "time", "heads": H, "lens": list(lens), "ours_ms": per_bv[best],
-                   "best_block_v": best, "block_v_ms": per_bv, "fla_ms": fla_ms,
-                   "fla_fused_ms": fla_fused_ms, "speedup_vs_fla": fla_ms / per_bv[best]}
-            rows.append(row)
-            print(json.dumps(row))
+            def fla_time(pre=pre, S0=pool[0].clone(), cu64=cu.long(), row=row):
+                with torch.inference_mode():
+                    row["fla_ms"] = time_cuda(lambda: chunk_kda(
+                        pre["q"][None], pre["k"][None], pre["v"][None], pre["g"][None], pre["beta"][None],
+                        initial_state=S0, output_final_state=True, cu_seqlens=cu64), iters=5, warmup=2, per_sample=3)
+                row["speedup_vs_fla"] = row["fla_ms"] / row["ours_ms"]
+                emit({"kind": "fla_time", "heads": row["heads"], "lens": row["lens"], "fla_ms": row["fla_ms"],
+                      "ours_ms": row["ours_ms"], "speedup_vs_fla": row["speedup_vs_fla"]})
+            later.append(("time", fla_time))
+    for kind in ("long", "time", "check"):
+        for k_, fn in later:
+            if k_ == kind:
+                fn()
     return rows
 
 
@@ -295,23 +283,78 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build")
     b.add_argument("out_dir", type=Path)
+    b.add_argument("--only", choices=("all", "prefill"), default="all")
     r = sub.add_parser("run")
     r.add_argument("lib_dir", type=Path)
     r.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    r.add_argument("--only", choices=("all", "prefill"), default="all",
+                   help="prefill: skip the decode benchmark")
+    r.add_argument("--quick", action="store_true", help="prefill: fewer checks and variants")
     args = ap.parse_args(argv)
     if args.cmd == "build":
-        build(args.out_dir)
+        if args.only == "prefill":
+            build_prefill(args.out_dir, baseline=False)
+        else:
+            build(args.out_dir)
         return 0
     import torch
 
-    res = run(args.lib_dir, args.out)
+    if args.only == "prefill":
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from k3_compile.device_code import load_cuda_runtime
+
+        load_cuda_runtime()
+        args.out.mkdir(parents=True, exist_ok=True)
+        res = {"decode": [], "prefill": run_prefill(args.lib_dir, log=args.out / "kda_prefill_rows.jsonl",
+                                                    quick=args.quick)}
+    else:
+        res = run(args.lib_dir, args.out)
     res.update({"machine": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
                 "commit": git_commit(), "fla": "fla-core 0.6.0", "head_dim": K,
                 "lower_bound": LOWER_BOUND})
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "kda_decode_h200.json").write_text(json.dumps(res, indent=1))
-    _plot(res, args.out / "kda_decode_h200.png")
+    if args.only == "prefill":
+        (args.out / "kda_prefill_h200.json").write_text(json.dumps(res, indent=1))
+        _plot_prefill(res, args.out / "kda_prefill_h200.png")
+    else:
+        (args.out / "kda_decode_h200.json").write_text(json.dumps(res, indent=1))
+        _plot(res, args.out / "kda_decode_h200.png")
     return 0
+
+
+def _plot_prefill(res: dict, path: Path) -> None:
+    """Prefill times per shape: CUDA-core pair, tensor-core pair (intra + state), fla."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    trows = [r for r in res["prefill"] if r["kind"] == "time"]
+    for r in trows:
+        r.setdefault("fla_ms", float("nan"))
+        r.setdefault("speedup_vs_fla", float("nan"))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    xs = [f"{r['heads']}h " + ("x".join(str(n) for n in sorted(set(r["lens"])))
+                               + (f"x{len(r['lens'])}" if len(r["lens"]) > 1 else "")) for r in trows]
+    idx = list(range(len(xs)))
+    wd = 0.27
+    fp32 = [r.get("fp32_ms") or r.get("fp32_cuda_core_ms") for r in trows]
+    if all(fp32):
+        ax.bar([i - wd for i in idx], fp32, wd, label="TIR fp32 CUDA cores (before)")
+    ax.bar(idx, [r["tc_intra_ms"] for r in trows], wd, label="TIR tensor cores: intra")
+    ax.bar(idx, [r["ours_ms"] - r["tc_intra_ms"] for r in trows], wd,
+           bottom=[r["tc_intra_ms"] for r in trows], label="TIR tensor cores: state pass")
+    ax.bar([i + wd for i in idx], [r["fla_ms"] for r in trows], wd, label="fla chunk_kda")
+    for i, r in zip(idx, trows):
+        ax.text(i, r["ours_ms"], f"{r['speedup_vs_fla']:.2f}x", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(idx, xs, fontsize=8)
+    ax.set_ylabel("ms")
+    ax.set_yscale("log")
+    ax.set_ylim(bottom=0.1)
+    ax.set_title("KDA chunked prefill, head_dim 128, fp32 in/out (label: fla / ours)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def _plot(res: dict, path: Path) -> None:

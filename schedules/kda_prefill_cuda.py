@@ -144,8 +144,10 @@ def kda_prefill_intra_kernel(H: int, K: int, V: int, scale: float, emulate: bool
             kb = T.alloc_buffer((C, KP), "float32", scope=SH)    # k e^{r−Γ}, then k e^Γ
             ka = T.alloc_buffer((SUB, K), "float32", scope=SH)   # k e^{Γ−r} of sub-block
             qa = T.alloc_buffer((SUB, K), "float32", scope=SH)   # scale q e^{Γ−r}
-            Am = T.alloc_buffer((C, C), "float32", scope=SH)     # L
-            Mm = T.alloc_buffer((C, C), "float32", scope=SH)     # Tm
+            # L (AMM[0]) and Tm (AMM[1]) in one buffer: as two buffers, TVM's shared-memory
+            # merging gave them the same offset (their live ranges end / start in the same
+            # thread loop), a race between the solve's reads of L and other threads' writes of Tm
+            AMM = T.alloc_buffer((2, C, C), "float32", scope=SH)
             # phase 0: which (sequence, chunk) this block is
             if SYNC:
                 T.tvm_storage_sync("shared")
@@ -240,9 +242,9 @@ def kda_prefill_intra_kernel(H: int, K: int, V: int, scale: float, emulate: bool
                                 acc[0] = acc[0] + ka[it * (NT // C) + tx // C, d] * kb[tx % C, d]
                                 acc[1] = acc[1] + qa[it * (NT // C) + tx // C, d] * kb[tx % C, d]
                         if tx % C < I * SUB + it * (NT // C) + tx // C:
-                            Am[I * SUB + it * (NT // C) + tx // C, tx % C] = bt[I * SUB + it * (NT // C) + tx // C] * acc[0]
+                            AMM[0, I * SUB + it * (NT // C) + tx // C, tx % C] = bt[I * SUB + it * (NT // C) + tx // C] * acc[0]
                         else:
-                            Am[I * SUB + it * (NT // C) + tx // C, tx % C] = T.float32(0)
+                            AMM[0, I * SUB + it * (NT // C) + tx // C, tx % C] = T.float32(0)
                         if I * SUB + it * (NT // C) + tx // C < nm[0]:
                             aqk[meta[1] + I * SUB + it * (NT // C) + tx // C, blk % H, tx % C] = acc[1]
             # phase 5: Tm = (I + L)^{-1} diag(β), one thread per column (no barriers);
@@ -261,12 +263,12 @@ def kda_prefill_intra_kernel(H: int, K: int, V: int, scale: float, emulate: bool
                     elif i > tx % C:
                         acc[0] = T.float32(0)
                         for m in range(i - tx % C):
-                            acc[0] = acc[0] - Am[i, tx % C + m] * col[tx % C + m]
+                            acc[0] = acc[0] - AMM[0, i, tx % C + m] * col[tx % C + m]
                         col[i] = acc[0]
                     else:
                         col[i] = T.float32(0)
                 for i in T.unroll(C * C // NT):
-                    Mm[tx // C * (C * C // NT) + i, tx % C] = col[tx // C * (C * C // NT) + i] * bt[tx % C]
+                    AMM[1, tx // C * (C * C // NT) + i, tx % C] = col[tx // C * (C * C // NT) + i] * bt[tx % C]
                 for it in T.unroll(C * K // NT):
                     kb[it * (NT // K) + tx // K, tx % K] = kt[it * (NT // K) + tx // K, tx % K] * T.exp(gam[it * (NT // K) + tx // K, tx % K])
             # phase 6: w = Tm (k e^Γ), u = Tm v
@@ -281,8 +283,8 @@ def kda_prefill_intra_kernel(H: int, K: int, V: int, scale: float, emulate: bool
                         acc[0] = T.float32(0)
                         acc[1] = T.float32(0)
                         for j in range(it * (NT // K) + tx // K + 1):
-                            acc[0] = acc[0] + Mm[it * (NT // K) + tx // K, j] * kb[j, tx % K]
-                            acc[1] = acc[1] + Mm[it * (NT // K) + tx // K, j] * vt[j, tx % K]
+                            acc[0] = acc[0] + AMM[1, it * (NT // K) + tx // K, j] * kb[j, tx % K]
+                            acc[1] = acc[1] + AMM[1, it * (NT // K) + tx // K, j] * vt[j, tx % K]
                         w[meta[1] + it * (NT // K) + tx // K, blk % H, tx % K] = acc[0]
                         u[meta[1] + it * (NT // K) + tx // K, blk % H, tx % K] = acc[1]
 
