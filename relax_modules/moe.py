@@ -174,49 +174,43 @@ class RoutedExperts(nn.Module):
         E, L, I, k = self.sizes
         n = z.shape[0]
         pairs = n * k
-
-        def call(kernel, name, args, outs):
-            """``outs``: (shape, dtype) of fresh buffers the kernel fills in place (the kernels
-            write every output element they later read: no accumulation into these zeros,
-            which Relax may share between calls)."""
-            bufs = [op.zeros(shape, dtype) for shape, dtype in outs]
-            sinfo = [Tensor.placeholder(shape, dtype) for shape, dtype in outs]
-            return op.tensor_ir_inplace_op(
-                kernel, name, [*args, *bufs], list(range(len(args), len(args) + len(bufs))),
-                sinfo[0] if len(sinfo) == 1 else sinfo)
-
-        sorted_pair, tiles, num_tiles, _ = call(
+        sorted_pair, tiles, num_tiles, _ = _fill(
             mp.moe_sort_kernel(E, k), "moe_sort", [ids],
             [([pairs], "int32"), ([mp.max_tiles(pairs, E), 3], "int32"), ([1], "int32"), ([E], "int32")])
-        a = call(mp.moe_grouped_gate_up_kernel(E, L, I, k, self.beta, self.beta_lin),
-                 "moe_grouped_gate_up",
-                 [z, self.w1.weight_packed, self.w1.weight_scale, self.w3.weight_packed,
-                  self.w3.weight_scale, sorted_pair, tiles, num_tiles], [([pairs, I], self.dtype)])
+        a = _fill(mp.moe_grouped_gate_up_kernel(E, L, I, k, self.beta, self.beta_lin),
+                  "moe_grouped_gate_up",
+                  [z, self.w1.weight_packed, self.w1.weight_scale, self.w3.weight_packed,
+                   self.w3.weight_scale, sorted_pair, tiles, num_tiles], [([pairs, I], self.dtype)])
         w2p, w2s = self.w2.weight_packed, self.w2.weight_scale
-        return call(mp.moe_grouped_down_kernel(E, L, I, k), "moe_grouped_down",
-                    [a, w2p, w2s, w2p, w2s, sorted_pair, tiles, num_tiles], [([n, k, L], self.dtype)])
+        return _fill(mp.moe_grouped_down_kernel(E, L, I, k), "moe_grouped_down",
+                     [a, w2p, w2s, w2p, w2s, sorted_pair, tiles, num_tiles], [([n, k, L], self.dtype)])
 
     def _decode_tuned(self, z: Tensor, ids: Tensor) -> Tensor:
         """Decode (a few tokens): chain tokens by expert, fused w1/w3 + SiTU, then w2, each
-        distinct expert's weights streamed once (schedules/moe_mxfp4_cuda.py).
-
-        The kernels are hand-scheduled without TIR blocks, which Relax's reshape analysis
-        (``RewriteDataflowReshape``) cannot read for ``call_tir``; they write into fresh
-        buffers as in-place calls instead, which it leaves alone."""
+        distinct expert's weights streamed once (schedules/moe_mxfp4_cuda.py)."""
         E, L, I, k = self.sizes
         n = z.shape[0]
+        chain = _fill(mc.moe_expert_chain_kernel(k), "moe_expert_chain", [ids], [([n, k, 2], "int32")])
+        a = _fill(mc.moe_mxfp4_gate_up_kernel(E, L, I, k, self.beta, self.beta_lin), "moe_mxfp4_gate_up",
+                  [z, self.w1.weight_packed, self.w1.weight_scale, self.w3.weight_packed,
+                   self.w3.weight_scale, chain, ids], [([n, k, I], self.dtype)])
+        return _fill(mc.moe_mxfp4_down_kernel(E, L, I, k), "moe_mxfp4_down",
+                     [a, self.w2.weight_packed, self.w2.weight_scale, chain, ids], [([n, k, L], self.dtype)])
 
-        def call(kernel, name, args, out_shape, out_dtype):
-            buf = op.zeros(out_shape, out_dtype)
-            return op.tensor_ir_inplace_op(kernel, name, [*args, buf], [len(args)],
-                                           Tensor.placeholder(out_shape, out_dtype))
 
-        chain = call(mc.moe_expert_chain_kernel(k), "moe_expert_chain", [ids], [n, k, 2], "int32")
-        a = call(mc.moe_mxfp4_gate_up_kernel(E, L, I, k, self.beta, self.beta_lin), "moe_mxfp4_gate_up",
-                 [z, self.w1.weight_packed, self.w1.weight_scale, self.w3.weight_packed,
-                  self.w3.weight_scale, chain, ids], [n, k, I], self.dtype)
-        return call(mc.moe_mxfp4_down_kernel(E, L, I, k), "moe_mxfp4_down",
-                    [a, self.w2.weight_packed, self.w2.weight_scale, chain, ids], [n, k, L], self.dtype)
+def _fill(kernel, name: str, args: list, outs: list):
+    """Call a hand-scheduled kernel that writes ``outs`` ((shape, dtype) pairs) into fresh
+    buffers passed after ``args``; returns the output tensor (or the list of them).
+
+    The kernels have no TIR blocks, which Relax's reshape analysis (``RewriteDataflowReshape``)
+    cannot read under ``call_tir``; as in-place calls on ``op.zeros`` buffers it leaves them
+    alone. Those zeros may be folded into one constant shared by every layer (static shapes),
+    so a kernel must write every element it later reads — never accumulate into them."""
+    bufs = [op.zeros(shape, dtype) for shape, dtype in outs]
+    sinfo = [Tensor.placeholder(shape, dtype) for shape, dtype in outs]
+    return op.tensor_ir_inplace_op(kernel, name, [*args, *bufs],
+                                   list(range(len(args), len(args) + len(bufs))),
+                                   sinfo[0] if len(sinfo) == 1 else sinfo)
 
 
 class LatentMoE(nn.Module):

@@ -11,6 +11,14 @@ phases themselves and carry the function attribute :data:`MANUAL_BARRIERS`.
 :func:`respect_manual_barriers` is a context for ``tvm.compile``: while it is active the
 ``ThreadSync`` passes skip the marked functions and plan every other function as usual (the
 dlight-scheduled kernels of a model need them).
+
+What a marked kernel gives up, besides the planner: the ``warp``-scope sync as well (none of
+ours uses warp-scope buffers), and protection from ``MergeSharedMemoryAllocations`` (it runs
+after ``ThreadSync`` and may place two shared buffers at one address when their accesses do
+not overlap in program order; the marked kernels keep every shared buffer live for the whole
+kernel, so nothing is reused). The swap of ``s_tir.transform.ThreadSync`` works because TVM
+0.27's TIR pipeline looks the pass up when it builds the pass list; it is not thread-safe:
+compile one module at a time inside the context.
 """
 
 from __future__ import annotations

@@ -313,11 +313,14 @@ def _moe_route_gpu(E: int, K: int, rsf: float, do_norm: bool) -> tir.PrimFunc:
                         for j in T.unroll(EPL):
                             if tx % 32 + 32 * j == bi[0]:
                                 sel[j] = T.float32(neg_inf)
-                        # all lanes hold the winner; lane 0 writes it
-                        total[0] = total[0] + T.sigmoid(logits[bx * W + tx // 32, T.min(bi[0], E - 1)])
+                        # all lanes hold the winner; lane 0 writes it. No finite score left
+                        # (NaN logits): expert 0, as the CPU kernel's scan, never an id E.
+                        if bi[0] >= E:
+                            bi[0] = 0
+                        total[0] = total[0] + T.sigmoid(logits[bx * W + tx // 32, bi[0]])
                         if tx % 32 == 0:
                             ids[bx * W + tx // 32, r] = bi[0]
-                            w[bx * W + tx // 32, r] = T.sigmoid(logits[bx * W + tx // 32, T.min(bi[0], E - 1)])
+                            w[bx * W + tx // 32, r] = T.sigmoid(logits[bx * W + tx // 32, bi[0]])
                     if tx % 32 == 0:
                         for r in range(K):
                             if do_norm:

@@ -38,6 +38,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from schedules.barriers import mark
+from schedules.moe_mxfp4_prefill_cuda import situ_expr
 from schedules.mxfp4_ptx import dequant8, dup_half, mma_bf16, scale_bf16
 
 KB = 128        # inputs per K block (4 lanes × 32 codes)
@@ -58,6 +59,10 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
              prefetch: int = 4):
     """Builder of both kernels (``kind`` "gate_up": two weight matrices + SiTU; "down": one)."""
     K = top_k
+    if warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"warps must be 1, 2, 4, 8 or 16, got {warps}")
+    if prefetch < 1:
+        raise ValueError(f"prefetch must be at least 1 K block, got {prefetch}")
     NW = warps
     NT = 32 * NW
     RB = 8 * NW
@@ -160,7 +165,7 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
                                     if gate_up:
                                         y[rr[1 + h] // K, rr[1 + h] % K,
                                           T.Cast("int32", blk % NTILE) * RB + tx // 32 * 8 + tx % 4 * 2 + c] = T.Cast(
-                                            out_dtype, _situ(T.Cast("float32", T.Cast("bfloat16", acc[h * 2 + c])),
+                                            out_dtype, situ_expr(T.Cast("float32", T.Cast("bfloat16", acc[h * 2 + c])),
                                                              T.Cast("float32", T.Cast("bfloat16", acc[4 + h * 2 + c])),
                                                              B, BL, use_bl))
                                     else:
@@ -213,12 +218,6 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
     # barriers placed by hand (one per chain pass): compile inside
     # schedules.barriers.respect_manual_barriers()
     return mark(func)
-
-
-def _situ(g, u, beta, beta_lin, use_bl):
-    """SiTU-GLU (spec §3): ``β·tanh(g/β)·σ(g) · u'`` with ``u' = β_lin·tanh(u/β_lin)`` or ``u``."""
-    up = T.float32(beta_lin) * T.tanh(u * T.float32(1.0 / beta_lin)) if use_bl else u
-    return T.float32(beta) * T.tanh(g * T.float32(1.0 / beta)) * T.sigmoid(g) * up
 
 
 def moe_mxfp4_gate_up_tc_kernel(num_experts: int, latent: int, inter: int, top_k: int,

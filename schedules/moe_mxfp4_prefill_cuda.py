@@ -17,7 +17,7 @@ Kernels (CUDA only, ``tirx.is_scheduled``; ``P = T·top_k`` pairs, ``BM`` rows p
 1. :func:`moe_sort_kernel` — one block: tokens per expert (shared-memory atomics), their
    exclusive scan and that of the tiles per expert ``⌈count/BM⌉`` give the tile table
    ``tiles [MAXT, 3]`` = (expert, first sorted row, end row of the expert) and ``num_tiles``
-   (``MAXT = ⌈P/BM⌉ + E`` bounds the tile count for any routing), then every pair is placed
+   (``MAXT = ⌈P/BM⌉ + min(P, E)`` bounds the tile count for any routing), then every pair is placed
    in expert order: ``sorted_pair [P]``.
 2. :func:`moe_grouped_gate_up_kernel` — per (tile, 64 columns of I): ``a_sorted[r] =
    SiTU(W1 z, W3 z)`` for the tile's rows, tokens gathered from ``z`` through
@@ -69,14 +69,21 @@ BK = 64           # inputs per pipeline step
 NT = 256          # threads per GEMM block (8 warps: 2 along M, 4 along N)
 PLAN_THREADS = 1024
 WARPS_M = 2       # warps along M (of 8): each warp then covers BM/WARPS_M rows × 128·WARPS_M/8 columns
-STAGES = 2        # cp.async pipeline depth (k-steps in flight; 2 measured fastest, 4 slowest)
+SMEM_LIMIT = 227 * 1024  # dynamic shared memory per block on sm_90 / sm_100
+STAGES = 2        # cp.async pipeline depth (k-steps in flight; 2 and 3 within 1% on the H200, 4 slower)
 ROW_WORDS = 32    # uint32 per 64-element bf16 activation row in shared memory (16-byte chunks
                   # XOR-swizzled by row parity: conflict-free fragment reads, no padding)
 B_ROW_WORDS = 12  # uint32 per packed weight row in shared memory (64 codes + 16 bytes pad)
 
 def max_tiles(num_pairs, num_experts: int, bm: int = BM):
-    """Upper bound of the tile count: Σ_e ⌈c_e/BM⌉ ≤ ⌈P/BM⌉ + E (P = pairs; PrimExpr or int)."""
-    return (num_pairs + bm - 1) // bm + num_experts
+    """Upper bound of the tile count for any routing: Σ_e ⌈c_e/BM⌉ ≤ ⌈P/BM⌉ + min(P, E) (only
+    experts with pairs have tiles; P = pairs, an int or a PrimExpr). It sizes the tile table
+    and so the GEMM grids: a 1-token prefill (P = top_k) launches ⌈P/BM⌉ + P row tiles, not E."""
+    if isinstance(num_pairs, int):
+        return (num_pairs + bm - 1) // bm + min(num_pairs, num_experts)
+    from tvm import tirx
+
+    return (num_pairs + bm - 1) // bm + tirx.min(num_pairs, num_experts)
 
 
 # ----------------------------------------------------------------------------- permutation
@@ -98,7 +105,8 @@ def moe_sort_kernel(num_experts: int, top_k: int, bm: int = BM):
     offset and a second ``atomicAdd`` pass places every pair. Every output is written without
     being read first, so the buffers need no initialisation. Pairs of one expert come in the
     order of the atomics; every GEMM row is computed on its own, so results do not depend on it.
-    One block: ~2·T·k/1024 shared atomics per thread (128 each at T = 8192, top-16).
+    One block of 1024 threads, two passes over the pairs: at T = 8192, top-16, each thread
+    does 128 shared-memory atomics per pass (0.2 ms on the H200).
     """
     E, K = num_experts, top_k
     TX = PLAN_THREADS
@@ -177,8 +185,8 @@ def _grouped_gemm(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 
     if NS < 2:
         raise ValueError(f"stages must be at least 2, got {NS}")
     gate_up = kind == "gate_up"
-    if KD % BK:
-        raise ValueError(f"input width {KD} must be a multiple of {BK}")
+    if KD % 128:  # a k-step is 64 inputs; the scale rows are read as uint32 words (4 groups)
+        raise ValueError(f"input width {KD} must be a multiple of 128")
     cols = BN // 2 if gate_up else BN          # output columns per block
     if N % cols:
         raise ValueError(f"output width {N} must be a multiple of {cols}")
@@ -187,11 +195,13 @@ def _grouped_gemm(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 
     KG = KD // 32                               # scale groups per row
     KGW = KG // 4                               # uint32 words of E8M0 bytes per row (global)
     KGH = KG // 2                               # uint32 words of bf16 scale pairs per row (shared)
-    if KG % 4:
-        raise ValueError(f"input width {KD} must be a multiple of 128")
     RW = KD // 8                                # uint32 words of packed codes per row
     if E * N * RW >= 2 ** 31:
         raise ValueError("weights too large for int32 word indexing")
+    smem = NS * (BM * ROW_WORDS + BN * B_ROW_WORDS) * 4 + BN * (KG // 2) * 4 + BM * 8
+    if smem > SMEM_LIMIT:
+        raise ValueError(f"input width {KD} needs {smem} bytes of shared memory per block "
+                         f"(limit {SMEM_LIMIT}): the scale table grows with it")
     if warps_m not in (1, 2, 4):
         raise ValueError(f"warps_m must be 1, 2 or 4, got {warps_m}")
     WMN = warps_m                               # warps along M
@@ -351,7 +361,7 @@ def _grouped_gemm(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 
                                     for jj in T.unroll(NJ // 2):
                                         y[tiles[blk // NTN, 1] + tx // (32 * WN) * WM + i * 16 + tx % 32 // 4 + q // 2 * 8,
                                           T.Cast("int32", blk % NTN) * 64 + tx // 32 % WN * (CPW // 2) + jj * 8 + tx % 4 * 2 + q % 2] = \
-                                            T.Cast(out_dtype, _situ(
+                                            T.Cast(out_dtype, situ_expr(
                                                 T.Cast("float32", T.Cast("bfloat16", acc[(i * NJ + jj) * 4 + q])),
                                                 T.Cast("float32", T.Cast("bfloat16", acc[(i * NJ + jj + NJ // 2) * 4 + q])),
                                                 B, BL, use_bl))
@@ -367,8 +377,9 @@ def _grouped_gemm(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 
     return mark(grouped)
 
 
-def _situ(g, u, beta, beta_lin, use_bl):
-    """SiTU-GLU (spec §3): ``β·tanh(g/β)·σ(g) · u'`` with ``u' = β_lin·tanh(u/β_lin)`` or ``u``."""
+def situ_expr(g, u, beta, beta_lin, use_bl):
+    """SiTU-GLU (spec §3) of fp32 TIR expressions: ``β·tanh(g/β)·σ(g) · u'`` with
+    ``u' = β_lin·tanh(u/β_lin)`` (``use_bl``) or ``u``."""
     up = T.float32(beta_lin) * T.tanh(u * T.float32(1.0 / beta_lin)) if use_bl else u
     return T.float32(beta) * T.tanh(g * T.float32(1.0 / beta)) * T.sigmoid(g) * up
 
@@ -388,7 +399,7 @@ def moe_grouped_gate_up_kernel(num_experts: int, latent: int, inter: int, top_k:
         num_tiles    [1]             int32
         a_sorted     [T·k, I]        bf16    row r = SiTU(round(W1 z), round(W3 z)) of pair sorted_pair[r]
 
-    L must be a multiple of 128, I of 64. Grid: ``MAXT × I/64`` blocks of 256 threads;
+    L and I must be multiples of 128. Grid: ``MAXT × I/64`` blocks of 256 threads;
     blocks past ``num_tiles`` exit at once.
     """
     return _grouped_gemm("gate_up", num_experts, inter, latent, top_k, beta, beta_lin, out_dtype, stages,
@@ -407,7 +418,7 @@ def moe_grouped_down_kernel(num_experts: int, latent: int, inter: int, top_k: in
         sorted_pair  [T·k]           int32
         tiles        [MAXT, 3]       int32
         num_tiles    [1]             int32
-        o            [T·k, L]        out_dtype  row sorted_pair[r] = round(W2 a_sorted[r])
+        o            [T, k, L]       out_dtype  entry sorted_pair[r] = round(W2 a_sorted[r])
 
     I must be a multiple of 128, L of 128.
     """

@@ -46,7 +46,7 @@ __forceinline__ __device__ void k3_cp_async_wait{n}() {{ asm volatile("cp.async.
 # 8 E2M1 codes (nibble i of w = input i) times the bf16x2 scale s2 -> 4 bf16x2 words
 # (inputs 0-1, 2-3, 4-5, 6-7). prmt look-ups: magnitude -> low / high byte of its bf16;
 # the sign bits (nibble bit 3) are gathered into bit 7 of the high bytes by one more prmt.
-_DEQUANT = r"""
+DEQUANT_SRC = r"""
 __forceinline__ __device__ void k3_e2m1x8_bf16(unsigned* out, unsigned w, unsigned s2) {
   const unsigned lo_a = 0xC0800000u, lo_b = 0xC0804000u;   // 0, .5, 1, 1.5 | 2, 3, 4, 6
   const unsigned hi_a = 0x3F3F3F00u, hi_b = 0x40404040u;
@@ -87,7 +87,7 @@ def wait(n: int):
 
 
 def dequant8(out, w, s2):
-    return cuda_func_call("k3_e2m1x8_bf16", out, w, s2, source_code=_DEQUANT)
+    return cuda_func_call("k3_e2m1x8_bf16", out, w, s2, source_code=DEQUANT_SRC)
 
 
 def scale_bf16(s):

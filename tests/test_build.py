@@ -99,21 +99,30 @@ def test_cuda_graph_rewrite_captures_decode_regions():
     assert not any("cuda_graph" in n for n in plain)
 
 
-def test_tuned_moe_decode_kernels_dispatched_where_they_fit():
-    """CUDA + tuned + MXFP4 + bf16 + widths that are multiples of 512: decode uses the
-    hand-written MoE kernels (tests/gpu/check_moe_dispatch.py compares them with the generic
-    path on the H200); prefill, --generic-kernels and k3-nano's narrow experts stay generic."""
+def test_tuned_moe_kernels_dispatched_where_they_fit():
+    """CUDA + tuned + MXFP4 + bf16: decode uses the hand-written MoE GEMVs where the widths
+    are multiples of 512, prefill the sort + grouped GEMMs where they are multiples of 128
+    (tests/gpu/check_moe_dispatch.py and run_nano_cuda.py compare them with the generic path
+    / the CPU build on the H200); --generic-kernels and fp32 stay generic; k3-nano (widths
+    128 / 256) gets the prefill kernels only."""
     from oracle_mlx import tiny_config
 
     cfg = K3Config.from_dict(tiny_config(hidden_size=256, routed_expert_hidden_size=512,
                                          moe_intermediate_size=512, num_experts=3,
                                          num_experts_per_token=2))
+    decode_k = ("moe_expert_chain", "moe_mxfp4_gate_up", "moe_mxfp4_down")
+    prefill_k = ("moe_sort", "moe_grouped_gate_up", "moe_grouped_down")
     tuned = export_model(cfg, "bfloat16", gpu=True).mod
     decode_src = tuned["decode"].script(show_meta=False)
     prefill_src = tuned["prefill"].script(show_meta=False)
-    for name in ("moe_expert_chain", "moe_mxfp4_gate_up", "moe_mxfp4_down"):
+    for name in decode_k:
         assert name in decode_src and name not in prefill_src
-    generic = export_model(cfg, "bfloat16", gpu=True, tuned=False).mod
-    assert "moe_mxfp4_gate_up" not in generic["decode"].script(show_meta=False)
+    for name in prefill_k:
+        assert name in prefill_src and name not in decode_src
+    for mod in (export_model(cfg, "bfloat16", gpu=True, tuned=False).mod,
+                export_model(cfg, "float32", gpu=True).mod):
+        src = mod["decode"].script(show_meta=False) + mod["prefill"].script(show_meta=False)
+        assert not any(name in src for name in decode_k + prefill_k)
     nano = export_model(K3Config.from_file(NANO), "bfloat16", gpu=True).mod
     assert "moe_mxfp4_gate_up" not in nano["decode"].script(show_meta=False)
+    assert "moe_grouped_gate_up" in nano["prefill"].script(show_meta=False)

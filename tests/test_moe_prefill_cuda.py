@@ -44,7 +44,7 @@ def _mul_bf16x2(x: int, y: int) -> int:
 
 def _constants():
     """The look-up words and selectors, read from the CUDA source (so a typo there fails)."""
-    src = ptx._DEQUANT
+    src = ptx.DEQUANT_SRC
     lo_a, lo_b = (int(x, 16) for x in re.search(r"lo_a = (0x[0-9A-F]+)u, lo_b = (0x[0-9A-F]+)u", src).groups())
     hi_a, hi_b = (int(x, 16) for x in re.search(r"hi_a = (0x[0-9A-F]+)u, hi_b = (0x[0-9A-F]+)u", src).groups())
     return lo_a, lo_b, hi_a, hi_b
@@ -122,10 +122,29 @@ def test_bad_sizes_rejected():
 
     with pytest.raises(ValueError, match="multiple of 128"):
         dt.moe_mxfp4_gate_up_tc_kernel(4, 100, 64, 2, 4.0, 25.0)
-    with pytest.raises(ValueError, match="multiple of 64"):
+    with pytest.raises(ValueError, match="input width 100 must be a multiple of 128"):
         mp.moe_grouped_gate_up_kernel(4, 100, 128, 2, 4.0, 25.0)
+    with pytest.raises(ValueError, match="output width 96 must be a multiple of 128"):
+        mp.moe_grouped_down_kernel(4, 96, 256, 2)
+    with pytest.raises(ValueError, match="shared memory"):  # the scale table grows with K
+        mp.moe_grouped_gate_up_kernel(4, 128 * 1024, 128, 2, 4.0, 25.0)
+    with pytest.raises(ValueError, match="prefetch must be at least 1"):
+        dt.moe_mxfp4_down_tc_kernel(4, 256, 128, 2, prefetch=0)
     with pytest.raises(ValueError, match="at most 1024 experts"):
         mp.moe_sort_kernel(1025, 2)
+
+
+def test_tile_bound_holds_for_any_routing():
+    """``max_tiles`` (sizes the tile table and the GEMM grids) bounds the reference's tile
+    count: one token, all pairs on one expert, every pair on its own expert, random."""
+    rng = np.random.default_rng(3)
+    for E, k, T in ((896, 16, 1), (896, 16, 3), (40, 8, 500), (7, 2, 1000)):
+        for ids in (np.zeros((T, k), np.int32) + np.arange(k, dtype=np.int32),
+                    rng.integers(0, E, (T, k)).astype(np.int32),
+                    (np.arange(T * k, dtype=np.int32) % E).reshape(T, k)):
+            _, _, tiles, _ = mp.moe_prefill_plan_reference(ids, E)
+            assert len(tiles) <= mp.max_tiles(T * k, E)
+    assert mp.max_tiles(16, 896) == 1 + 16  # a 1-token prefill: 17 row tiles, not 897
 
 
 def _module():

@@ -26,13 +26,17 @@ def build(out: Path) -> None:
 
     import tvm
 
-    from k3_compile.device_code import precompiled_cuda
+    from k3_compile.device_code import PTXAS_OPTIONS, precompiled_cuda
     from schedules import moe_generic as mg
     from targets import get_target
 
     fs = {n: mg.moe_route_kernel(e, k, rsf, norm, gpu=True) for n, (e, k, rsf, norm) in CASES.items()}
-    # the previous GPU router (one thread per token), for the timing comparison
-    old_src = subprocess.check_output(["git", "show", "d993f4c:schedules/moe_generic.py"], cwd=ROOT, text=True)
+    # the previous GPU router (one thread per token, commit d993f4c), for the timing comparison
+    try:
+        old_src = subprocess.check_output(["git", "show", "d993f4c:schedules/moe_generic.py"], cwd=ROOT,
+                                          text=True, stderr=subprocess.DEVNULL)
+    except (subprocess.CalledProcessError, OSError):
+        raise SystemExit("check_route build: needs the git history (commit d993f4c) for the old router")
     old_path = out / "moe_generic_d993f4c.py"
     out.mkdir(parents=True, exist_ok=True)
     old_path.write_text(old_src)
@@ -42,7 +46,7 @@ def build(out: Path) -> None:
     fs["route896_thread"] = old.moe_route_kernel(896, 16, 2.5, True, gpu=True)
     mod = tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in fs.items()})
     target = get_target("cuda-sm90a")
-    with precompiled_cuda(target.nvcc_arch):
+    with precompiled_cuda(target.nvcc_arch, options=PTXAS_OPTIONS):  # as the model build
         lib = tvm.compile(mod, target=target.tvm_target())
     lib.export_library(str(out / "route.so"))
     old_path.unlink()
@@ -52,7 +56,7 @@ def reference(logits, bias, k, rsf, norm):
     """Top-k of sigmoid(logits) + bias, larger first, ties to the lower index (a stable sort
     of the negated scores); weights sigmoid(logit) renormalized (+1e-20) and scaled."""
     s = 1.0 / (1.0 + np.exp(-logits.astype(np.float64)))
-    sel = (s + bias).astype(np.float32)
+    sel = s.astype(np.float32) + bias  # fp32 add, as the kernel (ties decided in fp32)
     ids = np.argsort(-sel, axis=1, kind="stable")[:, :k]
     w = np.take_along_axis(s, ids, 1)
     if norm and k > 1:
@@ -109,3 +113,7 @@ if __name__ == "__main__":
         r = run(out)
         if len(sys.argv) > 3:
             Path(sys.argv[3]).write_text(json.dumps(r, indent=1))
+        bad = [c for c in r["check"] if not (c["same_ids"] and c["max_w_err"] <= 1e-6)]
+        for c in bad:
+            print(f"FAILED: {c}")
+        sys.exit(1 if bad else 0)
