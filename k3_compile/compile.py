@@ -203,6 +203,7 @@ def compile_model(model: str | Path, target: str, out: str | Path, *, dtype: str
         raise CompileError(f"{spec.name} does not compile on this machine: TVM's AMDGPU code "
                            "generator needs a ROCm install (set ROCM_PATH to one with the device "
                            f"libraries and ld.lld). {spec.notes}")
+    _check_writable(out)
     if spec.name == "metal" and sys.platform != "darwin" and out.suffix != ".tar":
         raise CompileError(f"-o {out}: a Metal library's host code is arm64 macOS and links only on a "
                            "Mac; here, write the objects with -o NAME.tar and link them there")
@@ -232,6 +233,22 @@ def compile_model(model: str | Path, target: str, out: str | Path, *, dtype: str
     total = time.time() - t0
     say("done")
     return CompileResult(str(out), meta, total, phases, peak_memory_bytes())
+
+
+def _check_writable(out: Path) -> None:
+    """Fail before the build, not after it, when ``out`` cannot be written (its missing parent
+    directories are created, as ``mkdir -p``)."""
+    parent = out.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CompileError(f"-o {out}: cannot create the directory {parent} ({e.strerror})") from None
+    probe = parent / f".{out.name}.probe-{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise CompileError(f"-o {out}: cannot write in {parent} ({e.strerror})") from None
 
 
 def cache_dir() -> Path:

@@ -204,6 +204,13 @@ def test_other_bad_inputs(capsys, tmp_path, lib):
     assert "missing.so does not exist" in err
     err = _error(capsys, ["generate", str(NANO), "--lib", str(lib), "--prompt", "x", "--top-p", "0"])
     assert "top_p must be in (0, 1]" in err
+    # an output that cannot be written fails before the build, not after it
+    (tmp_path / "a_file").write_text("")
+    err = _error(capsys, ["compile", str(NANO), "-o", str(tmp_path / "a_file" / "x.so")])
+    assert "cannot create the directory" in err and "a_file" in err
+    if Path("/proc/self").exists():
+        err = _error(capsys, ["compile", str(NANO), "-o", "/proc/k3-test.so"])
+        assert "-o /proc/k3-test.so: cannot write in /proc" in err
 
 
 def test_targets_that_cannot_link_here(capsys, tmp_path, monkeypatch):

@@ -27,7 +27,7 @@ from ..config import K3Config
 from .engine import Engine, EngineError
 from .sampler import Sampler, SamplingParams
 
-DEVICE_FORMS = "cpu, cuda, cuda:N (N = GPU index, e.g. cuda:0)"
+DEVICE_FORMS = "cpu, cuda, cuda:N (N = GPU index, e.g. cuda:0); gpu / gpu:N mean the same as cuda"
 # CUDA compute capability -> target name
 _CUDA_ARCH_TARGETS = {"9.0": "cuda-sm90a", "10.0": "cuda-sm100a", "12.0": "cuda-sm120a"}
 # Fraction of free device memory the MLA page pool and KDA slots may take.
@@ -39,7 +39,7 @@ class ModelLoadError(ValueError):
 
 
 def parse_device(device: str) -> tuple[str, int]:
-    """``"cpu"`` / ``"cuda"`` / ``"cuda:N"`` -> (kind, index).
+    """``"cpu"`` / ``"cuda"`` / ``"cuda:N"`` (``gpu`` = ``cuda``) -> (kind, index).
 
     Raises:
         ModelLoadError: any other form, listing the accepted ones.
