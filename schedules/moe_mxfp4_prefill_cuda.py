@@ -69,6 +69,12 @@ BK = 64           # inputs per pipeline step
 NT = 256          # threads per GEMM block (8 warps: 2 along M, 4 along N)
 PLAN_THREADS = 1024
 WARPS_M = 2       # warps along M (of 8): each warp then covers BM/WARPS_M rows × 128·WARPS_M/8 columns
+# The permuted k order (module doc): per 32 inputs a thread holds, for A, words ``ar[0..3]``
+# = inputs 8q..8q+7 of row g (two bf16 each) and ``ar[4..7]`` the same of row g+8; for B the
+# four bf16x2 words of ``dequant8`` (inputs 8q..8q+7 of column g). The two mma half-steps
+# take these registers (a0..a3, b0..b1), tests/test_moe_prefill_cuda.py checks the order.
+MMA_A_REGS = ((0, 4, 1, 5), (2, 6, 3, 7))
+MMA_B_REGS = ((0, 1), (2, 3))
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory per block on sm_90 / sm_100
 STAGES = 2        # cp.async pipeline depth (k-steps in flight; 2 and 3 within 1% on the H200, 4 slower)
 ROW_WORDS = 32    # uint32 per 64-element bf16 activation row in shared memory (16-byte chunks
@@ -215,6 +221,8 @@ def _grouped_gemm(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 
     BL = float(beta_lin) if beta_lin is not None else 0.0
     use_bl = beta_lin is not None
 
+    (A0, A1), (B0, B1) = MMA_A_REGS, MMA_B_REGS  # registers of the two mma half-steps
+
     def b_row(wn, j, g):
         """Shared-memory weight row of the warp's n8 tile ``j`` (0..NJ-1), column ``g``
         (gate_up: the first NJ/2 tiles are W1 rows, the last NJ/2 the same rows of W3)."""
@@ -348,9 +356,11 @@ def _grouped_gemm(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 
                                                             * ROW_WORDS + ((hk * 4 + tx % 4) ^ (tx % 32 // 4 % 2 * 4)) * 4 + v]
                                         for j in T.unroll(NJ):
                                             T.evaluate(_mma(T.address_of(acc[(i * NJ + j) * 4]),
-                                                            ar[0], ar[4], ar[1], ar[5], bf[j * 4], bf[j * 4 + 1]))
+                                                            ar[A0[0]], ar[A0[1]], ar[A0[2]], ar[A0[3]],
+                                                            bf[j * 4 + B0[0]], bf[j * 4 + B0[1]]))
                                             T.evaluate(_mma(T.address_of(acc[(i * NJ + j) * 4]),
-                                                            ar[2], ar[6], ar[3], ar[7], bf[j * 4 + 2], bf[j * 4 + 3]))
+                                                            ar[A1[0]], ar[A1[1]], ar[A1[2]], ar[A1[3]],
+                                                            bf[j * 4 + B1[0]], bf[j * 4 + B1[1]]))
                     # ---- epilogue
                     for i in T.unroll(MT):
                         for q in T.unroll(4):

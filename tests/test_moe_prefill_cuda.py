@@ -84,7 +84,8 @@ def test_dequant_trick_matches_e2m1_and_e8m0_tables():
 def test_permuted_fragments_compute_the_matmul():
     """mma.m16n8k16 fragment layout (PTX ISA, "Matrix fragments for mma.m16n8k16") with the
     kernel's input order: thread (g, q) holds inputs 8q..8q+7 of each 32 for its A rows g, g+8
-    and its B column g; two mmas per 32 inputs must give A @ B."""
+    (``ar``) and its B column g (``bf``); the two mmas per 32 inputs take the registers
+    ``mp.MMA_A_REGS`` / ``mp.MMA_B_REGS`` that the kernel passes, and must give A @ B."""
     rng = np.random.default_rng(1)
     A = rng.standard_normal((16, 32))
     B = rng.standard_normal((32, 8))
@@ -93,11 +94,11 @@ def test_permuted_fragments_compute_the_matmul():
         LA, LB = np.zeros((16, 16)), np.zeros((16, 8))
         for lane in range(32):
             g, q = lane // 4, lane % 4
-            r = [A[g, 8 * q + 2 * i: 8 * q + 2 * i + 2] for i in range(4)]
-            r8 = [A[g + 8, 8 * q + 2 * i: 8 * q + 2 * i + 2] for i in range(4)]
-            b = [B[8 * q + 2 * i: 8 * q + 2 * i + 2, g] for i in range(4)]
-            a0, a1, a2, a3 = r[2 * step], r8[2 * step], r[2 * step + 1], r8[2 * step + 1]
-            b0, b1 = b[2 * step], b[2 * step + 1]
+            ar = ([A[g, 8 * q + 2 * i: 8 * q + 2 * i + 2] for i in range(4)]
+                  + [A[g + 8, 8 * q + 2 * i: 8 * q + 2 * i + 2] for i in range(4)])
+            bf = [B[8 * q + 2 * i: 8 * q + 2 * i + 2, g] for i in range(4)]
+            a0, a1, a2, a3 = (ar[r] for r in mp.MMA_A_REGS[step])
+            b0, b1 = (bf[r] for r in mp.MMA_B_REGS[step])
             # what the tensor core reads from each register
             LA[g, 2 * q:2 * q + 2], LA[g + 8, 2 * q:2 * q + 2] = a0, a1
             LA[g, 2 * q + 8:2 * q + 10], LA[g + 8, 2 * q + 8:2 * q + 10] = a2, a3
