@@ -5,11 +5,19 @@
 - :func:`param_args` — the trailing parameter arguments, in ``params`` order, from a dict.
 - :func:`ragged_meta` — the int32 ForwardMeta arrays (docs/DESIGN.md) for sequence lengths.
 - :func:`nd` — numpy → ``tvm.runtime.Tensor`` on the CPU.
+- :func:`build_sm90a_fatbin` / :data:`needs_nvcc` — build kernels for cuda-sm90a in a
+  subprocess (device code precompiled by nvcc) and report what the library holds.
 """
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
+import pytest
 import tvm
 from tvm import relax
 
@@ -92,3 +100,31 @@ def meta_spec() -> dict:
         "page_table": nn.spec.Tensor(["B", "P"], "int32"),
         "last_token": nn.spec.Tensor(["B"], "int32"),
     }
+
+
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+
+
+def build_sm90a_fatbin(setup: str, tmp_path: Path, contexts: str = "", keep_src: bool = False) -> str:
+    """Build for cuda-sm90a, in a subprocess (loading libtvm_runtime_cuda is process-wide), the
+    ``IRModule`` that the Python code ``setup`` assigns to ``mod``, inside
+    ``k3_compile.device_code.precompiled_cuda('sm_90a')`` plus ``contexts`` (e.g.
+    ``"manual_barriers()"``, which ``setup`` imports). Returns the printed list of what the
+    exported library's CUDA modules hold (``['fatbin']`` when nvcc compiled them); with
+    ``keep_src`` the CUDA sources are kept under ``tmp_path / "src"``.
+
+    Raises subprocess.CalledProcessError (with the child's stderr) if the build fails."""
+    keep = f", keep_dir='{tmp_path}/src'" if keep_src else ""
+    ctx = f", {contexts}" if contexts else ""
+    code = (
+        f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})\n"  # test modules
+        "import tvm\n"
+        "from k3_compile.device_code import precompiled_cuda, inspect_library\n"
+        "from targets import get_target\n"
+        f"{setup}\n"
+        f"with precompiled_cuda('sm_90a'{keep}){ctx}:\n"
+        "    lib = tvm.compile(mod, target=get_target('cuda-sm90a').tvm_target())\n"
+        f"lib.export_library('{tmp_path}/k.so')\n"
+        f"print([b.content for b in inspect_library('{tmp_path}/k.so')])\n"
+    )
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -4,12 +4,12 @@ compares it with fla's naive recurrence and fused_recurrent_kda (not in CI: no G
 
 from __future__ import annotations
 
-import shutil
 
 import numpy as np
 import pytest
 import torch
 
+from helpers_tvm import build_sm90a_fatbin, needs_nvcc
 from schedules.kda_decode_cuda import kda_decode_fused_kernel, kda_decode_fused_reference
 
 
@@ -46,22 +46,10 @@ def test_kernel_rejects_bad_tiling():
         kda_decode_fused_kernel(2, 128, 100, -5.0)
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+@needs_nvcc
 def test_kernel_compiles_to_fatbin_for_sm90a(tmp_path):
-    import subprocess
-    import sys
-
-    # CUDA builds run in a subprocess: loading libtvm_runtime_cuda is process-wide.
-    code = (
-        "import tvm, sys\n"
-        "from k3_compile.device_code import precompiled_cuda, inspect_library\n"
+    out = build_sm90a_fatbin(
         "from schedules.kda_decode_cuda import kda_decode_fused_kernel\n"
-        "from targets import get_target\n"
         "f = kda_decode_fused_kernel(3, 128, 128, -5.0).with_attr('global_symbol', 'k')\n"
-        "with precompiled_cuda('sm_90a'):\n"
-        "    lib = tvm.compile(tvm.IRModule({'k': f}), target=get_target('cuda-sm90a').tvm_target())\n"
-        f"lib.export_library('{tmp_path}/k.so')\n"
-        f"print([b.content for b in inspect_library('{tmp_path}/k.so')])\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert "fatbin" in out.stdout
+        "mod = tvm.IRModule({'k': f})", tmp_path)
+    assert "fatbin" in out

@@ -5,12 +5,12 @@ run on the H200 in benchmarks/kda.py (not in CI: no GPU here)."""
 
 from __future__ import annotations
 
-import shutil
 
 import numpy as np
 import pytest
 import torch
 
+from helpers_tvm import build_sm90a_fatbin, needs_nvcc
 from schedules.kda_prefill_cuda import (kda_prefill_intra_kernel, kda_prefill_reference,
                                         kda_prefill_state_kernel, prefill_scratch_shapes)
 
@@ -74,22 +74,11 @@ def test_emulated_kernels_match_reference(block_v):
     np.testing.assert_allclose(pt.numpy(), ref_pool, atol=1e-5)
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+@needs_nvcc
 def test_kernels_compile_to_fatbin_for_sm90a(tmp_path):
-    import subprocess
-    import sys
-
-    code = (
-        "import tvm\n"
-        "from k3_compile.device_code import precompiled_cuda, inspect_library\n"
+    out = build_sm90a_fatbin(
         "from schedules.kda_prefill_cuda import *\n"
-        "from targets import get_target\n"
         "fi = kda_prefill_intra_kernel(3, 128, 128, 128 ** -0.5).with_attr('global_symbol', 'i')\n"
         "fs = kda_prefill_state_kernel(3, 128, 128, 32).with_attr('global_symbol', 's')\n"
-        "with precompiled_cuda('sm_90a'), manual_barriers():\n"
-        "    lib = tvm.compile(tvm.IRModule({'i': fi, 's': fs}), target=get_target('cuda-sm90a').tvm_target())\n"
-        f"lib.export_library('{tmp_path}/k.so')\n"
-        f"print([b.content for b in inspect_library('{tmp_path}/k.so')])\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert "fatbin" in out.stdout
+        "mod = tvm.IRModule({'i': fi, 's': fs})", tmp_path, contexts="manual_barriers()")
+    assert "fatbin" in out

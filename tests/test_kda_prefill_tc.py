@@ -7,11 +7,11 @@ The fragment layout and the mma instruction run on the H200 in benchmarks/kda.py
 
 from __future__ import annotations
 
-import shutil
 
 import numpy as np
 import pytest
 
+from helpers_tvm import build_sm90a_fatbin, needs_nvcc
 from schedules.kda_prefill_cuda import kda_prefill_reference, prefill_scratch_shapes
 from schedules.kda_prefill_tc import kda_prefill_intra_tc_kernel, kda_prefill_state_tc_kernel
 from tests.test_kda_prefill_cuda import _inputs
@@ -59,26 +59,16 @@ def test_state_tc_rejects_unsupported_block_v():
         kda_prefill_state_tc_kernel(2, 128, 128, 32, a_batch=3)
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+@needs_nvcc
 def test_tc_kernels_compile_to_fatbin_for_sm90a(tmp_path):
-    import subprocess
-    import sys
-
-    code = (
-        "import tvm\n"
-        "from k3_compile.device_code import precompiled_cuda, inspect_library\n"
+    out = build_sm90a_fatbin(
         "from schedules.kda_prefill_tc import *\n"
-        "from targets import get_target\n"
         "fi = kda_prefill_intra_tc_kernel(3, 128, 128, 128 ** -0.5).with_attr('global_symbol', 'i')\n"
         "fh = kda_prefill_intra_tc_kernel(3, 128, 128, 128 ** -0.5, True).with_attr('global_symbol', 'h')\n"
         "fs = kda_prefill_state_tc_kernel(3, 128, 128, 16).with_attr('global_symbol', 's')\n"
-        f"with precompiled_cuda('sm_90a', keep_dir='{tmp_path}/src'), manual_barriers():\n"
-        "    lib = tvm.compile(tvm.IRModule({'i': fi, 'h': fh, 's': fs}), target=get_target('cuda-sm90a').tvm_target())\n"
-        f"lib.export_library('{tmp_path}/k.so')\n"
-        f"print([b.content for b in inspect_library('{tmp_path}/k.so')])\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert "fatbin" in out.stdout
+        "mod = tvm.IRModule({'i': fi, 'h': fh, 's': fs})", tmp_path, contexts="manual_barriers()",
+        keep_src=True)
+    assert "fatbin" in out
     src = "".join(p.read_text() for p in (tmp_path / "src").glob("*.cu"))
     assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in src
     assert src.count("k3_mma_tf32(") > 10

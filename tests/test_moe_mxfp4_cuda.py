@@ -5,11 +5,11 @@ benchmarks/moe.py (not in CI: no GPU here)."""
 
 from __future__ import annotations
 
-import shutil
 
 import numpy as np
 import pytest
 
+from helpers_tvm import build_sm90a_fatbin, needs_nvcc
 from schedules import moe_generic as mg
 from schedules import moe_mxfp4_cuda as mc
 
@@ -79,23 +79,11 @@ def test_bad_sizes_rejected():
         mc.moe_mxfp4_gate_up_kernel(4, 100 * 32, 64, 2, 4.0, 25.0)
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+@needs_nvcc
 def test_kernels_compile_to_fatbin_for_sm90a(tmp_path):
-    import subprocess
-    import sys
-
-    code = (
-        "import tvm\n"
-        "from k3_compile.device_code import precompiled_cuda, inspect_library\n"
+    out = build_sm90a_fatbin(
         "from schedules import moe_mxfp4_cuda as mc\n"
-        "from targets import get_target\n"
         "fs = {'c': mc.moe_expert_chain_kernel(3), 'gu': mc.moe_mxfp4_gate_up_kernel(5, 1024, 96, 3, 4.0, 25.0),\n"
         "      'd': mc.moe_mxfp4_down_kernel(5, 1024, 512, 3)}\n"
-        "mod = tvm.IRModule({k: f.with_attr('global_symbol', k) for k, f in fs.items()})\n"
-        "with precompiled_cuda('sm_90a'):\n"
-        "    lib = tvm.compile(mod, target=get_target('cuda-sm90a').tvm_target())\n"
-        f"lib.export_library('{tmp_path}/k.so')\n"
-        f"print([b.content for b in inspect_library('{tmp_path}/k.so')])\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert "fatbin" in out.stdout
+        "mod = tvm.IRModule({k: f.with_attr('global_symbol', k) for k, f in fs.items()})", tmp_path)
+    assert "fatbin" in out

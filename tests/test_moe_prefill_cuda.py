@@ -8,12 +8,12 @@ in benchmarks/moe.py and tests/gpu/check_moe_dispatch.py (not in CI: no GPU here
 from __future__ import annotations
 
 import re
-import shutil
 
 import ml_dtypes
 import numpy as np
 import pytest
 
+from helpers_tvm import build_sm90a_fatbin, needs_nvcc
 from schedules import moe_generic as mg
 from schedules import moe_mxfp4_prefill_cuda as mp
 from schedules import mxfp4_ptx as ptx
@@ -161,21 +161,10 @@ def _module():
     return tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in fs.items()})
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+@needs_nvcc
 def test_kernels_compile_to_fatbin_for_sm90a(tmp_path):
-    import subprocess
-    import sys
-
-    code = (
-        "import tvm\n"
-        "from k3_compile.device_code import precompiled_cuda, inspect_library\n"
+    out = build_sm90a_fatbin(
         "from tests.test_moe_prefill_cuda import _module\n"
         "from schedules.barriers import respect_manual_barriers\n"
-        "from targets import get_target\n"
-        "with precompiled_cuda('sm_90a'), respect_manual_barriers():\n"
-        "    lib = tvm.compile(_module(), target=get_target('cuda-sm90a').tvm_target())\n"
-        f"lib.export_library('{tmp_path}/k.so')\n"
-        f"print([b.content for b in inspect_library('{tmp_path}/k.so')])\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert "fatbin" in out.stdout
+        "mod = _module()", tmp_path, contexts="respect_manual_barriers()")
+    assert "fatbin" in out
