@@ -190,12 +190,9 @@ def compile_model(model: str | Path, target: str, out: str | Path, *, dtype: str
     mbs = int(DEFAULT_MAX_BATCH_SIZE if max_batch_size is None else max_batch_size)
     ctx = int(defaults["context_window"] if context_window is None else context_window)
     chunk = int(defaults["prefill_chunk"] if prefill_chunk is None else prefill_chunk)
-    for flag, v in (("--max-batch-size", mbs), ("--context-window", ctx), ("--prefill-chunk", chunk)):
-        if v < 1:
-            raise CompileError(f"{flag} must be >= 1, got {v}")
-    if ctx > cfg.max_position_embeddings:
-        raise CompileError(f"--context-window {ctx} exceeds the model's max_position_embeddings "
-                           f"({cfg.max_position_embeddings})")
+    problem = cfg.runtime_size_error(mbs, ctx, chunk)
+    if problem:
+        raise CompileError(problem)
     out = Path(out)
     if out.is_dir():
         raise CompileError(f"output {out} is a directory; give a library file name (e.g. {out}/model.so)")

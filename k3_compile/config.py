@@ -201,6 +201,20 @@ class K3Config:
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
     # ------------------------------------------------------------------ parsing
+    def runtime_size_error(self, max_batch_size: int, context_window: int,
+                           prefill_chunk: int) -> str | None:
+        """The first problem with the runtime sizes a library is compiled or loaded with (as
+        the command-line flags that set them), or None: each must be >= 1 and the context
+        window at most ``max_position_embeddings``."""
+        for flag, v in (("--max-batch-size", max_batch_size), ("--context-window", context_window),
+                        ("--prefill-chunk", prefill_chunk)):
+            if v < 1:
+                return f"{flag} must be >= 1, got {v}"
+        if context_window > self.max_position_embeddings:
+            return (f"--context-window {context_window} exceeds the model's maximum "
+                    f"(max_position_embeddings {self.max_position_embeddings})")
+        return None
+
     @classmethod
     def from_file(cls, path: str | Path) -> "K3Config":
         """Parse ``config.json`` (or a directory holding one).

@@ -158,6 +158,19 @@ def _write_shard(path: Path, entries: list[tuple[str, tuple, str]],
             bar.update(1)
 
 
+def _optional_json(path: Path) -> dict:
+    """The JSON object in ``path``, ``{}`` when the file is absent.
+
+    Raises:
+        ConvertError: the file is not valid JSON (naming it)."""
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConvertError(f"{path}: not valid JSON ({e})") from None
+
+
 def _np_dtype(dtype: str):
     if dtype == "bfloat16":
         import ml_dtypes
@@ -259,18 +272,8 @@ def convert(model_dir: str | Path, out_dir: str | Path, *, quantization: str = "
         if (src / f).is_file():
             shutil.copy2(src / f, tmp / f)
             copied.append(f)
-    gen = {}
-    if (src / "generation_config.json").is_file():
-        try:
-            gen = json.loads((src / "generation_config.json").read_text())
-        except json.JSONDecodeError as e:
-            raise ConvertError(f"{src / 'generation_config.json'}: not valid JSON ({e})") from None
-    tok_cfg = {}
-    if (src / "tokenizer_config.json").is_file():
-        try:
-            tok_cfg = json.loads((src / "tokenizer_config.json").read_text())
-        except json.JSONDecodeError as e:
-            raise ConvertError(f"{src / 'tokenizer_config.json'}: not valid JSON ({e})") from None
+    gen = _optional_json(src / "generation_config.json")
+    tok_cfg = _optional_json(src / "tokenizer_config.json")
     k3cfg = {
         "k3_compile_version": version(),
         "source": str(src.resolve()),

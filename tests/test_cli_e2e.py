@@ -186,6 +186,8 @@ def test_zero_and_out_of_range_sizes_are_errors(capsys, tmp_path, lib):
     err = _error(capsys, ["generate", str(NANO), "--lib", str(lib), "--prompt", "x",
                           "--context-window", "16000"])
     assert "--context-window 16000 exceeds the model's maximum" in err
+    err = _error(capsys, ["compile", str(NANO), "-o", str(tmp_path / "x.so"), "--context-window", "16000"])
+    assert "--context-window 16000 exceeds the model's maximum (max_position_embeddings 8192)" in err
     err = _error(capsys, ["generate", str(NANO / "config.json"), "--lib", str(lib), "--prompt", "x"])
     assert "is a file; generate/chat need a model directory" in err
 

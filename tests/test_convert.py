@@ -128,3 +128,12 @@ def test_refuses_converted_input_and_bad_args(tmp_path):
         convert(out, tmp_path / "c2", progress=False)
     with pytest.raises(ConvertError, match="--quantization 'int4'"):
         convert(NANO, tmp_path / "c3", quantization="int4", progress=False)
+
+
+def test_invalid_side_json_named(tmp_path):
+    """A broken generation_config.json / tokenizer_config.json is named, not a traceback."""
+    for name in ("generation_config.json", "tokenizer_config.json"):
+        src = write_random_checkpoint(tmp_path / name, tiny_config(), seed=1)
+        (src / name).write_text("{not json")
+        with pytest.raises(ConvertError, match=f"{name}: not valid JSON"):
+            convert(src, tmp_path / f"out-{name}", progress=False)

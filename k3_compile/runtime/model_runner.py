@@ -459,12 +459,9 @@ def load_model(model_dir: str | Path, lib: str | Path | None = None, device: str
     mbs = pick(max_batch_size, meta.get("max_batch_size"), 1)
     ctx = pick(context_window, meta.get("context_window"), cfg.max_position_embeddings)
     chunk = pick(prefill_chunk, meta.get("prefill_chunk"), 512)
-    for flag, v in (("--max-batch-size", mbs), ("--context-window", ctx), ("--prefill-chunk", chunk)):
-        if v < 1:
-            raise ModelLoadError(f"{flag} must be >= 1, got {v}")
-    if ctx > cfg.max_position_embeddings:
-        raise ModelLoadError(f"--context-window {ctx} exceeds the model's maximum "
-                             f"(max_position_embeddings {cfg.max_position_embeddings})")
+    problem = cfg.runtime_size_error(mbs, ctx, chunk)
+    if problem:
+        raise ModelLoadError(problem)
     pages_per_seq = math.ceil(ctx / page)
     num_pages = pages_per_seq * mbs
     slots = mbs + 1  # one spare for fork/checkpoint
