@@ -56,44 +56,41 @@ VARIANTS = {
 }
 
 
-def build(out_dir: Path) -> None:
+def _compile(fs: dict, path: Path, options=PTXAS_REGISTER_LEVEL) -> None:
+    """Compile the PrimFuncs ``fs`` (name -> func) for cuda-sm90a with the device code
+    precompiled (nvcc ``options``) into the library ``path``."""
     import tvm
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from k3_compile.device_code import precompiled_cuda
-    from schedules import moe_mxfp4_cuda as mc
+    from schedules.barriers import respect_manual_barriers
     from targets import get_target
 
     spec = get_target("cuda-sm90a")
-    for name, (gu_kw, d_kw, opts) in VARIANTS.items():
-        d = out_dir / name if name else out_dir
-        d.mkdir(parents=True, exist_ok=True)
-        fs = {
-            "moe_expert_chain": mc.moe_expert_chain_kernel(TOPK),
-            "moe_mxfp4_gate_up": mc.moe_mxfp4_gate_up_kernel(E, L, I, TOPK, BETA, BETA_LIN, **gu_kw),
-            "moe_mxfp4_down": mc.moe_mxfp4_down_kernel(E, L, I, TOPK, **d_kw),
-        }
-        mod = tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in fs.items()})
-        with precompiled_cuda(spec.nvcc_arch, options=opts):
-            lib = tvm.compile(mod, target=spec.tvm_target())
-        path = d / "moe_mxfp4.so"
-        lib.export_library(str(path))
-        print(f"built {path}")
-    # the tensor-core GEMVs (schedules/moe_mxfp4_decode_tc.py), same names and arguments
-    from schedules import moe_mxfp4_decode_tc as dt
-    from schedules.barriers import respect_manual_barriers
+    mod = tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in fs.items()})
+    with precompiled_cuda(spec.nvcc_arch, options=options), respect_manual_barriers():
+        lib = tvm.compile(mod, target=spec.tvm_target())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lib.export_library(str(path))
+    print(f"built {path}")
 
+
+def build(out_dir: Path) -> None:
+    """Decode libraries (CUDA-core variants of :data:`VARIANTS`, tensor-core variants of
+    :data:`TC_VARIANTS`, each ``<variant>/moe_mxfp4.so``) and the prefill libraries."""
+    from schedules import moe_mxfp4_cuda as mc
+    from schedules import moe_mxfp4_decode_tc as dt
+
+    for name, (gu_kw, d_kw, opts) in VARIANTS.items():
+        _compile({"moe_expert_chain": mc.moe_expert_chain_kernel(TOPK),
+                  "moe_mxfp4_gate_up": mc.moe_mxfp4_gate_up_kernel(E, L, I, TOPK, BETA, BETA_LIN, **gu_kw),
+                  "moe_mxfp4_down": mc.moe_mxfp4_down_kernel(E, L, I, TOPK, **d_kw)},
+                 (out_dir / name if name else out_dir) / "moe_mxfp4.so", opts)
+    # the tensor-core GEMVs (schedules/moe_mxfp4_decode_tc.py), same names and arguments
     for name, kw in TC_VARIANTS.items():
-        fs = {
-            "moe_expert_chain": mc.moe_expert_chain_kernel(TOPK),
-            "moe_mxfp4_gate_up": dt.moe_mxfp4_gate_up_tc_kernel(E, L, I, TOPK, BETA, BETA_LIN, **kw),
-            "moe_mxfp4_down": dt.moe_mxfp4_down_tc_kernel(E, L, I, TOPK, **kw),
-        }
-        mod = tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in fs.items()})
-        with precompiled_cuda(spec.nvcc_arch, options=PTXAS_REGISTER_LEVEL), respect_manual_barriers():
-            lib = tvm.compile(mod, target=spec.tvm_target())
-        (out_dir / name).mkdir(parents=True, exist_ok=True)
-        lib.export_library(str(out_dir / name / "moe_mxfp4.so"))
+        _compile({"moe_expert_chain": mc.moe_expert_chain_kernel(TOPK),
+                  "moe_mxfp4_gate_up": dt.moe_mxfp4_gate_up_tc_kernel(E, L, I, TOPK, BETA, BETA_LIN, **kw),
+                  "moe_mxfp4_down": dt.moe_mxfp4_down_tc_kernel(E, L, I, TOPK, **kw)},
+                 out_dir / name / "moe_mxfp4.so")
     build_prefill(out_dir)
 
 
@@ -103,48 +100,36 @@ TC_VARIANTS = {"tensor_cores": {}, "tensor_cores_prefetch1": {"prefetch": 1},
 PREFILL_FUNCS = ("moe_sort", "moe_grouped_gate_up", "moe_grouped_down")
 # besides the defaults of schedules.moe_mxfp4_prefill_cuda (STAGES = 2, WARPS_M = 2)
 PREFILL_VARIANTS = {"stages3": {"stages": 3}, "warps_m1": {"warps_m": 1}, "warps_m4": {"warps_m": 4}}
+SMALL = (3, 512, 512, 2)  # E, L, I, top_k of tests/gpu/check_moe_dispatch.py's model
 
 
 def build_prefill(out_dir: Path) -> None:
-    """The prefill pipeline (schedules/moe_mxfp4_prefill_cuda.py) into ``moe_prefill.so``."""
-    import tvm
-
-    from k3_compile.device_code import precompiled_cuda
+    """The prefill pipeline (schedules/moe_mxfp4_prefill_cuda.py) into ``moe_prefill.so``, its
+    schedule variants into ``moe_prefill_<variant>.so`` and the :data:`SMALL` shapes into
+    ``moe_prefill_small.so``."""
     from schedules import moe_mxfp4_prefill_cuda as mp
-    from schedules.barriers import respect_manual_barriers
-    from targets import get_target
 
-    spec = get_target("cuda-sm90a")
-    fs = {
-        "moe_sort": mp.moe_sort_kernel(E, TOPK),
-        "moe_grouped_gate_up": mp.moe_grouped_gate_up_kernel(E, L, I, TOPK, BETA, BETA_LIN),
-        "moe_grouped_down": mp.moe_grouped_down_kernel(E, L, I, TOPK),
-    }
-    mod = tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in fs.items()})
-    with precompiled_cuda(spec.nvcc_arch, options=PTXAS_REGISTER_LEVEL), respect_manual_barriers():
-        lib = tvm.compile(mod, target=spec.tvm_target())
-    path = out_dir / "moe_prefill.so"
-    lib.export_library(str(path))
-    print(f"built {path}")
-    # schedule variants (pipeline depth, warp layout), timed in the same run
-    for name, kw in PREFILL_VARIANTS.items():
-        mod = tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in {
-            "moe_sort": mp.moe_sort_kernel(E, TOPK),
-            "moe_grouped_gate_up": mp.moe_grouped_gate_up_kernel(E, L, I, TOPK, BETA, BETA_LIN, **kw),
-            "moe_grouped_down": mp.moe_grouped_down_kernel(E, L, I, TOPK, **kw)}.items()})
-        with precompiled_cuda(spec.nvcc_arch, options=PTXAS_REGISTER_LEVEL), respect_manual_barriers():
-            lib = tvm.compile(mod, target=spec.tvm_target())
-        lib.export_library(str(out_dir / f"moe_prefill_{name}.so"))
-    # the small shapes of tests/gpu/check_moe_dispatch.py's model (E=3, top-2, widths 512)
-    fs = {
-        "moe_sort": mp.moe_sort_kernel(3, 2),
-        "moe_grouped_gate_up": mp.moe_grouped_gate_up_kernel(3, 512, 512, 2, BETA, BETA_LIN),
-        "moe_grouped_down": mp.moe_grouped_down_kernel(3, 512, 512, 2),
-    }
-    mod = tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in fs.items()})
-    with precompiled_cuda(spec.nvcc_arch, options=PTXAS_REGISTER_LEVEL), respect_manual_barriers():
-        lib = tvm.compile(mod, target=spec.tvm_target())
-    lib.export_library(str(out_dir / "moe_prefill_small.so"))
+    def kernels(e, l_, i_, k, **kw):
+        return {"moe_sort": mp.moe_sort_kernel(e, k),
+                "moe_grouped_gate_up": mp.moe_grouped_gate_up_kernel(e, l_, i_, k, BETA, BETA_LIN, **kw),
+                "moe_grouped_down": mp.moe_grouped_down_kernel(e, l_, i_, k, **kw)}
+
+    _compile(kernels(E, L, I, TOPK), out_dir / "moe_prefill.so")
+    for name, kw in PREFILL_VARIANTS.items():  # timed in the same run
+        _compile(kernels(E, L, I, TOPK, **kw), out_dir / f"moe_prefill_{name}.so")
+    _compile(kernels(*SMALL), out_dir / "moe_prefill_small.so")
+
+
+def random_experts(num_experts: int, latent: int, inter: int, device, generator=None) -> dict:
+    """Random MXFP4 experts ``{"w1"|"w3"|"w2": (packed uint8 [E, N, K/2], scale uint8
+    [E, N, K/32])}``: uniform codes, E8M0 scales 121..126 (2^-6..2^-1)."""
+    import torch
+
+    return {n: (torch.randint(0, 256, (num_experts, r, c // 2), dtype=torch.uint8, device=device,
+                              generator=generator),
+                torch.randint(121, 127, (num_experts, r, c // 32), dtype=torch.uint8, device=device,
+                              generator=generator))
+            for n, (r, c) in (("w1", (inter, latent)), ("w3", (inter, latent)), ("w2", (latent, inter)))}
 
 
 def _dequant(packed, scale):
@@ -168,7 +153,6 @@ def run(lib_dir: Path, decode: bool = True) -> dict:
     import torch
     import tvm
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from k3_compile.device_code import load_cuda_runtime
 
     load_cuda_runtime()
@@ -182,10 +166,7 @@ def run(lib_dir: Path, decode: bool = True) -> dict:
     bw = copy_bandwidth()
     print(f"copy bandwidth: {bw / 1e9:.0f} GB/s", flush=True)
     g = torch.Generator(device=dev).manual_seed(0)
-    W = {}
-    for name, (n, k) in (("w1", (I, L)), ("w3", (I, L)), ("w2", (L, I))):
-        W[name] = (torch.randint(0, 256, (E, n, k // 2), dtype=torch.uint8, device=dev, generator=g),
-                   torch.randint(121, 127, (E, n, k // 32), dtype=torch.uint8, device=dev, generator=g))
+    W = random_experts(E, L, I, dev, g)
     tw = {k: [tvm.runtime.from_dlpack(t) for t in v] for k, v in W.items()}
     expert_bytes = sum(p[0].numel() + p[1].numel() for p in W.values()) // E
     results = {"copy_bandwidth_GBps": bw / 1e9, "expert_bytes": expert_bytes, "check": [], "timing": []}
@@ -288,17 +269,17 @@ def run(lib_dir: Path, decode: bool = True) -> dict:
 
 
 def check_small(path: Path, g) -> list:
-    """E=3, top-2, L=I=512 (the dispatch check's model): every output vs torch fp32."""
+    """The :data:`SMALL` shapes (the dispatch check's model): every output vs torch fp32."""
     import torch
     import tvm
+
+    from schedules.moe_plan import max_tiles
 
     lib = tvm.runtime.load_module(str(path))
     f_sort, f_gu, f_down = (lib[n] for n in PREFILL_FUNCS)
     dev = torch.device("cuda")
-    e_, k_, l_, i_ = 3, 2, 512, 512
-    Ws = {n: (torch.randint(0, 256, (e_, a, b // 2), dtype=torch.uint8, device=dev, generator=g),
-              torch.randint(121, 127, (e_, a, b // 32), dtype=torch.uint8, device=dev, generator=g))
-          for n, (a, b) in (("w1", (i_, l_)), ("w3", (i_, l_)), ("w2", (l_, i_)))}
+    e_, l_, i_, k_ = SMALL
+    Ws = random_experts(e_, l_, i_, dev, g)
     tw = {n: [tvm.runtime.from_dlpack(t) for t in v] for n, v in Ws.items()}
     rows = []
     for T in (40, 1, 200):
@@ -306,7 +287,7 @@ def check_small(path: Path, g) -> list:
         z = torch.randn(T, l_, device=dev, generator=g).to(torch.bfloat16)
         P = T * k_
         b = dict(counts=torch.full((e_,), -7, dtype=torch.int32, device=dev),
-                 tiles=torch.zeros((P + 127) // 128 + e_, 3, dtype=torch.int32, device=dev),
+                 tiles=torch.zeros(max_tiles(P, e_), 3, dtype=torch.int32, device=dev),
                  num_tiles=torch.zeros(1, dtype=torch.int32, device=dev),
                  sorted=torch.full((P,), -7, dtype=torch.int32, device=dev),
                  a=torch.zeros(P, i_, dtype=torch.bfloat16, device=dev),
@@ -347,14 +328,14 @@ def run_prefill(lib_dir: Path, W, Wb, tw, g) -> dict:
     tokens), then timing at 8192 / 2048 tokens against torch._grouped_mm (bf16 weights) and
     the measured bf16 tensor-core peak; schedule variants are checked against the default's
     output and timed in the same run."""
-    import numpy as np
     import torch
     import tvm
+
+    from schedules.moe_plan import max_tiles, moe_prefill_plan_reference
 
     lib = tvm.runtime.load_module(str(lib_dir / "moe_prefill.so"))
     f_sort, f_gu, f_down = (lib[n] for n in PREFILL_FUNCS)
     dev = torch.device("cuda")
-    BMT = 128
     res = {"check": [], "timing": []}
     if (lib_dir / "moe_prefill_small.so").exists():
         res["check_small"] = check_small(lib_dir / "moe_prefill_small.so", g)
@@ -374,7 +355,7 @@ def run_prefill(lib_dir: Path, W, Wb, tw, g) -> dict:
 
     def pipeline(T, ids, z):
         P = T * TOPK
-        mt = (P + BMT - 1) // BMT + E
+        mt = max_tiles(P, E)  # as relax_modules/moe.py sizes the tile table
         bufs = dict(
             counts=torch.empty(E, dtype=torch.int32, device=dev),
             tiles=torch.empty(mt, 3, dtype=torch.int32, device=dev),
@@ -395,16 +376,6 @@ def run_prefill(lib_dir: Path, W, Wb, tw, g) -> dict:
 
         return bufs, route, gemms
 
-    def plan_reference(ids_np, bm):
-        """counts, offsets, tile table and a stable expert order, in NumPy (the GPU machine
-        has no TVM compiler to import the schedule module's reference)."""
-        flat = ids_np.reshape(-1).astype(np.int64)
-        counts = np.bincount(flat, minlength=E).astype(np.int32)
-        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-        tiles = np.array([(e, offsets[e] + i * bm, offsets[e + 1]) for e in range(E)
-                          for i in range(-(-int(counts[e]) // bm))], np.int32).reshape(-1, 3)
-        return counts, offsets, tiles, np.argsort(flat, kind="stable")
-
     for T, kind in PREFILL_CHECK:
         ids = routing(T, kind)
         z = torch.randn(T, L, device=dev, generator=g).to(torch.bfloat16)
@@ -412,7 +383,7 @@ def run_prefill(lib_dir: Path, W, Wb, tw, g) -> dict:
         route()
         gemms()
         torch.cuda.synchronize()
-        counts, offsets, tiles, order = plan_reference(ids.cpu().numpy(), BMT)
+        counts, _, tiles, order = moe_prefill_plan_reference(ids.cpu().numpy(), E)
         nt = int(bufs["num_tiles"][0])
         plan_ok = (bool((bufs["counts"].cpu().numpy() == counts).all())
                    and nt == len(tiles) and bool((bufs["tiles"][:nt].cpu().numpy() == tiles).all()))

@@ -59,11 +59,14 @@ import numpy as np
 from tvm.script import tirx as T
 
 from schedules.barriers import mark
+# BM (rows = token-expert pairs per tile), the tile bound and the NumPy reference of the sort
+# live in schedules/moe_plan.py, which imports no TVM: the GPU machine's runtime-only TVM
+# cannot import this module, and benchmarks/moe.py checks the kernels there against it.
+from schedules.moe_plan import BM, max_tiles, moe_prefill_plan_reference  # noqa: F401
 from schedules.mxfp4_ptx import (commit as _commit, cp_async16 as _cp_async16, dequant8 as _dequant8,
                                  dup_half as _dup_half, mma_bf16 as _mma, scale_bf16 as _scale_bf16,
                                  wait as _wait)
 
-BM = 128          # rows (token-expert pairs) per tile
 BN = 128          # weight rows per block (gate_up: 64 of W1 + 64 of W3)
 BK = 64           # inputs per pipeline step
 NT = 256          # threads per GEMM block (8 warps: 2 along M, 4 along N)
@@ -80,17 +83,6 @@ STAGES = 2        # cp.async pipeline depth (k-steps in flight; 2 and 3 within 1
 ROW_WORDS = 32    # uint32 per 64-element bf16 activation row in shared memory (16-byte chunks
                   # XOR-swizzled by row parity: conflict-free fragment reads, no padding)
 B_ROW_WORDS = 12  # uint32 per packed weight row in shared memory (64 codes + 16 bytes pad)
-
-def max_tiles(num_pairs, num_experts: int, bm: int = BM):
-    """Upper bound of the tile count for any routing: Σ_e ⌈c_e/BM⌉ ≤ ⌈P/BM⌉ + min(P, E) (only
-    experts with pairs have tiles; P = pairs, an int or a PrimExpr). It sizes the tile table
-    and so the GEMM grids: a 1-token prefill (P = top_k) launches ⌈P/BM⌉ + P row tiles, not E."""
-    if isinstance(num_pairs, int):
-        return (num_pairs + bm - 1) // bm + min(num_pairs, num_experts)
-    from tvm import tirx
-
-    return (num_pairs + bm - 1) // bm + tirx.min(num_pairs, num_experts)
-
 
 # ----------------------------------------------------------------------------- permutation
 def moe_sort_kernel(num_experts: int, top_k: int, bm: int = BM):
@@ -434,17 +426,3 @@ def moe_grouped_down_kernel(num_experts: int, latent: int, inter: int, top_k: in
     """
     return _grouped_gemm("down", num_experts, latent, inter, top_k, out_dtype=out_dtype, stages=stages,
                          warps_m=warps_m)
-
-
-# ----------------------------------------------------------------------------- reference
-def moe_prefill_plan_reference(expert_ids: np.ndarray, num_experts: int, bm: int = BM):
-    """NumPy reference of :func:`moe_sort_kernel`: ``(counts [E], offsets [E+1], tiles
-    [num_tiles, 3], order)`` where ``order`` is the stable sort of the pairs by expert (the
-    kernel may order the pairs of one expert differently)."""
-    flat = np.asarray(expert_ids, np.int64).reshape(-1)
-    counts = np.bincount(flat, minlength=num_experts).astype(np.int32)
-    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-    tiles = [(e, offsets[e] + i * bm, offsets[e + 1])
-             for e in range(num_experts) for i in range(-(-int(counts[e]) // bm))]
-    order = np.argsort(flat, kind="stable").astype(np.int32)
-    return counts, offsets, np.array(tiles, np.int32).reshape(-1, 3), order

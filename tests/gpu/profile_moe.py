@@ -15,15 +15,13 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from k3_compile.device_code import load_cuda_runtime  # noqa: E402
-from moe import E, FUNCS, I, L, TOPK  # noqa: E402
+from moe import E, FUNCS, I, L, TOPK, random_experts  # noqa: E402
 
 load_cuda_runtime()
 lib = tvm.runtime.load_module(str(Path(sys.argv[1]) / "moe_mxfp4.so"))
 chain_f, gu_f, down_f = (lib[n] for n in FUNCS)
 dev = torch.device("cuda")
-W = {n: (torch.randint(0, 256, (E, r, c // 2), dtype=torch.uint8, device=dev),
-         torch.randint(121, 127, (E, r, c // 32), dtype=torch.uint8, device=dev))
-     for n, (r, c) in (("w1", (I, L)), ("w3", (I, L)), ("w2", (L, I)))}
+W = random_experts(E, L, I, dev)
 tw = {k: [tvm.runtime.from_dlpack(t) for t in v] for k, v in W.items()}
 T = 1
 z = torch.randn(T, L, device=dev).to(torch.bfloat16)

@@ -16,22 +16,21 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from k3_compile.device_code import load_cuda_runtime  # noqa: E402
-from moe import E, I, L, PREFILL_FUNCS, TOPK  # noqa: E402
+from moe import E, I, L, PREFILL_FUNCS, TOPK, random_experts  # noqa: E402
+from schedules.moe_plan import max_tiles  # noqa: E402
 
 load_cuda_runtime()
 lib = tvm.runtime.load_module(sys.argv[1])
 T = int(sys.argv[2]) if len(sys.argv) > 2 else 8192
 sort_f, gu_f, down_f = (lib[n] for n in PREFILL_FUNCS)
 dev = torch.device("cuda")
-W = {n: (torch.randint(0, 256, (E, r, c // 2), dtype=torch.uint8, device=dev),
-         torch.randint(121, 127, (E, r, c // 32), dtype=torch.uint8, device=dev))
-     for n, (r, c) in (("w1", (I, L)), ("w3", (I, L)), ("w2", (L, I)))}
+W = random_experts(E, L, I, dev)
 tw = {k: [tvm.runtime.from_dlpack(t) for t in v] for k, v in W.items()}
 P = T * TOPK
 z = torch.randn(T, L, device=dev).to(torch.bfloat16)
 ids = torch.rand(T, E, device=dev).topk(TOPK, dim=1).indices.int()
 bufs = [torch.empty(P, dtype=torch.int32, device=dev),
-        torch.empty((P + 127) // 128 + E, 3, dtype=torch.int32, device=dev),
+        torch.empty(max_tiles(P, E), 3, dtype=torch.int32, device=dev),
         torch.empty(1, dtype=torch.int32, device=dev), torch.empty(E, dtype=torch.int32, device=dev)]
 a = torch.empty(P, I, dtype=torch.bfloat16, device=dev)
 o = torch.empty(T, TOPK, L, dtype=torch.bfloat16, device=dev)

@@ -1,0 +1,33 @@
+"""Plan of the MoE prefill (schedules/moe_mxfp4_prefill_cuda.py) in plain NumPy: the rows per
+GEMM tile, the bound of the tile count, and the reference of the sort kernel. No TVM import
+at module level, so that the GPU machine's runtime-only TVM can use it (benchmarks/moe.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+BM = 128          # rows (token-expert pairs) per tile
+
+
+def max_tiles(num_pairs, num_experts: int, bm: int = BM):
+    """Upper bound of the tile count for any routing: Σ_e ⌈c_e/BM⌉ ≤ ⌈P/BM⌉ + min(P, E) (only
+    experts with pairs have tiles; P = pairs, an int or a PrimExpr). It sizes the tile table
+    and so the GEMM grids: a 1-token prefill (P = top_k) launches ⌈P/BM⌉ + P row tiles, not E."""
+    if isinstance(num_pairs, int):
+        return (num_pairs + bm - 1) // bm + min(num_pairs, num_experts)
+    from tvm import tirx
+
+    return (num_pairs + bm - 1) // bm + tirx.min(num_pairs, num_experts)
+
+
+def moe_prefill_plan_reference(expert_ids: np.ndarray, num_experts: int, bm: int = BM):
+    """NumPy reference of :func:`schedules.moe_mxfp4_prefill_cuda.moe_sort_kernel`: ``(counts [E], offsets [E+1], tiles
+    [num_tiles, 3], order)`` where ``order`` is the stable sort of the pairs by expert (the
+    kernel may order the pairs of one expert differently)."""
+    flat = np.asarray(expert_ids, np.int64).reshape(-1)
+    counts = np.bincount(flat, minlength=num_experts).astype(np.int32)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    tiles = [(e, offsets[e] + i * bm, offsets[e + 1])
+             for e in range(num_experts) for i in range(-(-int(counts[e]) // bm))]
+    order = np.argsort(flat, kind="stable").astype(np.int32)
+    return counts, offsets, np.array(tiles, np.int32).reshape(-1, 3), order
