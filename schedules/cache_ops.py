@@ -7,6 +7,8 @@ one from a zeroed slot; both act on every layer at once, in place (argument 0).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from tvm.script import tirx as T
 
@@ -84,6 +86,7 @@ def pool_reset_kernel(row: int, dtype: str, gpu: bool = False):
     return pool_reset
 
 
+@functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def page_copy_kernel(row: int, dtype: str, gpu: bool = False):
     """Fork MLA cache pages: :func:`pool_copy_kernel` on ``mla_cache`` viewed as
     ``[layers, pages, page_size × cache_dim]``."""

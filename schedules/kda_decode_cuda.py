@@ -25,10 +25,13 @@ Reference: :func:`kda_decode_fused_reference` (NumPy), checked against fla's
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from tvm.script import tirx as T
 
 
+@functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def kda_decode_fused_kernel(H: int, K: int, V: int, lower_bound: float | None,
                             cols_per_block: int = 32, k_split: int = 4):
     """Build the fused decode PrimFunc (CUDA only: uses thread bindings and shared memory).

@@ -34,6 +34,8 @@ straightforward, unoptimized GPU version (correctness first):
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from tvm.script import tirx as T
 
@@ -44,6 +46,7 @@ from schedules.cache_ops import pool_copy_kernel, pool_reset_kernel
 # ----------------------------------------------------------------------------------------
 
 
+@functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def short_conv_kernel(D: int, W: int, in_dtype: str, gpu: bool = False):
     """Causal depthwise conv1d of width ``W`` (no bias) then SiLU, over a flat ragged batch.
 
@@ -213,6 +216,7 @@ def short_conv_reference(x, weight, cu_seqlens, seq_slots, conv_state, layer, wh
 # ----------------------------------------------------------------------------------------
 
 
+@functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def kda_chunk_prefill_kernel(H: int, K: int, V: int, scale: float, chunk: int = 64,
                              gpu: bool = False):
     """KDA over a flat ragged batch, chunked (WY representation, UT transform), fp32.
@@ -448,6 +452,7 @@ def kda_recurrent_reference(q, k, v, g, beta, cu_seqlens, seq_slots, kda_state, 
 # ----------------------------------------------------------------------------------------
 
 
+@functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def kda_decode_kernel(H: int, K: int, V: int, scale: float, gpu: bool = False):
     """One recurrent KDA step per sequence; token ``b`` of the batch belongs to sequence ``b``.
 
@@ -573,6 +578,7 @@ def _flat(inner: tuple[int, ...]) -> int:
     return int(np.prod(inner)) if inner else 1
 
 
+@functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def slot_reset_kernel(inner: tuple[int, ...], gpu: bool = False):
     """Zero slot ``slot`` of a pool ``[L, S, *inner]`` float32 in every layer (in place, arg 0).
 
@@ -583,6 +589,7 @@ def slot_reset_kernel(inner: tuple[int, ...], gpu: bool = False):
     return pool_reset_kernel(_flat(inner), "float32", gpu)
 
 
+@functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def slot_copy_kernel(inner: tuple[int, ...], gpu: bool = False):
     """Copy slot ``src`` to slot ``dst`` of a pool ``[L, S, R]`` float32 in every layer (fork).
 

@@ -37,6 +37,7 @@ run on a device by the tests).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -99,6 +100,7 @@ def _bind_gpu(func: tvm.tirx.PrimFunc, block: str) -> tvm.tirx.PrimFunc:
     return sch.mod["main"]
 
 
+@functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def mla_append_kernel(kv_lora_rank: int, qk_rope_head_dim: int, page_size: int,
                       dtype: str, gpu: bool = False) -> tvm.tirx.PrimFunc:
     """In-place append of this forward's cache rows.
@@ -129,6 +131,7 @@ def mla_append_kernel(kv_lora_rank: int, qk_rope_head_dim: int, page_size: int,
     return _bind_gpu(mla_append, "append") if gpu else mla_append
 
 
+@functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def mla_attend_kernel(num_heads: int, kv_lora_rank: int, qk_rope_head_dim: int, page_size: int,
                       scale: float, dtype: str, gpu: bool = False) -> tvm.tirx.PrimFunc:
     """Paged causal latent attention (see the module docstring for the formula).

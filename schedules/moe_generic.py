@@ -29,6 +29,8 @@ underflows below 2^-149 (never for real checkpoints).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import tvm
 from tvm import te, tirx as tir
@@ -140,6 +142,7 @@ def _schedule_gather_gemv_gpu(func: tir.PrimFunc, n_out: int, cast: bool) -> tir
     return sch.mod["main"].with_attr("tirx.is_scheduled", True)
 
 
+@functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def mxfp4_gather_gemv_kernel(
     n_out: int,
     k_in: int,
@@ -170,6 +173,7 @@ def mxfp4_gather_gemv_kernel(
     )
 
 
+@functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def gather_gemv_kernel(
     n_out: int,
     k_in: int,
@@ -194,6 +198,7 @@ def gather_gemv_kernel(
     )
 
 
+@functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def moe_route_kernel(
     num_experts: int, top_k: int, routed_scaling_factor: float = 1.0, renormalize: bool = True,
     gpu: bool = False,

@@ -56,6 +56,8 @@ Reference: :func:`moe_experts_reference` (built from :mod:`schedules.moe_generic
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from tvm.script import tirx as T
 
@@ -71,6 +73,7 @@ def _check(k_in: int) -> int:
     return k_in // (32 * LANES)
 
 
+@functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def moe_expert_chain_kernel(top_k: int, threads: int = 128):
     """``expert_ids [T, top_k]`` int32 -> ``chain [T, top_k, 2]`` int32 (see module doc)."""
     K = top_k
@@ -160,6 +163,7 @@ def _gemv_kernel(kind: str, E: int, N: int, KD: int, top_k: int, R: int, RT: int
     return S, NC, NT, RB, NTILE, NU, per_thread, RW, NW, K
 
 
+@functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def moe_mxfp4_gate_up_kernel(num_experts: int, latent: int, inter: int, top_k: int,
                              beta: float, beta_lin: float | None, x_dtype: str = "bfloat16",
                              out_dtype: str = "bfloat16", rows_per_block: int = 16,
@@ -279,6 +283,7 @@ def moe_mxfp4_gate_up_kernel(num_experts: int, latent: int, inter: int, top_k: i
     return moe_mxfp4_gate_up
 
 
+@functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def moe_mxfp4_down_kernel(num_experts: int, latent: int, inter: int, top_k: int,
                           x_dtype: str = "bfloat16", out_dtype: str = "bfloat16",
                           rows_per_block: int = 16, rows_per_thread: int = 2,

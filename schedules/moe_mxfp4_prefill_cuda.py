@@ -55,7 +55,8 @@ Reference: :func:`moe_prefill_plan_reference` (counts, offsets, tiles) and
 
 from __future__ import annotations
 
-import numpy as np
+import functools
+
 from tvm.script import tirx as T
 
 from schedules.barriers import mark
@@ -85,6 +86,7 @@ ROW_WORDS = 32    # uint32 per 64-element bf16 activation row in shared memory (
 B_ROW_WORDS = 12  # uint32 per packed weight row in shared memory (64 codes + 16 bytes pad)
 
 # ----------------------------------------------------------------------------- permutation
+@functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def moe_sort_kernel(num_experts: int, top_k: int, bm: int = BM):
     """Token-expert pairs into expert order, and the GEMM tile table (CUDA, one block of
     1024 threads; E ≤ 1024).
@@ -386,6 +388,7 @@ def situ_expr(g, u, beta, beta_lin, use_bl):
     return T.float32(beta) * T.tanh(g * T.float32(1.0 / beta)) * T.sigmoid(g) * up
 
 
+@functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def moe_grouped_gate_up_kernel(num_experts: int, latent: int, inter: int, top_k: int,
                                beta: float, beta_lin: float | None, out_dtype: str = "bfloat16",
                                stages: int = STAGES, warps_m: int = WARPS_M):
@@ -408,6 +411,7 @@ def moe_grouped_gate_up_kernel(num_experts: int, latent: int, inter: int, top_k:
                          warps_m)
 
 
+@functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def moe_grouped_down_kernel(num_experts: int, latent: int, inter: int, top_k: int,
                             out_dtype: str = "bfloat16", stages: int = STAGES, warps_m: int = WARPS_M):
     """Grouped MXFP4 GEMM for W2 (CUDA, ``tirx.is_scheduled``).
