@@ -42,7 +42,7 @@ from k3_compile.device_code import PTXAS_OPTIONS as PTXAS_REGISTER_LEVEL  # noqa
 
 E, L, I, TOPK = 896, 3584, 3072, 16
 BETA, BETA_LIN = 4.0, 25.0
-CHECK_T = (1, 7, 8)
+CHECK_T = (1, 7, 8, 20)
 TIME_T = (1, 8, 64)
 FUNCS = ("moe_expert_chain", "moe_mxfp4_gate_up", "moe_mxfp4_down")
 
@@ -86,17 +86,19 @@ def build(out_dir: Path) -> None:
                   "moe_mxfp4_down": mc.moe_mxfp4_down_kernel(E, L, I, TOPK, **d_kw)},
                  (out_dir / name if name else out_dir) / "moe_mxfp4.so", opts)
     # the tensor-core GEMVs (schedules/moe_mxfp4_decode_tc.py), same names and arguments
-    for name, kw in TC_VARIANTS.items():
+    for name, (gu_kw, d_kw) in TC_VARIANTS.items():
         _compile({"moe_expert_chain": mc.moe_expert_chain_kernel(TOPK),
-                  "moe_mxfp4_gate_up": dt.moe_mxfp4_gate_up_tc_kernel(E, L, I, TOPK, BETA, BETA_LIN, **kw),
-                  "moe_mxfp4_down": dt.moe_mxfp4_down_tc_kernel(E, L, I, TOPK, **kw)},
+                  "moe_mxfp4_gate_up": dt.moe_mxfp4_gate_up_tc_kernel(E, L, I, TOPK, BETA, BETA_LIN, **gu_kw),
+                  "moe_mxfp4_down": dt.moe_mxfp4_down_tc_kernel(E, L, I, TOPK, **d_kw)},
                  out_dir / name / "moe_mxfp4.so")
     build_prefill(out_dir)
 
 
-# tensor-core decode GEMVs (schedules/moe_mxfp4_decode_tc.py): name -> builder kwargs
-TC_VARIANTS = {"tensor_cores": {}, "tensor_cores_prefetch1": {"prefetch": 1},
-               "tensor_cores_8warps": {"warps": 8}}
+# tensor-core decode GEMVs (schedules/moe_mxfp4_decode_tc.py): name -> (gate_up kwargs,
+# down kwargs) of the builders
+TC_VARIANTS = {"tensor_cores": ({}, {}),
+               "tensor_cores_gu_s3": ({"stages": 3}, {}),
+               "tensor_cores_d_s4": ({}, {"stages": 4})}
 PREFILL_FUNCS = ("moe_sort", "moe_grouped_gate_up", "moe_grouped_down")
 # besides the defaults of schedules.moe_mxfp4_prefill_cuda (STAGES = 2, WARPS_M = 2)
 PREFILL_VARIANTS = {"stages3": {"stages": 3}, "warps_m1": {"warps_m": 1}, "warps_m4": {"warps_m": 4}}
@@ -192,6 +194,9 @@ def run(lib_dir: Path, decode: bool = True) -> dict:
         if T == 7:  # repeated experts across tokens exercise the chains
             ids[3] = ids[0]
             ids[5, :4] = ids[1, 4:8]
+        if T == 20:  # one expert chosen by every token: a chain of 20 entries (3 passes of 8)
+            ids[:, 0] = ids[0, 0]
+            ids[1:, 1:][ids[1:, 1:] == ids[0, 0]] = ids[0, 1]
         ours()
         torch.cuda.synchronize()
         ea = eo = ma = mo = 0.0
@@ -218,7 +223,7 @@ def run(lib_dir: Path, decode: bool = True) -> dict:
     results["variants"] = {}
     for d in sorted(p for p in lib_dir.iterdir() if decode and (p / "moe_mxfp4.so").exists()):
         fns = load(d)
-        rows = {"check_T7": check(7, fns), "timing": []}
+        rows = {"check_T7": check(7, fns), "check_T20": check(20, fns), "timing": []}
         for T in TIME_T:
             z, ids, a, o, ours = make(T, fns)
             distinct = torch.unique(ids).numel()
@@ -559,7 +564,8 @@ def failures(res: dict) -> list[str]:
     """Every correctness check of a ``run`` result that failed, as lines (empty: all passed)."""
     out = []
     decode_rows = [("decode", r) for r in res.get("check", [])]
-    decode_rows += [(f"decode variant {n}", v["check_T7"]) for n, v in res.get("variants", {}).items()]
+    decode_rows += [(f"decode variant {n}", v[c]) for n, v in res.get("variants", {}).items()
+                    for c in ("check_T7", "check_T20") if c in v]
     for what, r in decode_rows:
         if not (r["rel_err_a"] <= REL_TOL and r["rel_err_o"] <= REL_TOL):
             out.append(f"{what} T={r['T']}: rel_err_a {r['rel_err_a']:.3g}, rel_err_o {r['rel_err_o']:.3g}")

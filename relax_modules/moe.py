@@ -44,7 +44,9 @@ from tvm.relax.frontend.nn import Tensor, op
 from relax_modules.layers import Linear, RMSNorm, SiTUMLP, situ_glu
 from schedules import moe_generic as mg
 from schedules import moe_mxfp4_cuda as mc
+from schedules import moe_mxfp4_decode_tc as dt
 from schedules import moe_mxfp4_prefill_cuda as mp
+
 
 def _private(func):
     """Drop the PrimFunc's ``global_symbol`` so Relax names it (tensor_ir_op ``name_hint``)."""
@@ -139,10 +141,10 @@ class RoutedExperts(nn.Module):
         self.dtype = dtype
         self.beta, self.beta_lin = beta, beta_lin
         self.sizes = (num_experts, latent, inter, top_k)
-        # CUDA decode: the hand-written MXFP4 kernels (schedules/moe_mxfp4_cuda.py), where the
-        # widths fit their tiling (multiples of 512) and activations are bf16; else generic.
+        # CUDA decode: the tensor-core MXFP4 GEMVs (schedules/moe_mxfp4_decode_tc.py), where the
+        # widths fit their tiling (multiples of 128) and activations are bf16; else generic.
         self.tuned_decode = (gpu and tuned and mxfp4 and dtype == "bfloat16"
-                             and latent % 512 == 0 and inter % 512 == 0)
+                             and latent % dt.KB == 0 and inter % dt.KB == 0)
         # CUDA prefill: token permutation + grouped GEMM on tensor cores
         # (schedules/moe_mxfp4_prefill_cuda.py), where the widths fit its tiles.
         self.tuned_prefill = (gpu and tuned and mxfp4 and dtype == "bfloat16"
@@ -186,15 +188,18 @@ class RoutedExperts(nn.Module):
                      [a, w2p, w2s, w2p, w2s, sorted_pair, tiles, num_tiles], [([n, k, L], self.dtype)])
 
     def _decode_tuned(self, z: Tensor, ids: Tensor) -> Tensor:
-        """Decode (a few tokens): chain tokens by expert, fused w1/w3 + SiTU, then w2, each
-        distinct expert's weights streamed once (schedules/moe_mxfp4_cuda.py)."""
+        """Decode (a few tokens): chain tokens by expert, fused w1/w3 + SiTU, then w2 on
+        tensor cores, each distinct expert's weights streamed once
+        (schedules/moe_mxfp4_decode_tc.py)."""
         E, L, I, k = self.sizes
         n = z.shape[0]
         chain = _fill(mc.moe_expert_chain_kernel(k), "moe_expert_chain", [ids], [([n, k, 2], "int32")])
-        a = _fill(mc.moe_mxfp4_gate_up_kernel(E, L, I, k, self.beta, self.beta_lin), "moe_mxfp4_gate_up",
+        a = _fill(dt.moe_mxfp4_gate_up_tc_kernel(E, L, I, k, self.beta, self.beta_lin,
+                                                 warps=dt.split_k_warps(L)),
+                  "moe_mxfp4_gate_up",
                   [z, self.w1.weight_packed, self.w1.weight_scale, self.w3.weight_packed,
                    self.w3.weight_scale, chain, ids], [([n, k, I], self.dtype)])
-        return _fill(mc.moe_mxfp4_down_kernel(E, L, I, k), "moe_mxfp4_down",
+        return _fill(dt.moe_mxfp4_down_tc_kernel(E, L, I, k, warps=dt.split_k_warps(I)), "moe_mxfp4_down",
                      [a, self.w2.weight_packed, self.w2.weight_scale, chain, ids], [([n, k, L], self.dtype)])
 
 

@@ -1,36 +1,38 @@
 """MXFP4 MoE expert GEMVs for CUDA decode on tensor cores (routed experts of spec §3 "MoE
-block"): the same math and arguments as :mod:`schedules.moe_mxfp4_cuda`, with the dot products
-done by ``mma.sync.m16n8k16`` instead of CUDA-core FMAs.
+block"): the math and arguments of :mod:`schedules.moe_mxfp4_cuda` (the CUDA-core GEMVs, kept
+as the benchmark's baseline), with the dot products done by ``mma.sync.m16n8k16``.
+Dispatched by the model for CUDA decode (relax_modules/moe.py ``RoutedExperts``).
 
-Why: the CUDA-core GEMVs spend ~5-6 instructions per E2M1 code (dequant to fp32, FMA) and are
-instruction-bound at ~52% of the HBM roofline (ncu, benchmarks/results/
-moe_decode_ncu_h200_2026-11-29.txt). Here a code costs ~2.7 instructions (``prmt`` dequant
-to bf16, :mod:`schedules.mxfp4_ptx`) and the products go to the tensor cores. The tokens that
-chose the same expert are the rows of the mma's A operand (up to 16 per pass), so each
-distinct expert's weights are streamed once for all of them; for one token 15 of the 16 rows
-are zero, which costs tensor-core time that is free here.
+Why: the CUDA-core GEMVs spend ~6 instructions per E2M1 code (dequant to fp32, FMA) and are
+instruction-bound at ~52% of the HBM roofline. Here a code costs ~4 (ncu): ``prmt`` dequant to
+bf16 times the E8M0 scale (:mod:`schedules.mxfp4_ptx`, ~2.5), the products on the tensor cores.
 
-Mapping: a warp owns 8 weight rows (the mma's n8; gate_up: the same 8 rows of W1 and W3);
-a block of ``NW`` warps owns ``8·NW`` rows; one block per (entry, row tile), and only the
-block of an expert's first entry (``chain[.., 0] == 1``, :func:`schedules.moe_mxfp4_cuda.
-moe_expert_chain_kernel`) works: it walks the chain, 16 entries per pass. K goes in blocks of
-128 inputs: thread ``(g, q) = (lane/4, lane%4)`` loads 16 bytes of weight row ``g`` — inputs
-``32q .. 32q+31`` of the block, one E8M0 scale group — and dequantizes them with that group's
-scale; for mma step ``s`` (0..7) it supplies inputs ``32q + 4s + {0,1}`` as the mma's
-``k = 2q, 2q+1`` and ``32q + 4s + {2,3}`` as ``k = 2q+8, 2q+9`` (a bijection of the 16 k of
-each step, applied to A — 8 bytes of activations of entries ``g`` and ``g+8`` — and B alike).
-The next block's weights are loaded before the current one is used. fp32 accumulation; the
-outputs are rounded as the model's dtype flow says (relax_modules/moe.py).
+Mapping. Weights are the mma's A operand: a block owns 16 rows of one expert (m16; gate_up:
+the same 16 rows of W1 and W3), and its ``warps`` warps split K, each taking an equal run of
+K blocks of 128 inputs; their partial sums meet in shared memory at the end. The entries
+(token, choice) that chose the expert are the B columns (n8): one block per (entry, row
+tile), and only the block of an expert's first entry (``chain[.., 0] == 1``,
+:func:`schedules.moe_mxfp4_cuda.moe_expert_chain_kernel`) works, walking the chain 8 entries
+per pass, so each distinct expert is streamed once for all its tokens (a later pass re-reads
+it from L2). Thread ``(g, q) = (lane/4, lane%4)`` owns rows ``g`` and ``g+8`` and column
+``g``; in a K block it takes inputs ``32q .. 32q+31`` (16 bytes per row = one scale group)
+and for mma step ``s`` (0..7) supplies inputs ``32q + 4s + {0,1}`` as ``k = 2q, 2q+1`` and
+``32q + 4s + {2,3}`` as ``k = 2q+8, 2q+9`` — a bijection of each step's 16 k, applied to A and
+to B (the column's activations, read from L1) alike.
 
-Status (H200, benchmarks/results/moe_h200_2026-11-29.json, same run as the CUDA-core
-kernels): correct (T = 7 with shared experts, ≤ 1 bf16 ulp); 0.157 ms = 42% of the HBM
-roofline at T = 1 (CUDA-core: 0.131 ms, 51%), 50% at T = 8 (54%), 49% at T = 64 (36%: 1.35×
-faster there, where chains are long). Variants in the same run: one K block in flight
-instead of four, 39-47%; 8 warps per block, 40-47%. Not dispatched. What limits it at one
-token is not the prefetch depth (above); candidates: the per-thread 1-byte scale loads
-(8 sectors per warp request), 15 of 16 mma rows idle, 20 warps per SM at 96 registers.
+Pipeline: per thread, ``stages`` K blocks in flight as ``cp.async`` copies (16 bytes per row
+and matrix, 4 bytes of scales) into the thread's own shared-memory slots: a thread reads back
+only what it copied, so ``cp.async.wait_group`` suffices and no barrier is needed in the K
+loop; registers stay below 100 (gate_up), so 5 blocks of 4 warps fit on an SM. Splitting K
+over the warps (rather than rows) gives 3072 blocks for W1/W3 at one token instead of 768,
+i.e. 4.7 waves instead of 1.2 (a partial second wave left most SMs idle).
 
-Reference: ``schedules.moe_mxfp4_cuda.moe_experts_reference``.
+fp32 accumulation; the outputs are rounded as the model's dtype flow says
+(relax_modules/moe.py).
+
+Reference: ``schedules.moe_mxfp4_cuda.moe_experts_reference``; the fragment mapping is
+checked on the CPU (tests/test_moe_prefill_cuda.py), the kernels on the H200 by
+``benchmarks/moe.py run`` (every variant at T = 7 and T = 20, a chain of 3 passes).
 """
 
 from __future__ import annotations
@@ -39,10 +41,16 @@ from tvm.script import tirx as T
 
 from schedules.barriers import mark
 from schedules.moe_mxfp4_prefill_cuda import situ_expr
-from schedules.mxfp4_ptx import dequant8, dup_half, mma_bf16, scale_bf16
+from schedules.mxfp4_ptx import commit, cp_async4, cp_async16, dequant8, mma_bf16, scale_bf16x2, wait
 
 KB = 128        # inputs per K block (4 lanes × 32 codes)
-ROWS = 16       # mma rows = entries per pass over a chain
+COLS = 8        # mma columns = entries per pass over a chain (the mma's n8)
+
+
+def _round(x, rnd: bool, dtype: str):
+    """fp32 ``x`` rounded to ``dtype`` and back (the model rounds the w1/w3 outputs to its
+    dtype before SiTU, relax_modules/moe.py); ``x`` itself if ``rnd`` is false."""
+    return T.Cast("float32", T.Cast(dtype, x)) if rnd else x
 
 
 def _check(kd: int, n: int, rows_per_block: int, E: int):
@@ -56,121 +64,155 @@ def _check(kd: int, n: int, rows_per_block: int, E: int):
 
 def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
              beta_lin: float | None = None, out_dtype: str = "bfloat16", warps: int = 4,
-             prefetch: int = 4):
+             stages: int = 4):
     """Builder of both kernels (``kind`` "gate_up": two weight matrices + SiTU; "down": one)."""
     K = top_k
     if warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"warps must be 1, 2, 4, 8 or 16, got {warps}")
-    if prefetch < 1:
-        raise ValueError(f"prefetch must be at least 1 K block, got {prefetch}")
+    if stages < 2:
+        raise ValueError(f"stages must be at least 2, got {stages}")
     NW = warps
     NT = 32 * NW
-    RB = 8 * NW
+    RB = 16                      # weight rows per block (the mma's m16); the warps split K
     _check(KD, N, RB, E)
     NTILE = N // RB
     NKB = KD // KB
-    PF = next(p for p in (prefetch, 2, 1) if NKB % p == 0)  # K blocks in flight per thread
+    if NKB % NW:
+        raise ValueError(f"the {NKB} K blocks of 128 inputs must split evenly over {NW} warps")
+    KPW = NKB // NW              # K blocks per warp
+    NS = stages
     RW = KD // 8                 # uint32 words per packed weight row
-    KG = KD // 32                # scale groups per row
+    KG = KD // 32                # scale groups per row (a multiple of 4: KD % 128 == 0)
     XW = KD // 2                 # uint32 words per activation row
     gate_up = kind == "gate_up"
     NM = 2 if gate_up else 1
+    SLOTS = NM * 2               # (matrix, row g / g+8) chunks per thread per stage
+    smem = NS * SLOTS * NT * (16 + 4) + NW * NM * 4 * 32 * 4
+    if smem > 48 * 1024:
+        raise ValueError(f"{NS} stages of {NW} warps need {smem} bytes of shared memory (> 48 KiB)")
     B = float(beta)
     BL = float(beta_lin) if beta_lin is not None else 0.0
     use_bl = beta_lin is not None
+    rnd = out_dtype != "float32"
 
     def xrow(entry):
         """Activation row of an entry: its token (gate_up reads z) or itself (down reads a)."""
         return entry // K if gate_up else entry
 
     @T.macro
-    def load_weights(dst, off, kb, wq0, wq1, sb0, sb1, rowg, tx):
-        """Thread's 16 bytes (32 codes) of each matrix for K block ``kb``, and their scales,
-        into ``dst[off : off + 10]``."""
-        for v in T.vectorized(4):
-            dst[off + v] = wq0[rowg * RW + kb * 16 + tx % 4 * 4 + v]
-        dst[off + 8] = T.Cast("uint32", sb0[rowg * KG + kb * 4 + tx % 4])
-        if gate_up:
-            for v in T.vectorized(4):
-                dst[off + 4 + v] = wq1[rowg * RW + kb * 16 + tx % 4 * 4 + v]
-            dst[off + 9] = T.Cast("uint32", sb1[rowg * KG + kb * 4 + tx % 4])
+    def issue(kb, j, w_s, s_s, wq, sw, slot0, row, tx):
+        """cp.async of the thread's 16 bytes (32 codes = one scale group, inputs
+        ``kb·128 + 32q ..``) of rows ``row`` and ``row + 8`` of one matrix, and of the 4 scale
+        bytes of each row's K block (lane q's is byte q), into stage ``j % NS`` (``j``: the
+        warp's own K-block count), slots
+        ``slot0``, ``slot0 + 1``: each thread reads back only what it copied itself."""
+        for h in T.unroll(2):
+            T.evaluate(cp_async16(T.address_of(w_s[((j % NS * SLOTS + slot0 + h) * NT + tx) * 4]),
+                                  T.address_of(wq[(row + h * 8) * RW + kb * 16 + tx % 4 * 4]), 1))
+            T.evaluate(cp_async4(T.address_of(s_s[(j % NS * SLOTS + slot0 + h) * NT + tx]),
+                                 T.address_of(sw[(row + h * 8) * (KG // 4) + kb])))
 
     @T.macro
-    def body(nt, xq, wq0, wq1, sb0, sb1, chain, ids, y):
+    def load_x(dst, kb, xq, xr, q):
+        """Thread's 32 activations (64 bytes: inputs ``kb·128 + 32q ..``) of activation row
+        ``xr`` into ``dst[0:16]``."""
+        for i in T.unroll(4):
+            for v in T.vectorized(4):
+                dst[i * 4 + v] = xq[xr * XW + kb * 64 + q * 16 + i * 4 + v]
+
+    @T.macro
+    def body(nt, xq, wq0, wq1, sw0, sw1, chain, ids, y):
         for blk in T.thread_binding(nt * K * NTILE, thread="blockIdx.x"):
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                ent_s = T.alloc_buffer((ROWS + 1,), "int32", scope="shared")  # entries; [ROWS] = next
+                ent_s = T.alloc_buffer((COLS + 1,), "int32", scope="shared")  # entries; [COLS] = next
                 cnt_s = T.alloc_buffer((1,), "int32", scope="shared")
-                wcur = T.alloc_buffer((10,), "uint32", scope="local")
-                ring = T.alloc_buffer((PF * 10,), "uint32", scope="local")
-                bf = T.alloc_buffer((2 * 4,), "uint32", scope="local")
-                xa = T.alloc_buffer((2,), "uint32", scope="local")
-                xb = T.alloc_buffer((2,), "uint32", scope="local")
-                acc = T.alloc_buffer((8,), "float32", scope="local")
-                s2 = T.alloc_buffer((2,), "uint32", scope="local")
-                rr = T.alloc_buffer((3,), "int32", scope="local")  # row of g, entries of g and g+8
-                cur = T.alloc_buffer((1,), "int32", scope="local")
+                w_s = T.alloc_buffer((NS * SLOTS * NT * 4,), "uint32", scope="shared")
+                s_s = T.alloc_buffer((NS * SLOTS * NT,), "uint32", scope="shared")
+                red_s = T.alloc_buffer((NW * NM * 4 * 32,), "float32", scope="shared")  # split-K partials
+                wcur = T.alloc_buffer((SLOTS * 4,), "uint32", scope="local")
+                xcur = T.alloc_buffer((16,), "uint32", scope="local")
+                bf = T.alloc_buffer((SLOTS * 4,), "uint32", scope="local")
+                acc = T.alloc_buffer((NM * 4,), "float32", scope="local")
+                s2 = T.alloc_buffer((SLOTS,), "uint32", scope="local")
+                # [0] weight row g of the block's 16 rows, [1] activation row of column g,
+                # [2] chain cursor, [3] first K block of this warp
+                rr = T.alloc_buffer((4,), "int32", scope="local")
+                # (the row is read before the chain test so that both loads are in flight at once)
+                rr[0] = ids[T.Cast("int32", blk // NTILE) // K, T.Cast("int32", blk // NTILE) % K] * N \
+                    + T.Cast("int32", blk % NTILE) * RB + tx % 32 // 4
+                rr[3] = tx // 32 * KPW
                 if chain[T.Cast("int32", blk // NTILE) // K, T.Cast("int32", blk // NTILE) % K, 0] == 1:
-                    rr[0] = ids[T.Cast("int32", blk // NTILE) // K, T.Cast("int32", blk // NTILE) % K] * N \
-                        + T.Cast("int32", blk % NTILE) * RB + tx // 32 * 8 + tx % 32 // 4
-                    cur[0] = T.Cast("int32", blk // NTILE)
-                    while cur[0] >= 0:
-                        # ---- up to 16 entries of the chain
+                    rr[2] = T.Cast("int32", blk // NTILE)
+                    while rr[2] >= 0:
+                        # the first stages of weights: they do not depend on the chain (a later
+                        # pass re-reads them, from L2)
+                        for r in T.unroll(NS - 1):
+                            if r < KPW:
+                                issue(rr[3] + r, r, w_s, s_s, wq0, sw0, 0, rr[0], tx)
+                                if gate_up:
+                                    issue(rr[3] + r, r, w_s, s_s, wq1, sw1, 2, rr[0], tx)
+                            T.evaluate(commit())
+                        # ---- up to 8 entries of the chain = the mma's columns
                         if tx == 0:
                             cnt_s[0] = 0
-                            for _i in range(ROWS):
-                                if cur[0] >= 0:
-                                    ent_s[cnt_s[0]] = cur[0]
+                            for _i in range(COLS):
+                                if rr[2] >= 0:
+                                    ent_s[cnt_s[0]] = rr[2]
                                     cnt_s[0] = cnt_s[0] + 1
-                                    cur[0] = chain[cur[0] // K, cur[0] % K, 1]
-                            ent_s[ROWS] = cur[0]
+                                    rr[2] = chain[rr[2] // K, rr[2] % K, 1]
+                            ent_s[COLS] = rr[2]
                         T.tvm_storage_sync("shared")
-                        rr[1] = T.if_then_else(tx % 32 // 4 < cnt_s[0], ent_s[tx % 32 // 4], -1)
-                        rr[2] = T.if_then_else(tx % 32 // 4 + 8 < cnt_s[0], ent_s[tx % 32 // 4 + 8], -1)
-                        cur[0] = ent_s[ROWS]
-                        for i in T.unroll(8):
+                        # column g's activation row; columns past the pass's entries repeat the
+                        # last one (B column g only feeds C column g, which is then not stored)
+                        rr[1] = xrow(ent_s[T.min(tx % 32 // 4, cnt_s[0] - 1)])
+                        rr[2] = ent_s[COLS]
+                        for i in T.unroll(NM * 4):
                             acc[i] = T.float32(0)
-                        # K blocks PF ahead in a register ring
-                        for r in T.unroll(PF):
-                            load_weights(ring, r * 10, r, wq0, wq1, sb0, sb1, rr[0], tx)
-                        for kb0 in range(NKB // PF):
-                            for r in T.unroll(PF):
-                                for v in T.unroll(10):
-                                    wcur[v] = ring[r * 10 + v]
-                                if kb0 * PF + r + PF < NKB:
-                                    load_weights(ring, r * 10, kb0 * PF + r + PF, wq0, wq1, sb0, sb1, rr[0], tx)
+                        for kb in range(KPW):
+                            if kb + NS - 1 < KPW:
+                                issue(rr[3] + kb + NS - 1, kb + NS - 1, w_s, s_s, wq0, sw0, 0, rr[0], tx)
+                                if gate_up:
+                                    issue(rr[3] + kb + NS - 1, kb + NS - 1, w_s, s_s, wq1, sw1, 2, rr[0], tx)
+                            T.evaluate(commit())
+                            # activations from L1 (every block of the pass reads the same rows)
+                            load_x(xcur, rr[3] + kb, xq, rr[1], tx % 4)
+                            T.evaluate(wait(NS - 1))  # K block kb has landed
+                            for sl in T.unroll(SLOTS):
+                                for v in T.vectorized(4):
+                                    wcur[sl * 4 + v] = w_s[((kb % NS * SLOTS + sl) * NT + tx) * 4 + v]
+                                s2[sl] = scale_bf16x2(s_s[(kb % NS * SLOTS + sl) * NT + tx], tx % 4)
+                            for s in T.unroll(8):
+                                if s % 2 == 0:
+                                    for sl in T.unroll(SLOTS):
+                                        T.evaluate(dequant8(T.address_of(bf[sl * 4]), wcur[sl * 4 + s // 2], s2[sl]))
+                                # A: rows g / g+8 at k (2q, 2q+1) and (2q+8, 2q+9) = inputs
+                                # 32q + 4s + {0, 1} and {2, 3}; B: the same inputs of column g
                                 for m in T.unroll(NM):
-                                    s2[m] = dup_half(scale_bf16(wcur[8 + m]), 0)
-                                for s in T.unroll(8):
-                                    if s % 2 == 0:
-                                        for m in T.unroll(NM):
-                                            T.evaluate(dequant8(T.address_of(bf[m * 4]), wcur[m * 4 + s // 2], s2[m]))
-                                    # activations of entries g and g + 8: inputs 32q + 4s .. +3
-                                    for v in T.unroll(2):
-                                        xa[v] = T.uint32(0)
-                                        xb[v] = T.uint32(0)
-                                    if rr[1] >= 0:
-                                        for v in T.vectorized(2):
-                                            xa[v] = xq[xrow(rr[1]) * XW + (kb0 * PF + r) * 64 + tx % 4 * 16 + 2 * s + v]
-                                    if rr[2] >= 0:
-                                        for v in T.vectorized(2):
-                                            xb[v] = xq[xrow(rr[2]) * XW + (kb0 * PF + r) * 64 + tx % 4 * 16 + 2 * s + v]
-                                    for m in T.unroll(NM):
-                                        T.evaluate(mma_bf16(T.address_of(acc[m * 4]), xa[0], xb[0], xa[1], xb[1],
-                                                            bf[m * 4 + s % 2 * 2], bf[m * 4 + s % 2 * 2 + 1]))
-                        # ---- outputs: c0, c1 -> entry g, rows 2q, 2q+1 of the warp; c2, c3 -> entry g+8
-                        for h in T.unroll(2):
-                            if rr[1 + h] >= 0:
-                                for c in T.unroll(2):
+                                    T.evaluate(mma_bf16(T.address_of(acc[m * 4]),
+                                                        bf[m * 8 + s % 2 * 2], bf[m * 8 + 4 + s % 2 * 2],
+                                                        bf[m * 8 + s % 2 * 2 + 1], bf[m * 8 + 4 + s % 2 * 2 + 1],
+                                                        xcur[2 * s], xcur[2 * s + 1]))
+                        # ---- split-K: the warps' partial sums meet in shared memory, warp 0 adds them
+                        for i in T.unroll(NM * 4):
+                            red_s[(tx // 32 * NM * 4 + i) * 32 + tx % 32] = acc[i]
+                        T.tvm_storage_sync("shared")
+                        if tx < 32:
+                            for w in T.unroll(1, NW):
+                                for i in T.unroll(NM * 4):
+                                    acc[i] = acc[i] + red_s[(w * NM * 4 + i) * 32 + tx]
+                        # ---- outputs: c0, c1 -> row g, columns 2q, 2q+1; c2, c3 -> row g+8
+                        for c in T.unroll(2):
+                            if tx < 32 and tx % 4 * 2 + c < cnt_s[0]:
+                                for h in T.unroll(2):
                                     if gate_up:
-                                        y[rr[1 + h] // K, rr[1 + h] % K,
-                                          T.Cast("int32", blk % NTILE) * RB + tx // 32 * 8 + tx % 4 * 2 + c] = T.Cast(
-                                            out_dtype, situ_expr(T.Cast("float32", T.Cast("bfloat16", acc[h * 2 + c])),
-                                                             T.Cast("float32", T.Cast("bfloat16", acc[4 + h * 2 + c])),
-                                                             B, BL, use_bl))
+                                        y[ent_s[tx % 4 * 2 + c] // K, ent_s[tx % 4 * 2 + c] % K,
+                                          T.Cast("int32", blk % NTILE) * RB + tx % 32 // 4 + h * 8] = T.Cast(
+                                            out_dtype, situ_expr(_round(acc[h * 2 + c], rnd, out_dtype),
+                                                                 _round(acc[4 + h * 2 + c], rnd, out_dtype),
+                                                                 B, BL, use_bl))
                                     else:
-                                        y[rr[1 + h] // K, rr[1 + h] % K,
-                                          T.Cast("int32", blk % NTILE) * RB + tx // 32 * 8 + tx % 4 * 2 + c] = \
+                                        y[ent_s[tx % 4 * 2 + c] // K, ent_s[tx % 4 * 2 + c] % K,
+                                          T.Cast("int32", blk % NTILE) * RB + tx % 32 // 4 + h * 8] = \
                                             T.Cast(out_dtype, acc[h * 2 + c])
                         T.tvm_storage_sync("shared")
 
@@ -191,8 +233,8 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
             zq = T.decl_buffer((nt * XW,), "uint32", data=z.data)
             w1q = T.decl_buffer((E * N * RW,), "uint32", data=w1p.data)
             w3q = T.decl_buffer((E * N * RW,), "uint32", data=w3p.data)
-            w1b = T.decl_buffer((E * N * KG,), "uint8", data=w1s.data)
-            w3b = T.decl_buffer((E * N * KG,), "uint8", data=w3s.data)
+            w1b = T.decl_buffer((E * N * KG // 4,), "uint32", data=w1s.data)
+            w3b = T.decl_buffer((E * N * KG // 4,), "uint32", data=w3s.data)
             body(nt, zq, w1q, w3q, w1b, w3b, chain, ids, a)
 
         func = moe_mxfp4_gate_up_tc
@@ -210,7 +252,7 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
             o = T.match_buffer(o_h, (nt, K, N), out_dtype)
             aq = T.decl_buffer((nt * K * XW,), "uint32", data=a.data)
             w2q = T.decl_buffer((E * N * RW,), "uint32", data=w2p.data)
-            w2b = T.decl_buffer((E * N * KG,), "uint8", data=w2s.data)
+            w2b = T.decl_buffer((E * N * KG // 4,), "uint32", data=w2s.data)
             body(nt, aq, w2q, w2q, w2b, w2b, chain, ids, o)
 
         func = moe_mxfp4_down_tc
@@ -220,21 +262,35 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
     return mark(func)
 
 
+def split_k_warps(in_width: int) -> int:
+    """Warps per block (= ways the K blocks of 128 inputs are split) for an input width: 4
+    where they divide the K blocks (K3: 28 and 24 K blocks), else 2 or 1 (k3-nano)."""
+    nkb = in_width // KB
+    return next(w for w in (4, 2, 1) if nkb % w == 0)
+
+
 def moe_mxfp4_gate_up_tc_kernel(num_experts: int, latent: int, inter: int, top_k: int,
                                 beta: float, beta_lin: float | None, out_dtype: str = "bfloat16",
-                                warps: int = 4, prefetch: int = 4):
+                                warps: int = 4, stages: int = 4):
     """Fused W1/W3 GEMV + SiTU on tensor cores. Arguments as
     :func:`schedules.moe_mxfp4_cuda.moe_mxfp4_gate_up_kernel`: ``z [T, L] bf16, w1_packed,
     w1_scale, w3_packed, w3_scale, chain [T, k, 2], expert_ids [T, k], a [T, k, I]``.
-    L must be a multiple of 128, I of ``8·warps``; ``prefetch`` K blocks of 128 inputs are in
-    flight per thread (fewer where they do not divide the K blocks)."""
-    return _gemv_tc("gate_up", num_experts, inter, latent, top_k, beta, beta_lin, out_dtype, warps, prefetch)
+
+    Raises:
+        ValueError: L not a multiple of 128, I not of ``16·warps``, ``stages < 2``, or the
+            ``stages`` cp.async stages (10 KiB each at 4 warps) over 48 KiB of shared memory.
+    """
+    return _gemv_tc("gate_up", num_experts, inter, latent, top_k, beta, beta_lin, out_dtype, warps, stages)
 
 
 def moe_mxfp4_down_tc_kernel(num_experts: int, latent: int, inter: int, top_k: int,
-                             out_dtype: str = "bfloat16", warps: int = 4, prefetch: int = 4):
+                             out_dtype: str = "bfloat16", warps: int = 4, stages: int = 8):
     """W2 GEMV on tensor cores. Arguments as :func:`schedules.moe_mxfp4_cuda.
     moe_mxfp4_down_kernel`: ``a [T, k, I] bf16, w2_packed, w2_scale, chain, expert_ids, o [T, k, L]``.
-    I must be a multiple of 128, L of ``8·warps``."""
+
+    Raises:
+        ValueError: I not a multiple of 128, L not of ``16·warps``, ``stages < 2``, or the
+            stages (5 KiB each at 4 warps) over 48 KiB of shared memory.
+    """
     return _gemv_tc("down", num_experts, latent, inter, top_k, out_dtype=out_dtype, warps=warps,
-                    prefetch=prefetch)
+                    stages=stages)

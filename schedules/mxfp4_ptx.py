@@ -10,10 +10,14 @@
   look-ups (magnitude -> low / high byte of the bf16; sign bits gathered by one more ``prmt``)
   and ``mul.rn.bf16x2`` (sm_90+; exact: a code has two significant bits). tests/
   test_moe_prefill_cuda.py emulates it instruction by instruction against the E2M1 table.
-- :func:`scale_bf16` / :func:`dup_half` — an E8M0 byte as bf16 bits (0 -> 2^-127, 255 -> NaN)
-  and a bf16x2 of one half of a word.
-- :func:`cp_async16`, :func:`commit`, :func:`wait` — 16-byte ``cp.async.cg`` global -> shared
-  copies (zero-filled when not ``valid``) and their group accounting.
+- :func:`scale_bf16` / :func:`dup_half` / :func:`scale_bf16x2` — an E8M0 byte as bf16 bits
+  (0 -> 2^-127, 255 -> NaN), a bf16x2 of one half of a word, and a byte of a word straight to
+  a bf16x2 scale.
+- :func:`cp_async16`, :func:`cp_async4`, :func:`commit`, :func:`wait` — 16-byte
+  ``cp.async.cg`` (zero-filled when not ``valid``) and 4-byte ``cp.async.ca`` global -> shared
+  copies and their group accounting. The copies and the wait carry a ``"memory"`` clobber, so
+  nvcc keeps shared-memory reads of a stage after the wait that completes it and before the
+  copy that overwrites it (a thread reading only what it copied itself needs no barrier).
 """
 
 from __future__ import annotations
@@ -34,14 +38,20 @@ _CP_ASYNC = r"""
 __forceinline__ __device__ void k3_cp_async16(void* smem, const void* gmem, int valid) {
   unsigned s = (unsigned)__cvta_generic_to_shared(smem);
   int n = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(s), "l"(gmem), "r"(n));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(s), "l"(gmem), "r"(n) : "memory");
+}
+"""
+_CP_ASYNC4 = r"""
+__forceinline__ __device__ void k3_cp_async4(void* smem, const void* gmem) {
+  unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" :: "r"(s), "l"(gmem) : "memory");
 }
 """
 _COMMIT = r"""
 __forceinline__ __device__ void k3_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 """
 _WAIT = r"""
-__forceinline__ __device__ void k3_cp_async_wait{n}() {{ asm volatile("cp.async.wait_group {n};\n" ::); }}
+__forceinline__ __device__ void k3_cp_async_wait{n}() {{ asm volatile("cp.async.wait_group {n};\n" ::: "memory"); }}
 """
 # 8 E2M1 codes (nibble i of w = input i) times the bf16x2 scale s2 -> 4 bf16x2 words
 # (inputs 0-1, 2-3, 4-5, 6-7). prmt look-ups: magnitude -> low / high byte of its bf16;
@@ -77,6 +87,11 @@ def cp_async16(dst, src, valid):
     return cuda_func_call("k3_cp_async16", dst, src, valid, source_code=_CP_ASYNC)
 
 
+def cp_async4(dst, src):
+    """4-byte ``cp.async.ca`` global -> shared copy."""
+    return cuda_func_call("k3_cp_async4", dst, src, source_code=_CP_ASYNC4)
+
+
 def commit():
     return cuda_func_call("k3_cp_async_commit", source_code=_COMMIT)
 
@@ -95,6 +110,17 @@ def scale_bf16(s):
     0 -> 2^-127 (the subnormal 0x0040), 255 -> NaN (0x7FC0)."""
     return T.Select(s == T.uint32(0), T.uint32(0x40),
                     T.Select(s == T.uint32(255), T.uint32(0x7FC0), s << T.uint32(7)))
+
+
+def scale_bf16x2(word, byte):
+    """bf16x2 word with both halves = the E8M0 byte ``byte`` (0..3) of uint32 ``word`` as bf16
+    (as :func:`scale_bf16`: 0 -> 2^-127, 255 -> NaN): one ``prmt`` extracts the byte ``s``,
+    ``s · 0x00800080`` places it in both exponent fields, a max makes s = 0 the subnormal
+    0x0040, a select makes 255 NaN."""
+    s = T.call_pure_extern("uint32", "__byte_perm", word, T.uint32(0),
+                           T.uint32(0x4440) + T.Cast("uint32", byte))
+    d = T.max(s * T.uint32(0x00800080), T.uint32(0x00400040))
+    return T.Select(s == T.uint32(255), T.uint32(0x7FC07FC0), d)
 
 
 def dup_half(w, hi):

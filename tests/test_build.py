@@ -100,11 +100,10 @@ def test_cuda_graph_rewrite_captures_decode_regions():
 
 
 def test_tuned_moe_kernels_dispatched_where_they_fit():
-    """CUDA + tuned + MXFP4 + bf16: decode uses the hand-written MoE GEMVs where the widths
-    are multiples of 512, prefill the sort + grouped GEMMs where they are multiples of 128
-    (tests/gpu/check_moe_dispatch.py and run_nano_cuda.py compare them with the generic path
-    / the CPU build on the H200); --generic-kernels and fp32 stay generic; k3-nano (widths
-    128 / 256) gets the prefill kernels only."""
+    """CUDA + tuned + MXFP4 + bf16: decode uses the tensor-core MoE GEMVs, prefill the sort +
+    grouped GEMMs, where the widths are multiples of 128 (tests/gpu/check_moe_dispatch.py
+    and run_nano_cuda.py compare them with the generic path / the CPU build on the H200);
+    --generic-kernels and fp32 stay generic; k3-nano (widths 128 / 256) gets both."""
     from oracle_mlx import tiny_config
 
     cfg = K3Config.from_dict(tiny_config(hidden_size=256, routed_expert_hidden_size=512,
@@ -117,6 +116,7 @@ def test_tuned_moe_kernels_dispatched_where_they_fit():
     prefill_src = tuned["prefill"].script(show_meta=False)
     for name in decode_k:
         assert name in decode_src and name not in prefill_src
+    assert "k3_mma_bf16" in tuned["moe_mxfp4_gate_up"].script(show_meta=False)  # the tensor-core GEMV
     for name in prefill_k:
         assert name in prefill_src and name not in decode_src
     for mod in (export_model(cfg, "bfloat16", gpu=True, tuned=False).mod,
@@ -124,5 +124,5 @@ def test_tuned_moe_kernels_dispatched_where_they_fit():
         src = mod["decode"].script(show_meta=False) + mod["prefill"].script(show_meta=False)
         assert not any(name in src for name in decode_k + prefill_k)
     nano = export_model(K3Config.from_file(NANO), "bfloat16", gpu=True).mod
-    assert "moe_mxfp4_gate_up" not in nano["decode"].script(show_meta=False)
+    assert "moe_mxfp4_gate_up" in nano["decode"].script(show_meta=False)
     assert "moe_grouped_gate_up" in nano["prefill"].script(show_meta=False)

@@ -81,6 +81,47 @@ def test_dequant_trick_matches_e2m1_and_e8m0_tables():
     assert np.isnan(nan).all()
 
 
+def test_scale_word_to_bf16x2_matches_e8m0():
+    """Emulation of ``mxfp4_ptx.scale_bf16x2`` (prmt byte extract, ×0x00800080, max, select)
+    against the E8M0 table (0 -> 2^-127 subnormal, 255 -> NaN) for every byte and position."""
+    rng = np.random.default_rng(2)
+    for s in range(256):
+        for pos in range(4):
+            word = (int(rng.integers(0, 2 ** 32)) & ~(0xFF << (8 * pos))) | (s << (8 * pos))
+            b = _prmt(word, 0, 0x4440 + pos)
+            d = 0x7FC07FC0 if b == 255 else max(b * 0x00800080, 0x00400040)
+            assert d == _scale2(s), (s, pos)
+            if s not in (0, 255):
+                assert _bf16x2(d)[0] == 2.0 ** (s - 127) == _bf16x2(d)[1]
+    assert _bf16x2(_scale2(0))[0] == 2.0 ** -127
+
+
+def test_decode_tc_fragments_compute_the_gemv():
+    """moe_mxfp4_decode_tc's mapping: thread (g, q) holds inputs 32q .. 32q+31 of a K block
+    of 128 for weight rows g, g+8 (mma A) and column g (mma B, one entry per column); step s
+    supplies inputs 32q + 4s + {0, 1} as k = 2q, 2q+1 and 32q + 4s + {2, 3} as k = 2q+8,
+    2q+9. The 8 mma steps of a K block must give W @ X."""
+    rng = np.random.default_rng(4)
+    W = rng.standard_normal((16, 128))
+    X = rng.standard_normal((128, 8))
+    C = np.zeros((16, 8))
+    for s in range(8):
+        LA, LB = np.zeros((16, 16)), np.zeros((16, 8))
+        for lane in range(32):
+            g, q = lane // 4, lane % 4
+            lo, hi = 32 * q + 4 * s, 32 * q + 4 * s + 2
+            LA[g, 2 * q:2 * q + 2], LA[g + 8, 2 * q:2 * q + 2] = W[g, lo:lo + 2], W[g + 8, lo:lo + 2]
+            LA[g, 2 * q + 8:2 * q + 10], LA[g + 8, 2 * q + 8:2 * q + 10] = W[g, hi:hi + 2], W[g + 8, hi:hi + 2]
+            LB[2 * q:2 * q + 2, g], LB[2 * q + 8:2 * q + 10, g] = X[lo:lo + 2, g], X[hi:hi + 2, g]
+        C += LA @ LB
+    np.testing.assert_allclose(C, W @ X, rtol=1e-12, atol=1e-12)
+    # and dequant8's output word i holds inputs 2i, 2i+1 of its 8: step s reads word
+    # 2·(s % 2) and 2·(s % 2) + 1 of input word s // 2, i.e. inputs 4s + {0..3} of the 32
+    for s in range(8):
+        first = 8 * (s // 2) + 2 * (2 * (s % 2))
+        assert first == 4 * s
+
+
 def test_permuted_fragments_compute_the_matmul():
     """mma.m16n8k16 fragment layout (PTX ISA, "Matrix fragments for mma.m16n8k16") with the
     kernel's input order: thread (g, q) holds inputs 8q..8q+7 of each 32 for its A rows g, g+8
@@ -129,8 +170,12 @@ def test_bad_sizes_rejected():
         mp.moe_grouped_down_kernel(4, 96, 256, 2)
     with pytest.raises(ValueError, match="shared memory"):  # the scale table grows with K
         mp.moe_grouped_gate_up_kernel(4, 128 * 1024, 128, 2, 4.0, 25.0)
-    with pytest.raises(ValueError, match="prefetch must be at least 1"):
-        dt.moe_mxfp4_down_tc_kernel(4, 256, 128, 2, prefetch=0)
+    with pytest.raises(ValueError, match="stages must be at least 2"):
+        dt.moe_mxfp4_down_tc_kernel(4, 256, 128, 2, stages=1)
+    with pytest.raises(ValueError, match="3 K blocks of 128 inputs must split evenly over 2 warps"):
+        dt.moe_mxfp4_down_tc_kernel(4, 256, 384, 2, warps=2)
+    with pytest.raises(ValueError, match="shared memory"):
+        dt.moe_mxfp4_gate_up_tc_kernel(4, 512, 256, 2, 4.0, 25.0, stages=6)
     with pytest.raises(ValueError, match="at most 1024 experts"):
         mp.moe_sort_kernel(1025, 2)
 
@@ -156,8 +201,9 @@ def _module():
     fs = {"s": mp.moe_sort_kernel(5, 3),
           "gu": mp.moe_grouped_gate_up_kernel(5, 256, 192, 3, 4.0, 25.0),
           "d": mp.moe_grouped_down_kernel(5, 256, 384, 3),
-          "tc_gu": dt.moe_mxfp4_gate_up_tc_kernel(5, 256, 96, 3, 4.0, 25.0),
-          "tc_d": dt.moe_mxfp4_down_tc_kernel(5, 256, 128, 3)}
+          "tc_gu": dt.moe_mxfp4_gate_up_tc_kernel(5, 256, 96, 3, 4.0, 25.0, warps=2),
+          "tc_gu4": dt.moe_mxfp4_gate_up_tc_kernel(5, 512, 48, 3, 4.0, None, warps=4, stages=2),
+          "tc_d": dt.moe_mxfp4_down_tc_kernel(5, 256, 128, 3, warps=1)}
     return tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in fs.items()})
 
 

@@ -6,9 +6,9 @@ fit the tuned kernels (512), with the routed experts made to dominate each MoE l
 output (no routed_expert_norm, whose RMS normalization would hide a wrong scale, and
 ``routed_expert_up_proj`` ×20), and compiles it for cuda-sm90a in bf16 twice: with the tuned
 kernels and with ``--generic-kernels``. ``run OUT`` (H200, runtime-only TVM): prefill 40
-tokens then 16 greedy decode steps with each library; reports the largest prefill- and
-decode-logit differences and whether the greedy tokens agree; exits 1 if the tokens differ
-or a logit differs by more than 5% of the largest. Seen on the H200 (2026-11-29) with the
+tokens then 16 decode steps with each library (the tuned one fed the generic one's greedy
+tokens); reports the largest prefill-logit difference and each decode step's; exits 1 if a
+logit differs by more than 5% of the largest. Seen on the H200 (2026-11-29) with the
 earlier, weaker model (scale 0.05, routed_expert_norm on): same 16 tokens, logit
 differences 0.0 (prefill and decode). This version has not run on the GPU yet.
 """
@@ -59,39 +59,43 @@ def _amplify_routed_experts(ckpt: Path, factor: float = 20.0) -> None:
 
 
 def run(out: Path) -> dict:
-    import tvm
-
+    """Prefill 40 tokens, then 16 decode steps with each library. The generic library picks
+    the tokens greedily; the tuned one is fed the same tokens (teacher forcing), so a near-tie
+    that one library breaks the other way cannot make the later steps incomparable."""
     from k3_compile.runtime.model_runner import load_model
 
     ids = [int(t) for t in np.random.default_rng(0).integers(3, 97, size=40)]
-    res = {}
-    for name in ("tuned", "generic"):
+    res, forced = {}, None
+    for name in ("generic", "tuned"):
         m = load_model(out / "ckpt", lib=out / f"{name}.so", device="cuda:0")
         eng = m.engine
         s = eng.add_sequence()
         logits = eng.prefill([s], [ids])
         first = np.array(logits[0])
         toks, rows = [], []
-        for _ in range(16):
-            t = int(np.argmax(logits[0]))
+        for i in range(16):
+            t = int(np.argmax(logits[0])) if forced is None else forced[i]
             toks.append(t)
             logits = eng.decode([s], [t])
-            rows.append(logits[0])
+            rows.append(np.array(logits[0]))
         res[name] = (toks, np.stack(rows), first)
-    diff = float(np.abs(res["tuned"][1] - res["generic"][1]).max())
-    pdiff = float(np.abs(res["tuned"][2] - res["generic"][2]).max())
-    report = {"tokens_tuned": res["tuned"][0], "tokens_generic": res["generic"][0],
-              "same_tokens": res["tuned"][0] == res["generic"][0], "max_decode_logit_diff": diff,
-              "max_prefill_logit_diff": pdiff, "max_abs_prefill_logit": float(np.abs(res["generic"][2]).max()),
+        forced = toks
+    step_diff = np.abs(res["tuned"][1] - res["generic"][1]).max(axis=1)
+    report = {"tokens": res["generic"][0],
+              "step_max_logit_diff": [round(float(d), 5) for d in step_diff],
+              "argmax_agree": [bool(a) for a in
+                               res["tuned"][1].argmax(1) == res["generic"][1].argmax(1)],
+              "max_decode_logit_diff": float(step_diff.max()),
+              "max_prefill_logit_diff": float(np.abs(res["tuned"][2] - res["generic"][2]).max()),
+              "max_abs_prefill_logit": float(np.abs(res["generic"][2]).max()),
               "max_abs_logit": float(np.abs(res["generic"][1]).max())}
     print(json.dumps(report))
     return report
 
 
 def ok(report: dict) -> bool:
-    """Same greedy tokens, and every logit within 5% of the largest |logit|."""
-    return (report["same_tokens"]
-            and report["max_prefill_logit_diff"] <= 0.05 * report["max_abs_prefill_logit"]
+    """Every prefill and decode logit within 5% of the largest |logit|."""
+    return (report["max_prefill_logit_diff"] <= 0.05 * report["max_abs_prefill_logit"]
             and report["max_decode_logit_diff"] <= 0.05 * report["max_abs_logit"])
 
 
