@@ -61,9 +61,9 @@ def kda_decode_fused_kernel(H: int, K: int, V: int, lower_bound: float | None,
     """
     CB, KS = cols_per_block, k_split
     NT = CB * KS
-    if V % CB or K % NT:
+    if V % CB or K % NT or NT % 32:
         raise ValueError(f"V={V} must be a multiple of cols_per_block={CB} and K={K} of "
-                         f"cols_per_block × k_split = {NT}")
+                         f"cols_per_block × k_split = {NT}, itself a multiple of 32")
     NCB = V // CB
     KR = K // KS            # rows per thread
     scale = float(K) ** -0.5
@@ -93,17 +93,23 @@ def kda_decode_fused_kernel(H: int, K: int, V: int, lower_bound: float | None,
                 k_s = T.alloc_buffer((K,), "float32", scope="shared")
                 d_s = T.alloc_buffer((K,), "float32", scope="shared")
                 part = T.alloc_buffer((KS, CB), "float32", scope="shared")
+                nrm = T.alloc_buffer((NT // 32, 2), "float32", scope="shared")  # per-warp ‖q‖², ‖k‖²
                 col = T.alloc_buffer((KR,), "float32", scope="local")
                 red = T.alloc_buffer((4,), "float32", scope="local")
                 bi = blk // (H * NCB)
                 h = blk % (H * NCB) // NCB
                 e = blk % NCB * CB + (tx % CB)
                 slot = slots[bi]
-                # stage q, k and the per-row decay exp(g) of this head in shared memory
+                # stage q, k and the per-row decay exp(g) of this head in shared memory, and
+                # start the sums of squares of q and k (this thread's elements)
+                red[0] = T.float32(0)
+                red[1] = T.float32(0)
                 for i in T.unroll(per_thread):
                     r = i * NT + tx
                     q_s[r] = q[bi, h, r]
                     k_s[r] = k[bi, h, r]
+                    red[0] = red[0] + q[bi, h, r] * q[bi, h, r]
+                    red[1] = red[1] + k[bi, h, r] * k[bi, h, r]
                     x = f[bi, h, r] + dt_bias[h * K + r]
                     if use_lb:
                         d_s[r] = T.exp(T.float32(LB) * T.sigmoid(T.exp(A_log[h]) * x))
@@ -113,13 +119,22 @@ def kda_decode_fused_kernel(H: int, K: int, V: int, lower_bound: float | None,
                 # load this thread's rows of the column once, apply the decay (S' = diag(e^g) S)
                 for i in T.unroll(KR):
                     col[i] = S[layer, slot, h, (tx // CB) * KR + i, e]
+                # norms: the sums of squares meet across the warp (shuffles), then across the
+                # warps through shared memory
+                for o in T.unroll(5):
+                    red[0] = red[0] + T.call_extern("float32", "__shfl_xor_sync", T.uint32(0xFFFFFFFF),
+                                                    red[0], 16 >> o, 32)
+                    red[1] = red[1] + T.call_extern("float32", "__shfl_xor_sync", T.uint32(0xFFFFFFFF),
+                                                    red[1], 16 >> o, 32)
+                if tx % 32 == 0:
+                    nrm[tx // 32, 0] = red[0]
+                    nrm[tx // 32, 1] = red[1]
                 T.tvm_storage_sync("shared")
-                # norms (every thread reduces the shared vectors; broadcast reads)
                 red[0] = T.float32(0)
                 red[1] = T.float32(0)
-                for r in T.serial(K):
-                    red[0] = red[0] + q_s[r] * q_s[r]
-                    red[1] = red[1] + k_s[r] * k_s[r]
+                for w in T.unroll(NT // 32):
+                    red[0] = red[0] + nrm[w, 0]
+                    red[1] = red[1] + nrm[w, 1]
                 red[0] = T.float32(scale) / T.sqrt(red[0] + T.float32(1e-6))
                 red[1] = T.float32(1) / T.sqrt(red[1] + T.float32(1e-6))
                 # partial S'ᵀ k over this thread's rows, then over the k_split threads
