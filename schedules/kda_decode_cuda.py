@@ -169,8 +169,9 @@ def kda_decode_fused_kernel(H: int, K: int, V: int, lower_bound: float | None,
 def decode_tiling(head_dim: int) -> tuple[int, int] | None:
     """The (cols_per_block, k_split) the model uses for ``head_dim``, or None if none fits.
 
-    (64, 2) was fastest at K3's shapes on the H200 (benchmarks/results/kda_decode_h200_*.json:
-    82% / 91% of the HBM roofline at batch 16 / 64 for 96 heads).
+    (64, 2) was fastest at K3's shapes on the H200 (benchmarks/results/
+    kda_decode_graph_h200_2026-11-29.json, GPU time with the state cold in HBM: 87% / 92% of
+    the HBM roofline at batch 16 / 64 for 96 heads, 80% at batch 64 for 12 heads).
     """
     for cb, ks in ((64, 2), (32, 4), (32, 1)):
         if head_dim % cb == 0 and head_dim % (cb * ks) == 0:
