@@ -97,9 +97,7 @@ def build(out_dir: Path) -> None:
 
 # tensor-core decode GEMVs (schedules/moe_mxfp4_decode_tc.py): name -> (gate_up kwargs,
 # down kwargs) of the builders
-TC_VARIANTS = {"tensor_cores": ({}, {}),
-               "tensor_cores_gu_s3": ({"stages": 3}, {}),
-               "tensor_cores_d_s4": ({}, {"stages": 4})}
+TC_VARIANTS = {"tensor_cores": ({}, {})}
 PREFILL_FUNCS = ("moe_sort", "moe_grouped_gate_up", "moe_grouped_down")
 # besides the defaults of schedules.moe_mxfp4_prefill_cuda (STAGES = 2, WARPS_M = 2)
 PREFILL_VARIANTS = {"stages3": {"stages": 3}, "warps_m1": {"warps_m": 1}, "warps_m4": {"warps_m": 4}}

@@ -30,6 +30,15 @@ i.e. 4.7 waves instead of 1.2 (a partial second wave left most SMs idle).
 fp32 accumulation; the outputs are rounded as the model's dtype flow says
 (relax_modules/moe.py).
 
+Status (H200, K3 shapes, benchmarks/results/moe_decode_tc_h200_2026-11-29.json, GPU time of
+chain + gate_up + down): 58% / 64% / 59% of the HBM roofline at 1 / 8 / 64 tokens (the
+CUDA-core GEMVs of moe_mxfp4_cuda in the same run: 53% / 55% / 35%). What limits it: issue
+slots (ncu: ~4 instructions per E2M1 code, 64% of issue slots busy, ALU the top pipe), of
+which the prmt dequant is ~2.5; one token uses 1 of the mma's 8 columns. Tried and slower: a
+register ring instead of cp.async stages (255 registers), 2 or 8 warps per block, deeper or
+shallower stages. The look-up words live in registers (loaded once, mxfp4_ptx.load_tables):
+as constants, ptxas re-materialized them before every prmt (+5%).
+
 Reference: ``schedules.moe_mxfp4_cuda.moe_experts_reference``; the fragment mapping is
 checked on the CPU (tests/test_moe_prefill_cuda.py), the kernels on the H200 by
 ``benchmarks/moe.py run`` (every variant at T = 7 and T = 20, a chain of 3 passes).
@@ -41,7 +50,8 @@ from tvm.script import tirx as T
 
 from schedules.barriers import mark
 from schedules.moe_mxfp4_prefill_cuda import situ_expr
-from schedules.mxfp4_ptx import commit, cp_async4, cp_async16, dequant8, mma_bf16, scale_bf16x2, wait
+from schedules.mxfp4_ptx import (commit, cp_async4, cp_async16, dequant8, load_tables, mma_bf16,
+                                 scale_bf16x2, wait)
 
 KB = 128        # inputs per K block (4 lanes × 32 codes)
 COLS = 8        # mma columns = entries per pass over a chain (the mma's n8)
@@ -129,6 +139,8 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
                 w_s = T.alloc_buffer((NS * SLOTS * NT * 4,), "uint32", scope="shared")
                 s_s = T.alloc_buffer((NS * SLOTS * NT,), "uint32", scope="shared")
                 red_s = T.alloc_buffer((NW * NM * 4 * 32,), "float32", scope="shared")  # split-K partials
+                tab = T.alloc_buffer((2,), "uint32", scope="local")  # dequant look-up words
+                load_tables(tab)
                 wcur = T.alloc_buffer((SLOTS * 4,), "uint32", scope="local")
                 xcur = T.alloc_buffer((16,), "uint32", scope="local")
                 bf = T.alloc_buffer((SLOTS * 4,), "uint32", scope="local")
@@ -184,7 +196,7 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
                             for s in T.unroll(8):
                                 if s % 2 == 0:
                                     for sl in T.unroll(SLOTS):
-                                        T.evaluate(dequant8(T.address_of(bf[sl * 4]), wcur[sl * 4 + s // 2], s2[sl]))
+                                        T.evaluate(dequant8(T.address_of(bf[sl * 4]), wcur[sl * 4 + s // 2], s2[sl], tab))
                                 # A: rows g / g+8 at k (2q, 2q+1) and (2q+8, 2q+9) = inputs
                                 # 32q + 4s + {0, 1} and {2, 3}; B: the same inputs of column g
                                 for m in T.unroll(NM):

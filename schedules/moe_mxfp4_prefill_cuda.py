@@ -65,6 +65,7 @@ from schedules.barriers import mark
 # cannot import this module, and benchmarks/moe.py checks the kernels there against it.
 from schedules.moe_plan import BM, max_tiles, moe_prefill_plan_reference  # noqa: F401
 from schedules.mxfp4_ptx import (commit as _commit, cp_async16 as _cp_async16, dequant8 as _dequant8,
+                                 load_tables as _load_tables,
                                  dup_half as _dup_half, mma_bf16 as _mma, scale_bf16 as _scale_bf16,
                                  wait as _wait)
 
@@ -286,6 +287,8 @@ def _grouped_gemm(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 
                 ar = T.alloc_buffer((8,), "uint32", scope="local")
                 ok = T.alloc_buffer((1,), "int64", scope="local")
                 nv = T.alloc_buffer((1,), "int32", scope="local")
+                tab = T.alloc_buffer((2,), "uint32", scope="local")  # dequant look-up words
+                _load_tables(tab)
                 if T.Cast("int32", blk // NTN) < num_tiles[0]:
                     nv[0] = tiles[blk // NTN, 2] - tiles[blk // NTN, 1]  # rows of the expert from here
                     # ---- tile metadata: gathered rows, scales of the block's weight rows
@@ -338,7 +341,8 @@ def _grouped_gemm(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 
                                         T.address_of(bf[j * 4]),
                                         b_s[(ks % NS * BN + b_row(tx // 32 % WN, j, tx % 32 // 4))
                                             * B_ROW_WORDS + hk * 4 + tx % 4],
-                                        _dup_half(sc_s[b_row(tx // 32 % WN, j, tx % 32 // 4) * KGH + ks], hk)))
+                                        _dup_half(sc_s[b_row(tx // 32 % WN, j, tx % 32 // 4) * KGH + ks], hk),
+                                        tab))
                                 for i in T.unroll(MT):
                                     # m16 tiles past the expert's last row are skipped (warp-uniform)
                                     if tx // (32 * WN) * WM + i * 16 < nv[0]:

@@ -53,30 +53,45 @@ __forceinline__ __device__ void k3_cp_async_commit() { asm volatile("cp.async.co
 _WAIT = r"""
 __forceinline__ __device__ void k3_cp_async_wait{n}() {{ asm volatile("cp.async.wait_group {n};\n" ::: "memory"); }}
 """
+# prmt look-up words: magnitude code m (0..7) -> low / high byte of its bf16
+# (0, .5, 1, 1.5 | 2, 3, 4, 6): byte m of {b, a}.
+LO_TABLE = (0xC0800000, 0xC0804000)
+HI_TABLE = (0x3F3F3F00, 0x40404040)
 # 8 E2M1 codes (nibble i of w = input i) times the bf16x2 scale s2 -> 4 bf16x2 words
 # (inputs 0-1, 2-3, 4-5, 6-7). prmt look-ups: magnitude -> low / high byte of its bf16;
 # the sign bits (nibble bit 3) are gathered into bit 7 of the high bytes by one more prmt.
+# The "a" words of the tables come in as registers (lo_a, hi_a: see _TABLES); the "b"
+# words are immediates, which the SASS prmt takes in its immediate slot.
 DEQUANT_SRC = r"""
-__forceinline__ __device__ void k3_e2m1x8_bf16(unsigned* out, unsigned w, unsigned s2) {
-  const unsigned lo_a = 0xC0800000u, lo_b = 0xC0804000u;   // 0, .5, 1, 1.5 | 2, 3, 4, 6
-  const unsigned hi_a = 0x3F3F3F00u, hi_b = 0x40404040u;
+__forceinline__ __device__ void k3_e2m1x8_bf16(unsigned* out, unsigned w, unsigned s2, unsigned lo_a,
+                                               unsigned hi_a) {
+  const unsigned lo_b = %(lo_b)#xu, hi_b = %(hi_b)#xu;
   unsigned t = w << 4;
   #pragma unroll
   for (int h = 0; h < 2; ++h) {
     unsigned sel = (w >> (16 * h)) & 0x7777u;
     unsigned lo, hi, sg;
-    asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(lo) : "r"(lo_a), "r"(lo_b), "r"(sel));
-    asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(hi) : "r"(hi_a), "r"(hi_b), "r"(sel));
-    asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(sg) : "r"(t), "r"(w), "r"(h ? 0x7362u : 0x5140u));
+    asm("prmt.b32 %%0, %%1, %%2, %%3;\n" : "=r"(lo) : "r"(lo_a), "r"(lo_b), "r"(sel));
+    asm("prmt.b32 %%0, %%1, %%2, %%3;\n" : "=r"(hi) : "r"(hi_a), "r"(hi_b), "r"(sel));
+    asm("prmt.b32 %%0, %%1, %%2, %%3;\n" : "=r"(sg) : "r"(t), "r"(w), "r"(h ? 0x7362u : 0x5140u));
     hi |= sg & 0x80808080u;
     unsigned p0, p1;
-    asm("prmt.b32 %0, %1, %2, 0x5140;\n" : "=r"(p0) : "r"(lo), "r"(hi));
-    asm("prmt.b32 %0, %1, %2, 0x7362;\n" : "=r"(p1) : "r"(lo), "r"(hi));
-    asm("mul.rn.bf16x2 %0, %1, %2;\n" : "=r"(out[2 * h]) : "r"(p0), "r"(s2));
-    asm("mul.rn.bf16x2 %0, %1, %2;\n" : "=r"(out[2 * h + 1]) : "r"(p1), "r"(s2));
+    asm("prmt.b32 %%0, %%1, %%2, 0x5140;\n" : "=r"(p0) : "r"(lo), "r"(hi));
+    asm("prmt.b32 %%0, %%1, %%2, 0x7362;\n" : "=r"(p1) : "r"(lo), "r"(hi));
+    asm("mul.rn.bf16x2 %%0, %%1, %%2;\n" : "=r"(out[2 * h]) : "r"(p0), "r"(s2));
+    asm("mul.rn.bf16x2 %%0, %%1, %%2;\n" : "=r"(out[2 * h + 1]) : "r"(p1), "r"(s2));
   }
 }
-"""
+""" % {"lo_b": LO_TABLE[1], "hi_b": HI_TABLE[1]}
+# the "a" look-up words, read once per thread from a global (volatile: neither nvcc nor ptxas
+# may fold them into constants, which they re-materialize from a uniform register before every
+# prmt; a folded __shfl_sync or inline-PTX shfl of a constant did not help)
+_TABLES = r"""
+__device__ unsigned k3_e2m1_tables[2] = {%(lo_a)#xu, %(hi_a)#xu};
+__forceinline__ __device__ unsigned k3_e2m1_table(int i) {
+  return *(volatile unsigned*)&k3_e2m1_tables[i];
+}
+""" % {"lo_a": LO_TABLE[0], "hi_a": HI_TABLE[0]}
 
 
 def mma_bf16(d, a0, a1, a2, a3, b0, b1):
@@ -101,8 +116,22 @@ def wait(n: int):
     return cuda_func_call(f"k3_cp_async_wait{n}", source_code=_WAIT.format(n=n))
 
 
-def dequant8(out, w, s2):
-    return cuda_func_call("k3_e2m1x8_bf16", out, w, s2, source_code=DEQUANT_SRC)
+def dequant8(out, w, s2, tables):
+    """8 E2M1 codes of ``w`` times the bf16x2 scale ``s2`` into ``out[0:4]`` (bf16x2 words);
+    ``tables``: a 2-word local buffer filled once per thread by :func:`load_tables`."""
+    return cuda_func_call("k3_e2m1x8_bf16", out, w, s2, tables[0], tables[1], source_code=DEQUANT_SRC)
+
+
+def _table(i: int):
+    return cuda_func_call("k3_e2m1_table", T.int32(i), source_code=_TABLES, return_type="uint32")
+
+
+@T.macro
+def load_tables(tables):
+    """Fill the 2-word local buffer ``tables`` with the "a" look-up words for :func:`dequant8`
+    (two loads: do it once, at the top of the kernel)."""
+    tables[0] = _table(0)
+    tables[1] = _table(1)
 
 
 def scale_bf16(s):

@@ -43,11 +43,11 @@ def _mul_bf16x2(x: int, y: int) -> int:
 
 
 def _constants():
-    """The look-up words and selectors, read from the CUDA source (so a typo there fails)."""
+    """The look-up words: the "a" words as the kernels load them (``ptx.LO_TABLE[0]`` /
+    ``HI_TABLE[0]``), the "b" words read from the CUDA source (so a typo there fails)."""
     src = ptx.DEQUANT_SRC
-    lo_a, lo_b = (int(x, 16) for x in re.search(r"lo_a = (0x[0-9A-F]+)u, lo_b = (0x[0-9A-F]+)u", src).groups())
-    hi_a, hi_b = (int(x, 16) for x in re.search(r"hi_a = (0x[0-9A-F]+)u, hi_b = (0x[0-9A-F]+)u", src).groups())
-    return lo_a, lo_b, hi_a, hi_b
+    lo_b, hi_b = (int(x, 16) for x in re.search(r"lo_b = (0x[0-9a-fA-F]+)u, hi_b = (0x[0-9a-fA-F]+)u", src).groups())
+    return ptx.LO_TABLE[0], lo_b, ptx.HI_TABLE[0], hi_b
 
 
 def _dequant8(w: int, s2: int) -> list[int]:
