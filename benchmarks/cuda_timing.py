@@ -35,10 +35,13 @@ def time_cuda(fn, iters: int = 30, warmup: int = 5, per_sample: int = 10) -> flo
 
 def time_cuda_graph(fn, iters: int = 20, per_graph: int = 10) -> float:
     """Median milliseconds per ``fn()`` call over ``iters`` replays of a CUDA graph holding
-    ``per_graph`` calls (captured after one warm-up call on a side stream). ``fn`` may call
-    TVM functions and torch / Triton kernels; all must be capturable (no host sync)."""
+    ``per_graph`` calls, or a whole cycle of a :func:`rotate` callable if that is longer
+    (captured after one warm-up call on a side stream). ``fn`` may call TVM functions and
+    torch / Triton kernels; all must be capturable (no host sync)."""
     import torch
     import tvm_ffi
+
+    per_graph = max(per_graph, getattr(fn, "cycle", 1))
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -75,6 +78,7 @@ def rotate(calls: list):
         calls[state["i"] % len(calls)]()
         state["i"] += 1
 
+    call.cycle = len(calls)  # time_cuda_graph captures a whole cycle
     return call
 
 

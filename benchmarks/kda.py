@@ -115,7 +115,7 @@ def build_prefill(out_dir: Path, baseline: bool = True) -> None:
             print(f"built {path}")
 
 
-def run(lib_dir: Path, out: Path) -> dict:
+def run(lib_dir: Path) -> dict:
     """Decode: every tiling of the fused kernel checked against fla's naive recurrence and
     timed against ``fused_recurrent_kda`` (same inputs, same gate settings), two ways: CUDA
     events over back-to-back calls from Python (``*_ms``: includes the host's launch cost,
@@ -446,7 +446,7 @@ def main(argv=None) -> int:
         res = {"decode": [], "prefill": run_prefill(args.lib_dir, log=args.out / "kda_prefill_rows.jsonl",
                                                     quick=args.quick)}
     else:
-        res = run(args.lib_dir, args.out)
+        res = run(args.lib_dir)
     res.update({"machine": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
                 "commit": git_commit(), "fla": "fla-core 0.6.0", "head_dim": K,
                 "lower_bound": LOWER_BOUND})

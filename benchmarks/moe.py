@@ -1,25 +1,28 @@
-"""MoE expert benchmark: the MXFP4 CUDA TIR kernels for decode (schedules/moe_mxfp4_cuda.py)
-vs the HBM roofline and an eager bf16 torch loop, and for prefill
+"""MoE expert benchmark: the MXFP4 decode GEMVs the model dispatches (tensor cores,
+schedules/moe_mxfp4_decode_tc.py) vs the HBM roofline, an eager bf16 torch loop and the
+CUDA-core GEMVs (schedules/moe_mxfp4_cuda.py, the baseline), and the prefill grouped GEMMs
 (schedules/moe_mxfp4_prefill_cuda.py) vs the bf16 tensor-core peak and ``torch._grouped_mm``.
 
 Two steps, because the GPU machine has no TVM compiler:
 
-1. Here (with nvcc): ``python benchmarks/moe.py build dist/moe`` compiles the decode kernels
-   (expert chain, fused w1/w3 + SiTU, w2) into ``dist/moe/moe_mxfp4.so`` and the prefill
-   kernels (sort, grouped gate_up, grouped down) into ``moe_prefill.so`` (plus pipeline-depth
-   variants and a small-shape build) for ``cuda-sm90a``.
+1. Here (with nvcc): ``python benchmarks/moe.py build dist/moe`` compiles the dispatched
+   decode kernels (expert chain, fused w1/w3 + SiTU, w2) into ``dist/moe/moe_mxfp4.so``, the
+   other decode variants of :data:`DECODE_VARIANTS` into ``dist/moe/<variant>/moe_mxfp4.so``,
+   and the prefill kernels (sort, grouped gate_up, grouped down) into ``moe_prefill.so`` (plus
+   pipeline-depth variants and a small-shape build), for ``cuda-sm90a``.
 2. On the H200 (runtime-only TVM): ``python benchmarks/moe.py run dist/moe --out $OUT``
    (``--prefill-only`` skips the decode part).
 
 K3 shapes: E = 896 experts, latent L = 3584, expert width I = 3072, top-16; x and outputs
 bf16; all 896 experts resident in MXFP4 (random codes, scales 2^-6..2^-1).
-Decode correctness (T = 1, 7, 8): both outputs vs a torch reference (dequantize in fp32, fp32
-matmuls, bf16 rounding of g/u/a/o as in the model). Decode timing (T = 1, 8, 64): CUDA events
-over back-to-back calls of the three kernels (``ours_ms``) and replays of a CUDA graph of them
-(``ours_graph_ms``, GPU time without the host's launch cost); roofline = bytes of the distinct experts touched
-(packed + scales of w1, w3, w2) / measured device-to-device copy bandwidth; the torch loop
-runs per distinct expert (tokens grouped beforehand, outside the timing) with dequantized
-bf16 weights resident.
+Decode correctness (T = 1, 7, 8, 20; every variant at T = 7 and 20): both outputs vs a torch
+reference (dequantize in fp32, fp32 matmuls, bf16 rounding of g/u/a/o as in the model); T = 7
+has tokens sharing experts, T = 20 one expert chosen by all (a chain of 3 passes of 8).
+Decode timing (T = 1, 8, 64): CUDA events over back-to-back calls of the three kernels
+(``ours_ms``) and replays of a CUDA graph of them (``ours_graph_ms``, GPU time without the
+host's launch cost); roofline = bytes of the distinct experts touched (packed + scales of w1,
+w3, w2) / measured device-to-device copy bandwidth; the torch loop runs per distinct expert
+(tokens grouped beforehand, outside the timing) with dequantized bf16 weights resident.
 Prefill correctness: the tile table and permutation vs NumPy, both GEMM outputs vs torch fp32
 for routings with experts of 0, 1 and 300 tokens, and at the small shapes of
 tests/gpu/check_moe_dispatch.py. Prefill timing (T = 8192, 2048, uniform top-16 routing):
@@ -47,14 +50,10 @@ CHECK_T = (1, 7, 8, 20)
 TIME_T = (1, 8, 64)
 FUNCS = ("moe_expert_chain", "moe_mxfp4_gate_up", "moe_mxfp4_down")
 
-VARIANTS = {
-    # name: (gate_up kwargs, down kwargs, extra nvcc options); "" is the default build.
-    # TVM 0.27 passes ptxas --register-usage-level=10, which makes ptxas give the w2 kernel
-    # 255 registers and 1.4 KB of spills (ncu: 12.5% occupancy); level 5 keeps it at 48.
-    "": ({}, {}, PTXAS_REGISTER_LEVEL),
-    "tvm_ptxas_level10": ({}, {}, ()),
-    "r8_rt4": ({"rows_per_block": 8}, {"rows_per_block": 8, "rows_per_thread": 4}, PTXAS_REGISTER_LEVEL),
-}
+# decode builds: name -> (kernels, gate_up kwargs, down kwargs); "" (the top-level
+# moe_mxfp4.so) is what the model dispatches, "tensor_cores" the tensor-core GEMVs
+# (schedules/moe_mxfp4_decode_tc.py), "cuda_cores" the CUDA-core ones (moe_mxfp4_cuda.py).
+DECODE_VARIANTS = {"": ("tensor_cores", {}, {}), "cuda_cores": ("cuda_cores", {}, {})}
 
 
 def _compile(fs: dict, path: Path, options=PTXAS_REGISTER_LEVEL) -> None:
@@ -76,28 +75,22 @@ def _compile(fs: dict, path: Path, options=PTXAS_REGISTER_LEVEL) -> None:
 
 
 def build(out_dir: Path) -> None:
-    """Decode libraries (CUDA-core variants of :data:`VARIANTS`, tensor-core variants of
-    :data:`TC_VARIANTS`, each ``<variant>/moe_mxfp4.so``) and the prefill libraries."""
+    """The decode libraries of :data:`DECODE_VARIANTS` and the prefill libraries."""
     from schedules import moe_mxfp4_cuda as mc
     from schedules import moe_mxfp4_decode_tc as dt
 
-    for name, (gu_kw, d_kw, opts) in VARIANTS.items():
-        _compile({"moe_expert_chain": mc.moe_expert_chain_kernel(TOPK),
-                  "moe_mxfp4_gate_up": mc.moe_mxfp4_gate_up_kernel(E, L, I, TOPK, BETA, BETA_LIN, **gu_kw),
-                  "moe_mxfp4_down": mc.moe_mxfp4_down_kernel(E, L, I, TOPK, **d_kw)},
-                 (out_dir / name if name else out_dir) / "moe_mxfp4.so", opts)
-    # the tensor-core GEMVs (schedules/moe_mxfp4_decode_tc.py), same names and arguments
-    for name, (gu_kw, d_kw) in TC_VARIANTS.items():
-        _compile({"moe_expert_chain": mc.moe_expert_chain_kernel(TOPK),
-                  "moe_mxfp4_gate_up": dt.moe_mxfp4_gate_up_tc_kernel(E, L, I, TOPK, BETA, BETA_LIN, **gu_kw),
-                  "moe_mxfp4_down": dt.moe_mxfp4_down_tc_kernel(E, L, I, TOPK, **d_kw)},
-                 out_dir / name / "moe_mxfp4.so")
+    for name, (kind, gu_kw, d_kw) in DECODE_VARIANTS.items():
+        if kind == "tensor_cores":
+            gu = dt.moe_mxfp4_gate_up_tc_kernel(E, L, I, TOPK, BETA, BETA_LIN, **gu_kw)
+            down = dt.moe_mxfp4_down_tc_kernel(E, L, I, TOPK, **d_kw)
+        else:
+            gu = mc.moe_mxfp4_gate_up_kernel(E, L, I, TOPK, BETA, BETA_LIN, **gu_kw)
+            down = mc.moe_mxfp4_down_kernel(E, L, I, TOPK, **d_kw)
+        _compile({"moe_expert_chain": mc.moe_expert_chain_kernel(TOPK), "moe_mxfp4_gate_up": gu,
+                  "moe_mxfp4_down": down}, (out_dir / name if name else out_dir) / "moe_mxfp4.so")
     build_prefill(out_dir)
 
 
-# tensor-core decode GEMVs (schedules/moe_mxfp4_decode_tc.py): name -> (gate_up kwargs,
-# down kwargs) of the builders
-TC_VARIANTS = {"tensor_cores": ({}, {})}
 PREFILL_FUNCS = ("moe_sort", "moe_grouped_gate_up", "moe_grouped_down")
 # besides the defaults of schedules.moe_mxfp4_prefill_cuda (STAGES = 2, WARPS_M = 2)
 PREFILL_VARIANTS = {"stages3": {"stages": 3}, "warps_m1": {"warps_m": 1}, "warps_m4": {"warps_m": 4}}
@@ -194,8 +187,10 @@ def run(lib_dir: Path, decode: bool = True) -> dict:
             ids[3] = ids[0]
             ids[5, :4] = ids[1, 4:8]
         if T == 20:  # one expert chosen by every token: a chain of 20 entries (3 passes of 8)
-            ids[:, 0] = ids[0, 0]
-            ids[1:, 1:][ids[1:, 1:] == ids[0, 0]] = ids[0, 1]
+            e0, first = ids[0, 0].clone(), ids[:, 0].clone()
+            ids[:, 0] = e0
+            # where a token already had e0 elsewhere, it gets its old first choice there
+            ids[:, 1:] = torch.where(ids[:, 1:] == e0, first[:, None], ids[:, 1:])
         ours()
         torch.cuda.synchronize()
         ea = eo = ma = mo = 0.0

@@ -144,7 +144,8 @@ class RoutedExperts(nn.Module):
         # CUDA decode: the tensor-core MXFP4 GEMVs (schedules/moe_mxfp4_decode_tc.py), where the
         # widths fit their tiling (multiples of 128) and activations are bf16; else generic.
         self.tuned_decode = (gpu and tuned and mxfp4 and dtype == "bfloat16"
-                             and latent % dt.KB == 0 and inter % dt.KB == 0)
+                             and latent % dt.KB == 0 and inter % dt.KB == 0
+                             and num_experts * inter * latent // 8 < 2 ** 31)  # int32 indexing
         # CUDA prefill: token permutation + grouped GEMM on tensor cores
         # (schedules/moe_mxfp4_prefill_cuda.py), where the widths fit its tiles.
         self.tuned_prefill = (gpu and tuned and mxfp4 and dtype == "bfloat16"

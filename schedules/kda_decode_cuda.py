@@ -56,8 +56,9 @@ def kda_decode_fused_kernel(H: int, K: int, V: int, lower_bound: float | None,
         o         [B, H, V]        float32   output
 
     Raises:
-        ValueError: ``V`` not a multiple of ``cols_per_block`` or ``K`` not a multiple of
-            ``cols_per_block × k_split``.
+        ValueError: ``V`` not a multiple of ``cols_per_block``, ``K`` not a multiple of
+            ``cols_per_block × k_split``, or that (the threads of a block) not a multiple of 32
+            (the norms are reduced with warp shuffles).
     """
     CB, KS = cols_per_block, k_split
     NT = CB * KS

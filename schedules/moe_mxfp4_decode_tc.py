@@ -46,6 +46,8 @@ checked on the CPU (tests/test_moe_prefill_cuda.py), the kernels on the H200 by
 
 from __future__ import annotations
 
+import functools
+
 from tvm.script import tirx as T
 
 from schedules.barriers import mark
@@ -69,7 +71,8 @@ def _check(kd: int, n: int, rows_per_block: int, E: int):
     if n % rows_per_block:
         raise ValueError(f"output width {n} must be a multiple of the rows per block {rows_per_block}")
     if E * n * (kd // 8) >= 2 ** 31:
-        raise ValueError("weights too large for int32 word indexing")
+        raise ValueError(f"{E} experts x {n} rows x {kd // 8} words = {E * n * (kd // 8)} uint32 "
+                         f"words of codes: over the int32 indexing limit 2^31")
 
 
 def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
@@ -97,7 +100,8 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
     gate_up = kind == "gate_up"
     NM = 2 if gate_up else 1
     SLOTS = NM * 2               # (matrix, row g / g+8) chunks per thread per stage
-    smem = NS * SLOTS * NT * (16 + 4) + NW * NM * 4 * 32 * 4
+    # code and scale stages, split-K partials, the pass's entries and count (64-byte aligned)
+    smem = NS * SLOTS * NT * (16 + 4) + NW * NM * 4 * 32 * 4 + 2 * 64
     if smem > 48 * 1024:
         raise ValueError(f"{NS} stages of {NW} warps need {smem} bytes of shared memory (> 48 KiB)")
     B = float(beta)
@@ -201,9 +205,9 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
                                 # 32q + 4s + {0, 1} and {2, 3}; B: the same inputs of column g
                                 for m in T.unroll(NM):
                                     T.evaluate(mma_bf16(T.address_of(acc[m * 4]),
-                                                        bf[m * 8 + s % 2 * 2], bf[m * 8 + 4 + s % 2 * 2],
-                                                        bf[m * 8 + s % 2 * 2 + 1], bf[m * 8 + 4 + s % 2 * 2 + 1],
-                                                        xcur[2 * s], xcur[2 * s + 1]))
+                                                        bf[m * 8 + a_word(s, 0)], bf[m * 8 + a_word(s, 1)],
+                                                        bf[m * 8 + a_word(s, 2)], bf[m * 8 + a_word(s, 3)],
+                                                        xcur[b_word(s, 0)], xcur[b_word(s, 1)]))
                         # ---- split-K: the warps' partial sums meet in shared memory, warp 0 adds them
                         for i in T.unroll(NM * 4):
                             red_s[(tx // 32 * NM * 4 + i) * 32 + tx % 32] = acc[i]
@@ -274,6 +278,20 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
     return mark(func)
 
 
+def a_word(s, i):
+    """Index, in a matrix's 8 dequantized words (rows g: 0..3, g+8: 4..7; word w = inputs
+    2w, 2w+1 of the code word being used), of mma A register ``a_i`` at step ``s`` (0..7):
+    a0 / a1 = rows g / g+8 at inputs 4s + {0, 1}, a2 / a3 = the same rows at 4s + {2, 3}
+    (of the lane's 32). Python ints or TIR expressions."""
+    return s % 2 * 2 + i % 2 * 4 + i // 2
+
+
+def b_word(s, j):
+    """Index, in the lane's 16 activation words (word w = inputs 2w, 2w+1 of its 32), of mma B
+    register ``b_j`` at step ``s``: inputs 4s + {0, 1} (b0) and 4s + {2, 3} (b1)."""
+    return 2 * s + j
+
+
 def split_k_warps(in_width: int) -> int:
     """Warps per block (= ways the K blocks of 128 inputs are split) for an input width: 4
     where they divide the K blocks (K3: 28 and 24 K blocks), else 2 or 1 (k3-nano)."""
@@ -281,6 +299,7 @@ def split_k_warps(in_width: int) -> int:
     return next(w for w in (4, 2, 1) if nkb % w == 0)
 
 
+@functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def moe_mxfp4_gate_up_tc_kernel(num_experts: int, latent: int, inter: int, top_k: int,
                                 beta: float, beta_lin: float | None, out_dtype: str = "bfloat16",
                                 warps: int = 4, stages: int = 4):
@@ -289,20 +308,23 @@ def moe_mxfp4_gate_up_tc_kernel(num_experts: int, latent: int, inter: int, top_k
     w1_scale, w3_packed, w3_scale, chain [T, k, 2], expert_ids [T, k], a [T, k, I]``.
 
     Raises:
-        ValueError: L not a multiple of 128, I not of ``16·warps``, ``stages < 2``, or the
-            ``stages`` cp.async stages (10 KiB each at 4 warps) over 48 KiB of shared memory.
+        ValueError: L not a multiple of 128; I not a multiple of 16; ``warps`` not 1, 2, 4, 8
+            or 16 or not dividing L/128; ``stages < 2``; the stages (10 KiB each at 4 warps)
+            and the other buffers over 48 KiB of shared memory; the codes over 2^31 words.
     """
     return _gemv_tc("gate_up", num_experts, inter, latent, top_k, beta, beta_lin, out_dtype, warps, stages)
 
 
+@functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def moe_mxfp4_down_tc_kernel(num_experts: int, latent: int, inter: int, top_k: int,
                              out_dtype: str = "bfloat16", warps: int = 4, stages: int = 8):
     """W2 GEMV on tensor cores. Arguments as :func:`schedules.moe_mxfp4_cuda.
     moe_mxfp4_down_kernel`: ``a [T, k, I] bf16, w2_packed, w2_scale, chain, expert_ids, o [T, k, L]``.
 
     Raises:
-        ValueError: I not a multiple of 128, L not of ``16·warps``, ``stages < 2``, or the
-            stages (5 KiB each at 4 warps) over 48 KiB of shared memory.
+        ValueError: I not a multiple of 128; L not a multiple of 16; ``warps`` not 1, 2, 4, 8
+            or 16 or not dividing I/128; ``stages < 2``; the stages (5 KiB each at 4 warps) and
+            the other buffers over 48 KiB of shared memory; the codes over 2^31 words.
     """
     return _gemv_tc("down", num_experts, latent, inter, top_k, out_dtype=out_dtype, warps=warps,
                     stages=stages)

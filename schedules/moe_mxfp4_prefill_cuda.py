@@ -9,7 +9,7 @@ goes to expert ``e = expert_ids[t, j]``::
     a[p] = SiTU(round(g), round(u))                   (fp32, rounded to bf16)
     o[p] = round(W2[e] a[p])                          (I -> L, fp32 accumulation)
 
-— the same values as the decode kernels (schedules/moe_mxfp4_cuda.py) and the generic gather
+— the same values as the decode kernels (schedules/moe_mxfp4_decode_tc.py) and the generic gather
 GEMV (schedules/moe_generic.py); only the order of the fp32 sums differs.
 
 Kernels (CUDA only, ``tirx.is_scheduled``; ``P = T·top_k`` pairs, ``BM`` rows per tile):

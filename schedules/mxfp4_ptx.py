@@ -141,15 +141,20 @@ def scale_bf16(s):
                     T.Select(s == T.uint32(255), T.uint32(0x7FC0), s << T.uint32(7)))
 
 
+# scale_bf16x2's constants (shared with its test): prmt selector of byte b = base + b, the
+# multiplier placing a byte in both bf16 exponent fields, E8M0 0 / 255 as bf16x2
+SCALE_SELECT, SCALE_MUL, SCALE_MIN, SCALE_NAN = 0x4440, 0x00800080, 0x00400040, 0x7FC07FC0
+
+
 def scale_bf16x2(word, byte):
     """bf16x2 word with both halves = the E8M0 byte ``byte`` (0..3) of uint32 ``word`` as bf16
     (as :func:`scale_bf16`: 0 -> 2^-127, 255 -> NaN): one ``prmt`` extracts the byte ``s``,
     ``s · 0x00800080`` places it in both exponent fields, a max makes s = 0 the subnormal
     0x0040, a select makes 255 NaN."""
     s = T.call_pure_extern("uint32", "__byte_perm", word, T.uint32(0),
-                           T.uint32(0x4440) + T.Cast("uint32", byte))
-    d = T.max(s * T.uint32(0x00800080), T.uint32(0x00400040))
-    return T.Select(s == T.uint32(255), T.uint32(0x7FC07FC0), d)
+                           T.uint32(SCALE_SELECT) + T.Cast("uint32", byte))
+    d = T.max(s * T.uint32(SCALE_MUL), T.uint32(SCALE_MIN))
+    return T.Select(s == T.uint32(255), T.uint32(SCALE_NAN), d)
 
 
 def dup_half(w, hi):

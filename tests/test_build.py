@@ -103,7 +103,8 @@ def test_tuned_moe_kernels_dispatched_where_they_fit():
     """CUDA + tuned + MXFP4 + bf16: decode uses the tensor-core MoE GEMVs, prefill the sort +
     grouped GEMMs, where the widths are multiples of 128 (tests/gpu/check_moe_dispatch.py
     and run_nano_cuda.py compare them with the generic path / the CPU build on the H200);
-    --generic-kernels and fp32 stay generic; k3-nano (widths 128 / 256) gets both."""
+    --generic-kernels, fp32 and a latent width of 96 stay generic; k3-nano (widths 128 / 256)
+    gets both."""
     from oracle_mlx import tiny_config
 
     cfg = K3Config.from_dict(tiny_config(hidden_size=256, routed_expert_hidden_size=512,
@@ -123,6 +124,11 @@ def test_tuned_moe_kernels_dispatched_where_they_fit():
                 export_model(cfg, "float32", gpu=True).mod):
         src = mod["decode"].script(show_meta=False) + mod["prefill"].script(show_meta=False)
         assert not any(name in src for name in decode_k + prefill_k)
+    odd_mod = export_model(K3Config.from_dict(tiny_config(
+        hidden_size=256, routed_expert_hidden_size=96, moe_intermediate_size=512, num_experts=3,
+        num_experts_per_token=2)), "bfloat16", gpu=True).mod  # latent 96: not a multiple of 128
+    odd_src = odd_mod["decode"].script(show_meta=False) + odd_mod["prefill"].script(show_meta=False)
+    assert not any(name in odd_src for name in decode_k + prefill_k)
     nano = export_model(K3Config.from_file(NANO), "bfloat16", gpu=True).mod
     assert "moe_mxfp4_gate_up" in nano["decode"].script(show_meta=False)
     assert "moe_grouped_gate_up" in nano["prefill"].script(show_meta=False)

@@ -44,6 +44,9 @@ def test_reference_matches_fla_naive_recurrence(lower_bound):
 def test_kernel_rejects_bad_tiling():
     with pytest.raises(ValueError, match="must be a multiple of cols_per_block"):
         kda_decode_fused_kernel(2, 128, 100, -5.0)
+    # 16 threads a block: the norms' warp shuffles need whole warps
+    with pytest.raises(ValueError, match="itself a multiple of 32"):
+        kda_decode_fused_kernel(2, 128, 128, -5.0, cols_per_block=16, k_split=1)
 
 
 @needs_nvcc

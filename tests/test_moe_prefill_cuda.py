@@ -82,14 +82,15 @@ def test_dequant_trick_matches_e2m1_and_e8m0_tables():
 
 
 def test_scale_word_to_bf16x2_matches_e8m0():
-    """Emulation of ``mxfp4_ptx.scale_bf16x2`` (prmt byte extract, ×0x00800080, max, select)
-    against the E8M0 table (0 -> 2^-127 subnormal, 255 -> NaN) for every byte and position."""
+    """Emulation of ``mxfp4_ptx.scale_bf16x2`` with its own constants (prmt byte extract,
+    multiply, max, select) against the E8M0 table (0 -> 2^-127 subnormal, 255 -> NaN) for every
+    byte and position."""
     rng = np.random.default_rng(2)
     for s in range(256):
         for pos in range(4):
             word = (int(rng.integers(0, 2 ** 32)) & ~(0xFF << (8 * pos))) | (s << (8 * pos))
-            b = _prmt(word, 0, 0x4440 + pos)
-            d = 0x7FC07FC0 if b == 255 else max(b * 0x00800080, 0x00400040)
+            b = _prmt(word, 0, ptx.SCALE_SELECT + pos)
+            d = ptx.SCALE_NAN if b == 255 else max((b * ptx.SCALE_MUL) & 0xFFFFFFFF, ptx.SCALE_MIN)
             assert d == _scale2(s), (s, pos)
             if s not in (0, 255):
                 assert _bf16x2(d)[0] == 2.0 ** (s - 127) == _bf16x2(d)[1]
@@ -97,10 +98,14 @@ def test_scale_word_to_bf16x2_matches_e8m0():
 
 
 def test_decode_tc_fragments_compute_the_gemv():
-    """moe_mxfp4_decode_tc's mapping: thread (g, q) holds inputs 32q .. 32q+31 of a K block
-    of 128 for weight rows g, g+8 (mma A) and column g (mma B, one entry per column); step s
-    supplies inputs 32q + 4s + {0, 1} as k = 2q, 2q+1 and 32q + 4s + {2, 3} as k = 2q+8,
-    2q+9. The 8 mma steps of a K block must give W @ X."""
+    """moe_mxfp4_decode_tc's registers: thread (g, q) holds, for weight rows g and g+8, the
+    dequantized words of its current code word (word w = inputs 8·c + 2w, +1 of its 32, c =
+    step // 2) and 16 activation words of column g (word w = inputs 2w, 2w+1); the kernel
+    hands the mma the words ``a_word(s, i)`` / ``b_word(s, j)``. Laid out as PTX's m16n8k16
+    fragments (A: a0 row g k 2q.., a1 row g+8, a2 row g k 2q+8.., a3 row g+8; B: b0 k 2q..,
+    b1 k 2q+8..), the 8 steps of a K block must give W @ X."""
+    from schedules import moe_mxfp4_decode_tc as dt
+
     rng = np.random.default_rng(4)
     W = rng.standard_normal((16, 128))
     X = rng.standard_normal((128, 8))
@@ -109,17 +114,16 @@ def test_decode_tc_fragments_compute_the_gemv():
         LA, LB = np.zeros((16, 16)), np.zeros((16, 8))
         for lane in range(32):
             g, q = lane // 4, lane % 4
-            lo, hi = 32 * q + 4 * s, 32 * q + 4 * s + 2
-            LA[g, 2 * q:2 * q + 2], LA[g + 8, 2 * q:2 * q + 2] = W[g, lo:lo + 2], W[g + 8, lo:lo + 2]
-            LA[g, 2 * q + 8:2 * q + 10], LA[g + 8, 2 * q + 8:2 * q + 10] = W[g, hi:hi + 2], W[g + 8, hi:hi + 2]
-            LB[2 * q:2 * q + 2, g], LB[2 * q + 8:2 * q + 10, g] = X[lo:lo + 2, g], X[hi:hi + 2, g]
+            base = 32 * q + 8 * (s // 2)
+            bf = [W[g + 8 * (w // 4), base + 2 * (w % 4): base + 2 * (w % 4) + 2] for w in range(8)]
+            xw = [X[32 * q + 2 * w: 32 * q + 2 * w + 2, g] for w in range(16)]
+            a = [bf[dt.a_word(s, i)] for i in range(4)]
+            b = [xw[dt.b_word(s, j)] for j in range(2)]
+            LA[g, 2 * q:2 * q + 2], LA[g + 8, 2 * q:2 * q + 2] = a[0], a[1]
+            LA[g, 2 * q + 8:2 * q + 10], LA[g + 8, 2 * q + 8:2 * q + 10] = a[2], a[3]
+            LB[2 * q:2 * q + 2, g], LB[2 * q + 8:2 * q + 10, g] = b[0], b[1]
         C += LA @ LB
     np.testing.assert_allclose(C, W @ X, rtol=1e-12, atol=1e-12)
-    # and dequant8's output word i holds inputs 2i, 2i+1 of its 8: step s reads word
-    # 2·(s % 2) and 2·(s % 2) + 1 of input word s // 2, i.e. inputs 4s + {0..3} of the 32
-    for s in range(8):
-        first = 8 * (s // 2) + 2 * (2 * (s % 2))
-        assert first == 4 * s
 
 
 def test_permuted_fragments_compute_the_matmul():
@@ -176,6 +180,11 @@ def test_bad_sizes_rejected():
         dt.moe_mxfp4_down_tc_kernel(4, 256, 384, 2, warps=2)
     with pytest.raises(ValueError, match="shared memory"):
         dt.moe_mxfp4_gate_up_tc_kernel(4, 512, 256, 2, 4.0, 25.0, stages=6)
+    # exactly 48 KiB of stages and partials: the entry buffers tip it over (ptxas: 49220 bytes)
+    with pytest.raises(ValueError, match="shared memory"):
+        dt.moe_mxfp4_gate_up_tc_kernel(4, 1024, 256, 2, 4.0, 25.0, warps=8, stages=2)
+    with pytest.raises(ValueError, match="over the int32 indexing limit"):
+        dt.moe_mxfp4_down_tc_kernel(4096, 8192, 8192, 2)
     with pytest.raises(ValueError, match="at most 1024 experts"):
         mp.moe_sort_kernel(1025, 2)
 
