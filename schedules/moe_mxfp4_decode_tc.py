@@ -31,8 +31,8 @@ fp32 accumulation; the outputs are rounded as the model's dtype flow says
 (relax_modules/moe.py).
 
 Status (H200, K3 shapes, benchmarks/results/moe_decode_tc_h200_2026-11-29.json, GPU time of
-chain + gate_up + down): 58% / 64% / 59% of the HBM roofline at 1 / 8 / 64 tokens (the
-CUDA-core GEMVs of moe_mxfp4_cuda in the same run: 53% / 55% / 35%). What limits it: issue
+chain + gate_up + down): 56–58% / 62–64% / 59% of the HBM roofline at 1 / 8 / 64 tokens over
+two runs (the CUDA-core GEMVs of moe_mxfp4_cuda in the same runs: 53–54% / 55% / 35–36%). What limits it: issue
 slots (ncu: ~4 instructions per E2M1 code, 64% of issue slots busy, ALU the top pipe), of
 which the prmt dequant is ~2.5; one token uses 1 of the mma's 8 columns. Tried and slower: a
 register ring instead of cp.async stages (255 registers), 2 or 8 warps per block, deeper or
