@@ -4,11 +4,15 @@ Two steps, because the GPU machine has no TVM compiler:
 
 1. Here (with nvcc): ``python benchmarks/kda.py build dist/kda`` compiles the kernels for
    ``cuda-sm90a`` into ``dist/kda/*.so`` (device code precompiled to a fatbin).
-2. On the H200 (runtime-only TVM, fla-core wheel carried):
+2. On the H200 (runtime-only TVM, fla-core wheel carried as ``.whl/``; install it with
+   ``python3 -m pip install --no-deps --target /tmp/fla .whl/fla_core-0.6.0-py3-none-any.whl``
+   and append ``/tmp/fla`` to ``PYTHONPATH``):
    ``python benchmarks/kda.py run dist/kda --out $OUT`` checks every kernel against fla's
    naive reference and times it against ``fused_recurrent_kda`` (decode) in the same process,
    at K3 shapes (head_dim 128; 96 heads, and 12 heads = the tensor-parallel-8 share), with the
-   same gate settings (lower bound −5; gate, L2 norms and β sigmoid inside the kernel).
+   same gate settings (lower bound −5; gate, L2 norms and β sigmoid inside the kernel); the
+   prefill part runs when the prefill libraries are there (``build --only decode`` skips
+   them: seconds instead of minutes).
 
 Prefill only (tensor-core kernels of schedules/kda_prefill_tc.py vs fla ``chunk_kda``):
 ``build --only prefill dist/kda_tc`` here, ``run dist/kda_tc --only prefill [--quick] --out $OUT``
@@ -44,8 +48,9 @@ def _tiling_name(cb: int, ks: int) -> str:
     return f"cb{cb}_ks{ks}"
 
 
-def build(out_dir: Path) -> None:
-    """Compile the decode kernel for each head count into ``out_dir`` (run where nvcc is)."""
+def build(out_dir: Path, prefill: bool = True) -> None:
+    """Compile the decode kernel for each head count into ``out_dir`` (run where nvcc is), and
+    the prefill kernels unless ``prefill`` is false."""
     import tvm
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -64,7 +69,8 @@ def build(out_dir: Path) -> None:
             path = out_dir / f"kda_decode_h{h}_{_tiling_name(cb, ks)}.so"
             lib.export_library(str(path))
             print(f"built {path}")
-    build_prefill(out_dir)
+    if prefill:
+        build_prefill(out_dir)
 
 
 PREFILL_BV = (32,)             # CUDA-core kernels (schedules/kda_prefill_cuda.py), baseline
@@ -421,7 +427,7 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build")
     b.add_argument("out_dir", type=Path)
-    b.add_argument("--only", choices=("all", "prefill"), default="all")
+    b.add_argument("--only", choices=("all", "prefill", "decode"), default="all")
     r = sub.add_parser("run")
     r.add_argument("lib_dir", type=Path)
     r.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -433,7 +439,7 @@ def main(argv=None) -> int:
         if args.only == "prefill":
             build_prefill(args.out_dir, baseline=False)
         else:
-            build(args.out_dir)
+            build(args.out_dir, prefill=args.only == "all")
         return 0
     import torch
 
