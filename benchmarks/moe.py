@@ -155,7 +155,7 @@ def run(lib_dir: Path, decode: bool = True) -> dict:
         lib = tvm.runtime.load_module(str(d / "moe_mxfp4.so"))
         return tuple(lib[n] for n in FUNCS)
 
-    chain_f, gu_f, down_f = load(lib_dir)
+    chain_f, gu_f, down_f = load(lib_dir) if decode else (None, None, None)
     dev = torch.device("cuda")
     bw = copy_bandwidth()
     print(f"copy bandwidth: {bw / 1e9:.0f} GB/s", flush=True)
