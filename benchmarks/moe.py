@@ -93,7 +93,7 @@ def build(out_dir: Path) -> None:
 
 PREFILL_FUNCS = ("moe_sort", "moe_grouped_gate_up", "moe_grouped_down")
 # besides the defaults of schedules.moe_mxfp4_prefill_cuda (STAGES = 2, WARPS_M = 2)
-PREFILL_VARIANTS = {"stages3": {"stages": 3}, "warps_m1": {"warps_m": 1}, "warps_m4": {"warps_m": 4}}
+PREFILL_VARIANTS = {"stages3": {"stages": 3}, "warps_m4": {"warps_m": 4}}
 SMALL = (3, 512, 512, 2)  # E, L, I, top_k of tests/gpu/check_moe_dispatch.py's model
 
 

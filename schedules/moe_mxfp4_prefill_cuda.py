@@ -27,21 +27,25 @@ Kernels (CUDA only, ``tirx.is_scheduled``; ``P = T·top_k`` pairs, ``BM`` rows p
 
 GEMM mapping (both GEMM kernels; ``mma.sync.m16n8k16`` bf16 x bf16 -> fp32, Ampere/Hopper/
 Blackwell): a block of 8 warps computes a ``BM × 128`` tile (gate_up: 64 gate + the same 64
-up columns, so SiTU is applied in registers); warps are 2 (M) × 4 (N), each ``BM/2 × 32``.
+up columns, so SiTU is applied in registers); warps are 2 (tokens) × 4 (weight rows), each
+``BM/2 × 32``. The weights are the mma's A operand (m16: 16 weight rows, dequantized straight
+into the four registers each A fragment needs) and the tokens its B operand (n8: 8 tokens,
+one 16-byte read per token feeding two mmas); with the roles the other way round, ptxas
+spent 178 moves per 64 mmas assembling A quads from two reads (5% slower at 8192 tokens).
 The K loop moves 64 inputs per step through a ``STAGES``-deep ``cp.async`` pipeline (one
 barrier per step): activations (bf16 rows of 128 bytes, 16-byte chunks XOR-swizzled by row
 parity so that fragment reads are free of bank conflicts; rows gathered through
 ``sorted_pair``, rows past the expert's end zero-filled) and packed codes (rows padded to 48
 bytes); the E8M0 scales of the block's 128 weight rows stay in shared memory for the whole K.
-Warps (and m16 tiles) holding no row of the expert skip their work, so a tile's cost follows
-its rows in steps of 16. Dequantization happens in registers, once per warp and reused by all
-of its M tiles: a ``uint32`` of 8 codes becomes four bf16x2 words by ``prmt`` look-ups
+Warps (and n8 token tiles) holding no row of the expert skip their work, so a tile's cost
+follows its rows in steps of 8. Dequantization happens in registers, once per warp and reused
+by all of its token tiles: a ``uint32`` of 8 codes becomes four bf16x2 words by ``prmt`` look-ups
 (magnitude → bf16 low and high byte; the sign bit moved to bit 15), then one
 ``mul.rn.bf16x2`` by the scale ``2^(s-127)`` (exact: a code has two significant bits). The
 inputs of one k-step are taken in a permuted order that makes both operands' fragments
 contiguous — thread ``(g, q)`` of a warp (``g = lane/4``, ``q = lane%4``) holds inputs
 ``8q .. 8q+7`` of each 32, which the mma sees as its ``k = 2q, 2q+1, 2q+8, 2q+9`` (first
-half-step) and the same +4 (second): one 16-byte activation read per row pair and one 4-byte
+half-step) and the same +4 (second): one 16-byte activation read per token and one 4-byte
 code read per column feed two mmas. A sum over k does not depend on the order of k, and the
 scale group (32 inputs) is the same for all. The kernels place their own barriers
 (:mod:`schedules.barriers`).
@@ -73,11 +77,12 @@ BN = 128          # weight rows per block (gate_up: 64 of W1 + 64 of W3)
 BK = 64           # inputs per pipeline step
 NT = 256          # threads per GEMM block (8 warps: 2 along M, 4 along N)
 PLAN_THREADS = 1024
-WARPS_M = 2       # warps along M (of 8): each warp then covers BM/WARPS_M rows × 128·WARPS_M/8 columns
-# The permuted k order (module doc): per 32 inputs a thread holds, for A, words ``ar[0..3]``
-# = inputs 8q..8q+7 of row g (two bf16 each) and ``ar[4..7]`` the same of row g+8; for B the
-# four bf16x2 words of ``dequant8`` (inputs 8q..8q+7 of column g). The two mma half-steps
-# take these registers (a0..a3, b0..b1), tests/test_moe_prefill_cuda.py checks the order.
+WARPS_M = 2       # warps along the tokens (of 8): each warp covers BM/WARPS_M tokens × 32·WARPS_M/2 weight rows
+# The permuted k order (module doc): per 32 inputs a thread holds, for A (weights), the
+# ``dequant8`` words ``[0..3]`` = inputs 8q..8q+7 of weight row g (two bf16 each) and
+# ``[4..7]`` the same of row g+8; for B (tokens) the four words of one 16-byte read (inputs
+# 8q..8q+7 of token g). The two mma half-steps take these registers (a0..a3, b0..b1);
+# tests/test_moe_prefill_cuda.py checks the order.
 MMA_A_REGS = ((0, 4, 1, 5), (2, 6, 3, 7))
 MMA_B_REGS = ((0, 1), (2, 3))
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory per block on sm_90 / sm_100
@@ -205,12 +210,16 @@ def _grouped_gemm(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 
                          f"(limit {SMEM_LIMIT}): the scale table grows with it")
     if warps_m not in (1, 2, 4):
         raise ValueError(f"warps_m must be 1, 2 or 4, got {warps_m}")
-    WMN = warps_m                               # warps along M
-    WN = 8 // WMN                               # warps along N
-    WM = BM // WMN                              # rows per warp
-    MT = WM // 16                               # m16 tiles per warp
-    CPW = BN // WN                              # weight rows (B columns) per warp
-    NJ = CPW // 8                               # n8 tiles per warp
+    WMN = warps_m                               # warps along the tile's token rows
+    WN = 8 // WMN                               # warps along its weight rows
+    WM = BM // WMN                              # token rows per warp
+    NT8 = WM // 8                               # n8 tiles (8 tokens: the mma's B columns) per warp
+    CPW = BN // WN                              # weight rows per warp
+    NJ = CPW // 8                               # 8-row groups of weight rows per warp
+    NU = CPW // 16                              # m16 tiles (16 weight rows: the mma's A) per warp
+    if NU < (2 if gate_up else 1):
+        raise ValueError(f"warps_m={warps_m} leaves {CPW} weight rows per warp: too few for the mma's 16 "
+                         f"rows{' of W1 and of W3' if gate_up else ''}")
     A_CH = BM * (BK // 8) // NT                 # 16-byte activation chunks per thread per step
     B = float(beta)
     BL = float(beta_lin) if beta_lin is not None else 0.0
@@ -282,9 +291,9 @@ def _grouped_gemm(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 
                 sc_s = T.alloc_buffer((BN * KGH,), "uint32", scope="shared.dyn")
                 sw = T.alloc_buffer((1,), "uint32", scope="local")
                 row_s = T.alloc_buffer((BM,), "int64", scope="shared.dyn")  # element offset of the row in x, or -1
-                acc = T.alloc_buffer((MT * NJ * 4,), "float32", scope="local")
+                acc = T.alloc_buffer((NU * NT8 * 4,), "float32", scope="local")
                 bf = T.alloc_buffer((NJ * 4,), "uint32", scope="local")
-                ar = T.alloc_buffer((8,), "uint32", scope="local")
+                ar = T.alloc_buffer((4,), "uint32", scope="local")
                 ok = T.alloc_buffer((1,), "int64", scope="local")
                 nv = T.alloc_buffer((1,), "int32", scope="local")
                 tab = T.alloc_buffer((2,), "uint32", scope="local")  # dequant look-up words
@@ -319,7 +328,7 @@ def _grouped_gemm(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 
                                 sc_s[(it * NT + tx) * 2 + h] = _scale_bf16(
                                     (sw[0] >> T.uint32(16 * h)) & T.uint32(255)) | (_scale_bf16(
                                         (sw[0] >> T.uint32(16 * h + 8)) & T.uint32(255)) << T.uint32(16))
-                    for i in range(MT * NJ * 4):
+                    for i in range(NU * NT8 * 4):
                         acc[i] = T.float32(0)
                     T.tvm_storage_sync("shared.dyn")
                     # ---- K loop: NS-deep cp.async pipeline, one barrier per step
@@ -336,6 +345,8 @@ def _grouped_gemm(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 
                         T.evaluate(_commit())
                         if tx // (32 * WN) * WM < nv[0]:  # the warp has rows in this tile
                             for hk in T.unroll(2):
+                                # A: the warp's weight rows (m16 tile u: rows g and g+8), dequantized
+                                # straight into the registers the mma takes (no moves)
                                 for j in T.unroll(NJ):
                                     T.evaluate(_dequant8(
                                         T.address_of(bf[j * 4]),
@@ -343,42 +354,44 @@ def _grouped_gemm(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 
                                             * B_ROW_WORDS + hk * 4 + tx % 4],
                                         _dup_half(sc_s[b_row(tx // 32 % WN, j, tx % 32 // 4) * KGH + ks], hk),
                                         tab))
-                                for i in T.unroll(MT):
-                                    # m16 tiles past the expert's last row are skipped (warp-uniform)
-                                    if tx // (32 * WN) * WM + i * 16 < nv[0]:
+                                for t in T.unroll(NT8):
+                                    # n8 token tiles past the expert's last row are skipped (warp-uniform)
+                                    if tx // (32 * WN) * WM + t * 8 < nv[0]:
+                                        # B: token g of the tile, inputs 8q .. 8q+7 (one 16-byte read)
                                         for v in T.vectorized(4):
-                                            ar[v] = a_s[(ks % NS * BM + tx // (32 * WN) * WM + i * 16 + tx % 32 // 4)
+                                            ar[v] = a_s[(ks % NS * BM + tx // (32 * WN) * WM + t * 8 + tx % 32 // 4)
                                                         * ROW_WORDS + ((hk * 4 + tx % 4) ^ (tx % 32 // 4 % 2 * 4)) * 4 + v]
-                                        for v in T.vectorized(4):
-                                            ar[4 + v] = a_s[(ks % NS * BM + tx // (32 * WN) * WM + i * 16 + tx % 32 // 4 + 8)
-                                                            * ROW_WORDS + ((hk * 4 + tx % 4) ^ (tx % 32 // 4 % 2 * 4)) * 4 + v]
-                                        for j in T.unroll(NJ):
-                                            T.evaluate(_mma(T.address_of(acc[(i * NJ + j) * 4]),
-                                                            ar[A0[0]], ar[A0[1]], ar[A0[2]], ar[A0[3]],
-                                                            bf[j * 4 + B0[0]], bf[j * 4 + B0[1]]))
-                                            T.evaluate(_mma(T.address_of(acc[(i * NJ + j) * 4]),
-                                                            ar[A1[0]], ar[A1[1]], ar[A1[2]], ar[A1[3]],
-                                                            bf[j * 4 + B1[0]], bf[j * 4 + B1[1]]))
-                    # ---- epilogue
-                    for i in T.unroll(MT):
+                                        for u in T.unroll(NU):
+                                            T.evaluate(_mma(T.address_of(acc[(u * NT8 + t) * 4]),
+                                                            bf[u * 8 + A0[0]], bf[u * 8 + A0[1]],
+                                                            bf[u * 8 + A0[2]], bf[u * 8 + A0[3]],
+                                                            ar[B0[0]], ar[B0[1]]))
+                                            T.evaluate(_mma(T.address_of(acc[(u * NT8 + t) * 4]),
+                                                            bf[u * 8 + A1[0]], bf[u * 8 + A1[1]],
+                                                            bf[u * 8 + A1[2]], bf[u * 8 + A1[3]],
+                                                            ar[B1[0]], ar[B1[1]]))
+                    # ---- epilogue: c0, c1 = weight row g, tokens 2q, 2q+1; c2, c3 = row g+8
+                    for t in T.unroll(NT8):
                         for q in T.unroll(4):
                             # (a shared-memory read in an if condition trips TVM's sync planner)
-                            ok[0] = row_s[tx // (32 * WN) * WM + i * 16 + tx % 32 // 4 + q // 2 * 8]
+                            ok[0] = row_s[tx // (32 * WN) * WM + t * 8 + tx % 4 * 2 + q % 2]
                             if ok[0] >= T.int64(0):
                                 if gate_up:
-                                    for jj in T.unroll(NJ // 2):
-                                        y[tiles[blk // NTN, 1] + tx // (32 * WN) * WM + i * 16 + tx % 32 // 4 + q // 2 * 8,
-                                          T.Cast("int32", blk % NTN) * 64 + tx // 32 % WN * (CPW // 2) + jj * 8 + tx % 4 * 2 + q % 2] = \
+                                    for u in T.unroll(NU // 2):
+                                        y[tiles[blk // NTN, 1] + tx // (32 * WN) * WM + t * 8 + tx % 4 * 2 + q % 2,
+                                          T.Cast("int32", blk % NTN) * 64 + tx // 32 % WN * (CPW // 2) + u * 16 + q // 2 * 8
+                                          + tx % 32 // 4] = \
                                             T.Cast(out_dtype, situ_expr(
-                                                T.Cast("float32", T.Cast("bfloat16", acc[(i * NJ + jj) * 4 + q])),
-                                                T.Cast("float32", T.Cast("bfloat16", acc[(i * NJ + jj + NJ // 2) * 4 + q])),
+                                                T.Cast("float32", T.Cast("bfloat16", acc[(u * NT8 + t) * 4 + q])),
+                                                T.Cast("float32", T.Cast("bfloat16", acc[((u + NU // 2) * NT8 + t) * 4 + q])),
                                                 B, BL, use_bl))
                                 else:
-                                    for j in T.unroll(NJ):
-                                        y[sorted_pair[tiles[blk // NTN, 1] + tx // (32 * WN) * WM + i * 16 + tx % 32 // 4 + q // 2 * 8] // K,
-                                          sorted_pair[tiles[blk // NTN, 1] + tx // (32 * WN) * WM + i * 16 + tx % 32 // 4 + q // 2 * 8] % K,
-                                          T.Cast("int32", blk % NTN) * BN + tx // 32 % WN * CPW + j * 8 + tx % 4 * 2 + q % 2] = \
-                                            T.Cast(out_dtype, acc[(i * NJ + j) * 4 + q])
+                                    for u in T.unroll(NU):
+                                        y[sorted_pair[tiles[blk // NTN, 1] + tx // (32 * WN) * WM + t * 8 + tx % 4 * 2 + q % 2] // K,
+                                          sorted_pair[tiles[blk // NTN, 1] + tx // (32 * WN) * WM + t * 8 + tx % 4 * 2 + q % 2] % K,
+                                          T.Cast("int32", blk % NTN) * BN + tx // 32 % WN * CPW + u * 16 + q // 2 * 8
+                                          + tx % 32 // 4] = \
+                                            T.Cast(out_dtype, acc[(u * NT8 + t) * 4 + q])
 
     # its barriers are its own (TVM's planner cannot follow the cp.async pipeline):
     # compile inside schedules.barriers.respect_manual_barriers()

@@ -129,8 +129,9 @@ def test_decode_tc_fragments_compute_the_gemv():
 def test_permuted_fragments_compute_the_matmul():
     """mma.m16n8k16 fragment layout (PTX ISA, "Matrix fragments for mma.m16n8k16") with the
     kernel's input order: thread (g, q) holds inputs 8q..8q+7 of each 32 for its A rows g, g+8
-    (``ar``) and its B column g (``bf``); the two mmas per 32 inputs take the registers
-    ``mp.MMA_A_REGS`` / ``mp.MMA_B_REGS`` that the kernel passes, and must give A @ B."""
+    (``ar``: the dequantized weight words) and its B column g (``bf``: a token's 16-byte
+    read); the two mmas per 32 inputs take the registers ``mp.MMA_A_REGS`` /
+    ``mp.MMA_B_REGS`` that the kernel passes, and must give A @ B."""
     rng = np.random.default_rng(1)
     A = rng.standard_normal((16, 32))
     B = rng.standard_normal((32, 8))
