@@ -186,6 +186,8 @@ def test_bad_sizes_rejected():
         dt.moe_mxfp4_gate_up_tc_kernel(4, 1024, 256, 2, 4.0, 25.0, warps=8, stages=2)
     with pytest.raises(ValueError, match="over the int32 indexing limit"):
         dt.moe_mxfp4_down_tc_kernel(4096, 8192, 8192, 2)
+    with pytest.raises(ValueError, match="too few for the mma's 16 rows of W1 and of W3"):
+        mp.moe_grouped_gate_up_kernel(4, 256, 128, 2, 4.0, 25.0, warps_m=1)
     with pytest.raises(ValueError, match="at most 1024 experts"):
         mp.moe_sort_kernel(1025, 2)
 
