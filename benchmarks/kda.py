@@ -91,8 +91,8 @@ def build_prefill(out_dir: Path, baseline: bool = True) -> None:
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from k3_compile.device_code import precompiled_cuda
-    from schedules.kda_prefill_cuda import (kda_prefill_intra_kernel, kda_prefill_state_kernel,
-                                            manual_barriers)
+    from schedules.barriers import respect_manual_barriers
+    from schedules.kda_prefill_cuda import kda_prefill_intra_kernel, kda_prefill_state_kernel
     from schedules.kda_prefill_tc import kda_prefill_intra_tc_kernel, kda_prefill_state_tc_kernel
     from targets import get_target
 
@@ -102,7 +102,7 @@ def build_prefill(out_dir: Path, baseline: bool = True) -> None:
         for bv in PREFILL_BV if baseline else ():
             fi = kda_prefill_intra_kernel(h, K, V, K ** -0.5).with_attr("global_symbol", "kda_prefill_intra")
             fs = kda_prefill_state_kernel(h, K, V, bv).with_attr("global_symbol", "kda_prefill_state")
-            with precompiled_cuda(spec.nvcc_arch), manual_barriers():
+            with precompiled_cuda(spec.nvcc_arch), respect_manual_barriers():
                 lib = tvm.compile(tvm.IRModule({"kda_prefill_intra": fi, "kda_prefill_state": fs}),
                                   target=spec.tvm_target())
             path = out_dir / f"kda_prefill_h{h}_bv{bv}.so"
@@ -113,7 +113,7 @@ def build_prefill(out_dir: Path, baseline: bool = True) -> None:
             fh = kda_prefill_intra_tc_kernel(h, K, V, K ** -0.5, hoist_loads=True).with_attr(
                 "global_symbol", "kda_prefill_intra_tc_hoist")
             fs = kda_prefill_state_tc_kernel(h, K, V, bv, ab).with_attr("global_symbol", "kda_prefill_state_tc")
-            with precompiled_cuda(spec.nvcc_arch, options=PREFILL_NVCC_OPTIONS), manual_barriers():
+            with precompiled_cuda(spec.nvcc_arch, options=PREFILL_NVCC_OPTIONS), respect_manual_barriers():
                 lib = tvm.compile(tvm.IRModule({"kda_prefill_intra_tc": fi, "kda_prefill_intra_tc_hoist": fh,
                                                 "kda_prefill_state_tc": fs}), target=spec.tvm_target())
             path = out_dir / f"kda_prefill_tc_h{h}_bv{bv}_ab{ab}.so"

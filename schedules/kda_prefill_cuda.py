@@ -49,11 +49,11 @@ fla's ``naive_chunk_kda`` / ``naive_recurrent_kda``.
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import tvm
 from tvm.script import tirx as T
+
+from schedules.barriers import mark
 
 C = 64       # chunk length
 SHSCOPE = "shared.dyn"
@@ -66,30 +66,6 @@ def _loops(emulate: bool):
         return (lambda n: T.serial(n)), (lambda n: T.serial(n)), "global"
     return ((lambda n: T.thread_binding(n, thread="blockIdx.x")),
             (lambda n: T.thread_binding(n, thread="threadIdx.x")), SHSCOPE)
-
-
-@contextlib.contextmanager
-def manual_barriers():
-    """Build the prefill kernels with their own barriers: TVM 0.27's ``ThreadSync("shared.dyn")``
-    planner rejects the intra kernel ("Cannot insert syncs inside condition": it cannot tell
-    that the tiles a phase reads and writes are disjoint), so while this context is active
-    that pass is skipped; the kernels place ``__syncthreads()`` between all phases themselves
-    (``T.tvm_storage_sync`` before every thread loop). Use it around ``tvm.compile`` of a
-    module that holds only these kernels."""
-    from tvm import s_tir
-
-    orig = s_tir.transform.ThreadSync
-
-    def thread_sync(scope):
-        if scope == "shared.dyn":
-            return tvm.transform.Sequential([], name="skip_thread_sync_shared_dyn")
-        return orig(scope)
-
-    s_tir.transform.ThreadSync = thread_sync
-    try:
-        yield
-    finally:
-        s_tir.transform.ThreadSync = orig
 
 
 def max_chunks(n_tok: int, n_seq: int) -> int:
@@ -288,7 +264,9 @@ def kda_prefill_intra_kernel(H: int, K: int, V: int, scale: float, emulate: bool
                         w[meta[1] + it * (NT // K) + tx // K, blk % H, tx % K] = acc[0]
                         u[meta[1] + it * (NT // K) + tx // K, blk % H, tx % K] = acc[1]
 
-    return kda_prefill_intra
+    # its barriers are its own (the planner rejects it): compile inside
+    # schedules.barriers.respect_manual_barriers()
+    return kda_prefill_intra if emulate else mark(kda_prefill_intra)
 
 
 def kda_prefill_state_kernel(H: int, K: int, V: int, block_v: int = 32, emulate: bool = False):
@@ -438,7 +416,7 @@ def kda_prefill_state_kernel(H: int, K: int, V: int, block_v: int = 32, emulate:
                 for it in T.unroll(K * BV // NT):
                     S[layer, slots[blk // (H * NVB)], blk // NVB % H, (it * NT + tx) // BV, blk % NVB * BV + (it * NT + tx) % BV] = St[(it * NT + tx) // BV, (it * NT + tx) % BV]
 
-    return kda_prefill_state
+    return kda_prefill_state if emulate else mark(kda_prefill_state)
 
 
 def prefill_scratch_shapes(n_tok: int, n_seq: int, H: int, K: int = 128, V: int = 128) -> dict:

@@ -59,7 +59,8 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from schedules.kda_prefill_cuda import (C, SUB, kda_prefill_reference, manual_barriers,  # noqa: F401
+from schedules.barriers import mark
+from schedules.kda_prefill_cuda import (C, SUB, kda_prefill_reference,  # noqa: F401
                                         max_chunks, prefill_scratch_shapes)
 
 NT = 256         # threads per block (8 warps)
@@ -304,7 +305,7 @@ def kda_prefill_state_tc_kernel(H: int, K: int, V: int, block_v: int = 32, a_bat
                     for e in T.unroll(4):
                         S[layer, slots[blk // (H * NVB)], blk // NVB % H, tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8, blk % NVB * BV + nt * 8 + tx % 4 * 2 + e % 2] = Sr[tx * EM, nt * 4 + e]
 
-    return kda_prefill_state_tc
+    return kda_prefill_state_tc if emulate else mark(kda_prefill_state_tc)
 
 
 def kda_prefill_intra_tc_kernel(H: int, K: int, V: int, scale: float, hoist_loads: bool = True,
@@ -604,4 +605,4 @@ def kda_prefill_intra_tc_kernel(H: int, K: int, V: int, scale: float, hoist_load
                                 else:
                                     u[meta[1] + mi * 16 + tx % 32 // 4 + e // 2 * 8, blk % H, tx // 32 % 4 * 32 + nt * 8 + tx % 4 * 2 + e % 2] = acc[tx * EM, (mi * 4 + nt) * 4 + e]
 
-    return kda_prefill_intra_tc
+    return kda_prefill_intra_tc if emulate else mark(kda_prefill_intra_tc)

@@ -109,7 +109,7 @@ def build_sm90a_fatbin(setup: str, tmp_path: Path, contexts: str = "", keep_src:
     """Build for cuda-sm90a, in a subprocess (loading libtvm_runtime_cuda is process-wide), the
     ``IRModule`` that the Python code ``setup`` assigns to ``mod``, inside
     ``k3_compile.device_code.precompiled_cuda('sm_90a')`` plus ``contexts`` (e.g.
-    ``"manual_barriers()"``, which ``setup`` imports). Returns the printed list of what the
+    ``"respect_manual_barriers()"``, which ``setup`` imports). Returns the printed list of what the
     exported library's CUDA modules hold (``['fatbin']`` when nvcc compiled them); with
     ``keep_src`` the CUDA sources are kept under ``tmp_path / "src"``.
 

@@ -78,7 +78,8 @@ def test_emulated_kernels_match_reference(block_v):
 def test_kernels_compile_to_fatbin_for_sm90a(tmp_path):
     out = build_sm90a_fatbin(
         "from schedules.kda_prefill_cuda import *\n"
+        "from schedules.barriers import respect_manual_barriers\n"
         "fi = kda_prefill_intra_kernel(3, 128, 128, 128 ** -0.5).with_attr('global_symbol', 'i')\n"
         "fs = kda_prefill_state_kernel(3, 128, 128, 32).with_attr('global_symbol', 's')\n"
-        "mod = tvm.IRModule({'i': fi, 's': fs})", tmp_path, contexts="manual_barriers()")
+        "mod = tvm.IRModule({'i': fi, 's': fs})", tmp_path, contexts="respect_manual_barriers()")
     assert "fatbin" in out

@@ -63,10 +63,11 @@ def test_state_tc_rejects_unsupported_block_v():
 def test_tc_kernels_compile_to_fatbin_for_sm90a(tmp_path):
     out = build_sm90a_fatbin(
         "from schedules.kda_prefill_tc import *\n"
+        "from schedules.barriers import respect_manual_barriers\n"
         "fi = kda_prefill_intra_tc_kernel(3, 128, 128, 128 ** -0.5).with_attr('global_symbol', 'i')\n"
         "fh = kda_prefill_intra_tc_kernel(3, 128, 128, 128 ** -0.5, True).with_attr('global_symbol', 'h')\n"
         "fs = kda_prefill_state_tc_kernel(3, 128, 128, 16).with_attr('global_symbol', 's')\n"
-        "mod = tvm.IRModule({'i': fi, 'h': fh, 's': fs})", tmp_path, contexts="manual_barriers()",
+        "mod = tvm.IRModule({'i': fi, 'h': fh, 's': fs})", tmp_path, contexts="respect_manual_barriers()",
         keep_src=True)
     assert "fatbin" in out
     src = "".join(p.read_text() for p in (tmp_path / "src").glob("*.cu"))
