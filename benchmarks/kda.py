@@ -4,9 +4,10 @@ Two steps, because the GPU machine has no TVM compiler:
 
 1. Here (with nvcc): ``python benchmarks/kda.py build dist/kda`` compiles the kernels for
    ``cuda-sm90a`` into ``dist/kda/*.so`` (device code precompiled to a fatbin).
-2. On the H200 (runtime-only TVM, fla-core wheel carried as ``.whl/``; install it with
-   ``python3 -m pip install --no-deps --target /tmp/fla .whl/fla_core-0.6.0-py3-none-any.whl``
-   and append ``/tmp/fla`` to ``PYTHONPATH``):
+2. On the H200 (runtime-only TVM; carry ``.tvm-rt``, ``.whl`` and ``dist/kda``; ``source
+   .tvm-rt/env.sh``, then install the fla-core wheel with ``python3 -m pip install --no-deps
+   --target /tmp/fla .whl/fla_core-0.6.0-py3-none-any.whl`` and append ``$PWD`` and ``/tmp/fla``
+   to ``PYTHONPATH``; fla's other dependency, einops, is on the GPU machine already):
    ``python benchmarks/kda.py run dist/kda --out $OUT`` checks every kernel against fla's
    naive reference and times it against ``fused_recurrent_kda`` (decode) in the same process,
    at K3 shapes (head_dim 128; 96 heads, and 12 heads = the tensor-parallel-8 share), with the

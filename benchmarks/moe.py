@@ -268,6 +268,8 @@ def run(lib_dir: Path, decode: bool = True) -> dict:
         print(json.dumps(row), flush=True)
     if (lib_dir / "moe_prefill.so").exists():
         results["prefill"] = run_prefill(lib_dir, W, Wb, tw, g)
+    elif not decode:
+        raise SystemExit(f"--prefill-only: no {lib_dir / 'moe_prefill.so'} (build it with `build`)")
     return results
 
 

@@ -30,15 +30,17 @@ Blackwell): a block of 8 warps computes a ``BM × 128`` tile (gate_up: 64 gate +
 up columns, so SiTU is applied in registers); warps are 2 (tokens) × 4 (weight rows), each
 ``BM/2 × 32``. The weights are the mma's A operand (m16: 16 weight rows, dequantized straight
 into the four registers each A fragment needs) and the tokens its B operand (n8: 8 tokens,
-one 16-byte read per token feeding two mmas); with the roles the other way round, ptxas
+one 16-byte read per token feeding the warp's 2·NU mmas of that half-step pair); with the
+roles the other way round, ptxas
 spent 178 moves per 64 mmas assembling A quads from two reads (5% slower at 8192 tokens).
 The K loop moves 64 inputs per step through a ``STAGES``-deep ``cp.async`` pipeline (one
 barrier per step): activations (bf16 rows of 128 bytes, 16-byte chunks XOR-swizzled by row
 parity so that fragment reads are free of bank conflicts; rows gathered through
 ``sorted_pair``, rows past the expert's end zero-filled) and packed codes (rows padded to 48
 bytes); the E8M0 scales of the block's 128 weight rows stay in shared memory for the whole K.
-Warps (and n8 token tiles) holding no row of the expert skip their work, so a tile's cost
-follows its rows in steps of 8. Dequantization happens in registers, once per warp and reused
+Warps (and n8 token tiles) holding no row of the expert skip their work, so the token reads
+and mmas of a tile follow its rows in steps of 8 (the dequant is paid per warp, for 64 rows
+at a time). Dequantization happens in registers, once per warp and reused
 by all of its token tiles: a ``uint32`` of 8 codes becomes four bf16x2 words by ``prmt`` look-ups
 (magnitude → bf16 low and high byte; the sign bit moved to bit 15), then one
 ``mul.rn.bf16x2`` by the scale ``2^(s-127)`` (exact: a code has two significant bits). The
@@ -46,7 +48,7 @@ inputs of one k-step are taken in a permuted order that makes both operands' fra
 contiguous — thread ``(g, q)`` of a warp (``g = lane/4``, ``q = lane%4``) holds inputs
 ``8q .. 8q+7`` of each 32, which the mma sees as its ``k = 2q, 2q+1, 2q+8, 2q+9`` (first
 half-step) and the same +4 (second): one 16-byte activation read per token and one 4-byte
-code read per column feed two mmas. A sum over k does not depend on the order of k, and the
+code read per weight row feed two mmas. A sum over k does not depend on the order of k, and the
 scale group (32 inputs) is the same for all. The kernels place their own barriers
 (:mod:`schedules.barriers`).
 
@@ -75,7 +77,7 @@ from schedules.mxfp4_ptx import (commit as _commit, cp_async16 as _cp_async16, d
 
 BN = 128          # weight rows per block (gate_up: 64 of W1 + 64 of W3)
 BK = 64           # inputs per pipeline step
-NT = 256          # threads per GEMM block (8 warps: 2 along M, 4 along N)
+NT = 256          # threads per GEMM block (8 warps: 2 along the tokens, 4 along the weight rows)
 PLAN_THREADS = 1024
 WARPS_M = 2       # warps along the tokens (of 8): each warp covers BM/WARPS_M tokens × 32·WARPS_M/2 weight rows
 # The permuted k order (module doc): per 32 inputs a thread holds, for A (weights), the
@@ -86,7 +88,8 @@ WARPS_M = 2       # warps along the tokens (of 8): each warp covers BM/WARPS_M t
 MMA_A_REGS = ((0, 4, 1, 5), (2, 6, 3, 7))
 MMA_B_REGS = ((0, 1), (2, 3))
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory per block on sm_90 / sm_100
-STAGES = 2        # cp.async pipeline depth (k-steps in flight; 2 and 3 within 1% on the H200, 4 slower)
+STAGES = 2        # cp.async pipeline depth (k-steps in flight; 2 and 3 within 1% on the H200, 4 slower,
+                  # measured with the tokens as the mma's A operand)
 ROW_WORDS = 32    # uint32 per 64-element bf16 activation row in shared memory (16-byte chunks
                   # XOR-swizzled by row parity: conflict-free fragment reads, no padding)
 B_ROW_WORDS = 12  # uint32 per packed weight row in shared memory (64 codes + 16 bytes pad)
@@ -228,8 +231,9 @@ def _grouped_gemm(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 
     (A0, A1), (B0, B1) = MMA_A_REGS, MMA_B_REGS  # registers of the two mma half-steps
 
     def b_row(wn, j, g):
-        """Shared-memory weight row of the warp's n8 tile ``j`` (0..NJ-1), column ``g``
-        (gate_up: the first NJ/2 tiles are W1 rows, the last NJ/2 the same rows of W3)."""
+        """Shared-memory weight row ``g`` of the warp's 8-row group ``j`` (0..NJ-1; groups 2u
+        and 2u+1 are rows g and g+8 of m16 tile u; gate_up: the first NJ/2 groups are W1 rows,
+        the last NJ/2 the same rows of W3)."""
         if gate_up:
             return (j // (NJ // 2)) * 64 + wn * (CPW // 2) + (j % (NJ // 2)) * 8 + g
         return wn * CPW + j * 8 + g

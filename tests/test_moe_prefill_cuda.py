@@ -129,9 +129,9 @@ def test_decode_tc_fragments_compute_the_gemv():
 def test_permuted_fragments_compute_the_matmul():
     """mma.m16n8k16 fragment layout (PTX ISA, "Matrix fragments for mma.m16n8k16") with the
     kernel's input order: thread (g, q) holds inputs 8q..8q+7 of each 32 for its A rows g, g+8
-    (``ar``: the dequantized weight words) and its B column g (``bf``: a token's 16-byte
-    read); the two mmas per 32 inputs take the registers ``mp.MMA_A_REGS`` /
-    ``mp.MMA_B_REGS`` that the kernel passes, and must give A @ B."""
+    (``aw``: the dequantized weight words, the kernel's ``bf``) and its B column g (``bw``: a
+    token's 16-byte read, the kernel's ``ar``); the two mmas per 32 inputs take the registers
+    ``mp.MMA_A_REGS`` / ``mp.MMA_B_REGS`` that the kernel passes, and must give A @ B."""
     rng = np.random.default_rng(1)
     A = rng.standard_normal((16, 32))
     B = rng.standard_normal((32, 8))
@@ -140,11 +140,11 @@ def test_permuted_fragments_compute_the_matmul():
         LA, LB = np.zeros((16, 16)), np.zeros((16, 8))
         for lane in range(32):
             g, q = lane // 4, lane % 4
-            ar = ([A[g, 8 * q + 2 * i: 8 * q + 2 * i + 2] for i in range(4)]
+            aw = ([A[g, 8 * q + 2 * i: 8 * q + 2 * i + 2] for i in range(4)]
                   + [A[g + 8, 8 * q + 2 * i: 8 * q + 2 * i + 2] for i in range(4)])
-            bf = [B[8 * q + 2 * i: 8 * q + 2 * i + 2, g] for i in range(4)]
-            a0, a1, a2, a3 = (ar[r] for r in mp.MMA_A_REGS[step])
-            b0, b1 = (bf[r] for r in mp.MMA_B_REGS[step])
+            bw = [B[8 * q + 2 * i: 8 * q + 2 * i + 2, g] for i in range(4)]
+            a0, a1, a2, a3 = (aw[r] for r in mp.MMA_A_REGS[step])
+            b0, b1 = (bw[r] for r in mp.MMA_B_REGS[step])
             # what the tensor core reads from each register
             LA[g, 2 * q:2 * q + 2], LA[g + 8, 2 * q:2 * q + 2] = a0, a1
             LA[g, 2 * q + 8:2 * q + 10], LA[g + 8, 2 * q + 8:2 * q + 10] = a2, a3
