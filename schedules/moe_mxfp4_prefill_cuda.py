@@ -87,6 +87,30 @@ WARPS_M = 2       # warps along the tokens (of 8): each warp covers BM/WARPS_M t
 # tests/test_moe_prefill_cuda.py checks the order.
 MMA_A_REGS = ((0, 4, 1, 5), (2, 6, 3, 7))
 MMA_B_REGS = ((0, 1), (2, 3))
+def weight_row(gate_up: bool, cpw: int, wn, j, g):
+    """Shared-memory weight row (of the block's BN) of row ``g`` (0..7) of the 8-row group
+    ``j`` of warp column ``wn``, which covers ``cpw`` weight rows: groups 2u and 2u+1 are rows
+    g and g+8 of the warp's m16 tile u; gate_up: the first half of the groups are W1 rows
+    (shared rows 0..63), the second half the same rows of W3 (64..127). Python ints or TIR
+    expressions."""
+    nj = cpw // 8
+    if gate_up:
+        return (j // (nj // 2)) * 64 + wn * (cpw // 2) + (j % (nj // 2)) * 8 + g
+    return wn * cpw + j * 8 + g
+
+
+def out_column(gate_up: bool, cpw: int, wn, u, half, g):
+    """Output column, within the block's (gate_up: 64, down: BN), that C rows ``g + 8·half``
+    of the warp's m16 tile u hold (gate_up: u < the warp's tiles / 2, the W1 tiles)."""
+    return wn * (cpw // 2 if gate_up else cpw) + u * 16 + half * 8 + g
+
+
+def acc_word(nt8: int, u, t, c):
+    """Accumulator register of C element ``c`` (0..3) of the warp's (m16 tile u, n8 token
+    tile t); element c is weight row g + 8·(c // 2) and token 2q + c % 2 of the tile."""
+    return (u * nt8 + t) * 4 + c
+
+
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory per block on sm_90 / sm_100
 STAGES = 2        # cp.async pipeline depth (k-steps in flight; 2 and 3 within 1% on the H200, 4 slower,
                   # measured with the tokens as the mma's A operand)
@@ -231,12 +255,7 @@ def _grouped_gemm(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 
     (A0, A1), (B0, B1) = MMA_A_REGS, MMA_B_REGS  # registers of the two mma half-steps
 
     def b_row(wn, j, g):
-        """Shared-memory weight row ``g`` of the warp's 8-row group ``j`` (0..NJ-1; groups 2u
-        and 2u+1 are rows g and g+8 of m16 tile u; gate_up: the first NJ/2 groups are W1 rows,
-        the last NJ/2 the same rows of W3)."""
-        if gate_up:
-            return (j // (NJ // 2)) * 64 + wn * (CPW // 2) + (j % (NJ // 2)) * 8 + g
-        return wn * CPW + j * 8 + g
+        return weight_row(gate_up, CPW, wn, j, g)
 
     @T.macro
     def issue(step, a_s, b_s, row_s, xf, wq0, wq1, tiles, blk, tx):
@@ -366,11 +385,11 @@ def _grouped_gemm(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 
                                             ar[v] = a_s[(ks % NS * BM + tx // (32 * WN) * WM + t * 8 + tx % 32 // 4)
                                                         * ROW_WORDS + ((hk * 4 + tx % 4) ^ (tx % 32 // 4 % 2 * 4)) * 4 + v]
                                         for u in T.unroll(NU):
-                                            T.evaluate(_mma(T.address_of(acc[(u * NT8 + t) * 4]),
+                                            T.evaluate(_mma(T.address_of(acc[acc_word(NT8, u, t, 0)]),
                                                             bf[u * 8 + A0[0]], bf[u * 8 + A0[1]],
                                                             bf[u * 8 + A0[2]], bf[u * 8 + A0[3]],
                                                             ar[B0[0]], ar[B0[1]]))
-                                            T.evaluate(_mma(T.address_of(acc[(u * NT8 + t) * 4]),
+                                            T.evaluate(_mma(T.address_of(acc[acc_word(NT8, u, t, 0)]),
                                                             bf[u * 8 + A1[0]], bf[u * 8 + A1[1]],
                                                             bf[u * 8 + A1[2]], bf[u * 8 + A1[3]],
                                                             ar[B1[0]], ar[B1[1]]))
@@ -383,19 +402,19 @@ def _grouped_gemm(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 
                                 if gate_up:
                                     for u in T.unroll(NU // 2):
                                         y[tiles[blk // NTN, 1] + tx // (32 * WN) * WM + t * 8 + tx % 4 * 2 + q % 2,
-                                          T.Cast("int32", blk % NTN) * 64 + tx // 32 % WN * (CPW // 2) + u * 16 + q // 2 * 8
-                                          + tx % 32 // 4] = \
+                                          T.Cast("int32", blk % NTN) * 64
+                                          + out_column(True, CPW, tx // 32 % WN, u, q // 2, tx % 32 // 4)] = \
                                             T.Cast(out_dtype, situ_expr(
-                                                T.Cast("float32", T.Cast("bfloat16", acc[(u * NT8 + t) * 4 + q])),
-                                                T.Cast("float32", T.Cast("bfloat16", acc[((u + NU // 2) * NT8 + t) * 4 + q])),
+                                                T.Cast("float32", T.Cast("bfloat16", acc[acc_word(NT8, u, t, q)])),
+                                                T.Cast("float32", T.Cast("bfloat16", acc[acc_word(NT8, u + NU // 2, t, q)])),
                                                 B, BL, use_bl))
                                 else:
                                     for u in T.unroll(NU):
                                         y[sorted_pair[tiles[blk // NTN, 1] + tx // (32 * WN) * WM + t * 8 + tx % 4 * 2 + q % 2] // K,
                                           sorted_pair[tiles[blk // NTN, 1] + tx // (32 * WN) * WM + t * 8 + tx % 4 * 2 + q % 2] % K,
-                                          T.Cast("int32", blk % NTN) * BN + tx // 32 % WN * CPW + u * 16 + q // 2 * 8
-                                          + tx % 32 // 4] = \
-                                            T.Cast(out_dtype, acc[(u * NT8 + t) * 4 + q])
+                                          T.Cast("int32", blk % NTN) * BN
+                                          + out_column(False, CPW, tx // 32 % WN, u, q // 2, tx % 32 // 4)] = \
+                                            T.Cast(out_dtype, acc[acc_word(NT8, u, t, q)])
 
     # its barriers are its own (TVM's planner cannot follow the cp.async pipeline):
     # compile inside schedules.barriers.respect_manual_barriers()

@@ -153,6 +153,53 @@ def test_permuted_fragments_compute_the_matmul():
     np.testing.assert_allclose(C, A @ B, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("gate_up,warps_m", [(True, 2), (True, 4), (False, 1), (False, 2), (False, 4)])
+def test_grouped_gemm_warp_mapping(gate_up, warps_m):
+    """The grouped GEMM's mapping of one block, with the kernel's index helpers: warp (wm, wn)
+    multiplies the weight rows ``mp.weight_row`` of its m16 tiles (rows g and g+8 of each) by
+    its n8 token tiles, thread (g, q) keeps C element c of (tile u, tile t) in register
+    ``acc_word`` and stores it to token ``t·8 + 2q + c % 2``, column ``out_column``. Every
+    output of the block must be written once, with the dot product of its token and weight
+    row (gate_up: the W1 and the W3 row of that column, the pair SiTU takes)."""
+    rng = np.random.default_rng(5)
+    BN, BM = 128, mp.BM
+    WN = 8 // warps_m
+    CPW, WM = BN // WN, BM // warps_m
+    NU, NT8 = CPW // 16, WM // 8
+    W = rng.standard_normal((BN, 32))       # the block's weight rows (gate_up: 64 W1 + 64 W3)
+    X = rng.standard_normal((BM, 32))       # the tile's tokens
+    out = {}
+    for wm in range(warps_m):
+        for wn in range(WN):
+            regs = {}  # (lane, accumulator register) -> value, as the mmas leave them
+            for u in range(NU):
+                rows = [mp.weight_row(gate_up, CPW, wn, 2 * u + r // 8, r % 8) for r in range(16)]
+                for t in range(NT8):
+                    C = W[rows] @ X[wm * WM + t * 8: wm * WM + t * 8 + 8].T   # the m16 x n8 tile
+                    for lane in range(32):
+                        g, q = divmod(lane, 4)
+                        for c in range(4):
+                            # the mma writes its 4 results to the 4 registers from acc_word(.., 0)
+                            regs[lane, mp.acc_word(NT8, u, t, 0) + c] = C[g + 8 * (c // 2), 2 * q + c % 2]
+            for lane in range(32):  # the epilogue
+                g, q = divmod(lane, 4)
+                for t in range(NT8):
+                    for c in range(4):
+                        tok = wm * WM + t * 8 + 2 * q + c % 2
+                        for u in range(NU // 2 if gate_up else NU):
+                            col = mp.out_column(gate_up, CPW, wn, u, c // 2, g)
+                            val = regs[lane, mp.acc_word(NT8, u, t, c)]
+                            if gate_up:
+                                val = (val, regs[lane, mp.acc_word(NT8, u + NU // 2, t, c)])
+                            assert (tok, col) not in out
+                            out[tok, col] = val
+    cols = 64 if gate_up else BN
+    assert sorted(out) == [(tk, cl) for tk in range(BM) for cl in range(cols)]
+    for (tok, col), v in out.items():
+        want = (X[tok] @ W[col], X[tok] @ W[64 + col]) if gate_up else X[tok] @ W[col]
+        np.testing.assert_allclose(v, want, rtol=1e-10, atol=1e-12)
+
+
 def test_plan_reference():
     ids = np.array([[3, 1], [1, 4], [3, 3], [0, 1]], np.int32)
     counts, offsets, tiles, order = mp.moe_prefill_plan_reference(ids, 6, bm=2)
