@@ -97,13 +97,27 @@ def test_scale_word_to_bf16x2_matches_e8m0():
     assert _bf16x2(_scale2(0))[0] == 2.0 ** -127
 
 
+def _mma_m16n8k16(regs) -> np.ndarray:
+    """What one ``mma.m16n8k16`` computes from the registers ``regs(g, q) -> (a0, a1, a2, a3,
+    b0, b1)`` of lane ``(g, q)`` (each a pair of values), laid out as the PTX ISA's fragments
+    ("Matrix fragments for mma.m16n8k16": a0 row g k 2q.., a1 row g+8, a2 row g k 2q+8..,
+    a3 row g+8; b0 column g k 2q.., b1 k 2q+8..): the 16 x 8 product A @ B."""
+    LA, LB = np.zeros((16, 16)), np.zeros((16, 8))
+    for lane in range(32):
+        g, q = lane // 4, lane % 4
+        a0, a1, a2, a3, b0, b1 = regs(g, q)
+        LA[g, 2 * q:2 * q + 2], LA[g + 8, 2 * q:2 * q + 2] = a0, a1
+        LA[g, 2 * q + 8:2 * q + 10], LA[g + 8, 2 * q + 8:2 * q + 10] = a2, a3
+        LB[2 * q:2 * q + 2, g], LB[2 * q + 8:2 * q + 10, g] = b0, b1
+    return LA @ LB
+
+
 def test_decode_tc_fragments_compute_the_gemv():
     """moe_mxfp4_decode_tc's registers: thread (g, q) holds, for weight rows g and g+8, the
     dequantized words of its current code word (word w = inputs 8·c + 2w, +1 of its 32, c =
     step // 2) and 16 activation words of column g (word w = inputs 2w, 2w+1); the kernel
-    hands the mma the words ``a_word(s, i)`` / ``b_word(s, j)``. Laid out as PTX's m16n8k16
-    fragments (A: a0 row g k 2q.., a1 row g+8, a2 row g k 2q+8.., a3 row g+8; B: b0 k 2q..,
-    b1 k 2q+8..), the 8 steps of a K block must give W @ X."""
+    hands the mma the words ``a_word(s, i)`` / ``b_word(s, j)``; the 8 steps of a K block
+    (:func:`_mma_m16n8k16` each) must give W @ X."""
     from schedules import moe_mxfp4_decode_tc as dt
 
     rng = np.random.default_rng(4)
@@ -111,18 +125,13 @@ def test_decode_tc_fragments_compute_the_gemv():
     X = rng.standard_normal((128, 8))
     C = np.zeros((16, 8))
     for s in range(8):
-        LA, LB = np.zeros((16, 16)), np.zeros((16, 8))
-        for lane in range(32):
-            g, q = lane // 4, lane % 4
+        def regs(g, q, s=s):
             base = 32 * q + 8 * (s // 2)
             bf = [W[g + 8 * (w // 4), base + 2 * (w % 4): base + 2 * (w % 4) + 2] for w in range(8)]
             xw = [X[32 * q + 2 * w: 32 * q + 2 * w + 2, g] for w in range(16)]
-            a = [bf[dt.a_word(s, i)] for i in range(4)]
-            b = [xw[dt.b_word(s, j)] for j in range(2)]
-            LA[g, 2 * q:2 * q + 2], LA[g + 8, 2 * q:2 * q + 2] = a[0], a[1]
-            LA[g, 2 * q + 8:2 * q + 10], LA[g + 8, 2 * q + 8:2 * q + 10] = a[2], a[3]
-            LB[2 * q:2 * q + 2, g], LB[2 * q + 8:2 * q + 10, g] = b[0], b[1]
-        C += LA @ LB
+            return (*(bf[dt.a_word(s, i)] for i in range(4)), *(xw[dt.b_word(s, j)] for j in range(2)))
+
+        C += _mma_m16n8k16(regs)
     np.testing.assert_allclose(C, W @ X, rtol=1e-12, atol=1e-12)
 
 
@@ -137,19 +146,13 @@ def test_permuted_fragments_compute_the_matmul():
     B = rng.standard_normal((32, 8))
     C = np.zeros((16, 8))
     for step in range(2):
-        LA, LB = np.zeros((16, 16)), np.zeros((16, 8))
-        for lane in range(32):
-            g, q = lane // 4, lane % 4
+        def regs(g, q, step=step):
             aw = ([A[g, 8 * q + 2 * i: 8 * q + 2 * i + 2] for i in range(4)]
                   + [A[g + 8, 8 * q + 2 * i: 8 * q + 2 * i + 2] for i in range(4)])
             bw = [B[8 * q + 2 * i: 8 * q + 2 * i + 2, g] for i in range(4)]
-            a0, a1, a2, a3 = (aw[r] for r in mp.MMA_A_REGS[step])
-            b0, b1 = (bw[r] for r in mp.MMA_B_REGS[step])
-            # what the tensor core reads from each register
-            LA[g, 2 * q:2 * q + 2], LA[g + 8, 2 * q:2 * q + 2] = a0, a1
-            LA[g, 2 * q + 8:2 * q + 10], LA[g + 8, 2 * q + 8:2 * q + 10] = a2, a3
-            LB[2 * q:2 * q + 2, g], LB[2 * q + 8:2 * q + 10, g] = b0, b1
-        C += LA @ LB
+            return (*(aw[r] for r in mp.MMA_A_REGS[step]), *(bw[r] for r in mp.MMA_B_REGS[step]))
+
+        C += _mma_m16n8k16(regs)
     np.testing.assert_allclose(C, A @ B, rtol=1e-12, atol=1e-12)
 
 
