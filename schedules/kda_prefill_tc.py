@@ -197,6 +197,20 @@ def kda_prefill_state_tc_kernel(H: int, K: int, V: int, block_v: int = 32, a_bat
     def a_kgt(buf, cu, b, c, d0, h):    # A(i, j) = buf[chunk row j, h, d0 + i]  (kgᵀ)
         return lambda i, j: masked(buf, cu, b, row0(cu, b, c) + j, h, d0 + i)
 
+    @T.macro
+    def gemm(acc, af, A, B, steps, batch, tx, last):
+        """acc[tx·EM, nt·4 + e] += the warp's A[0:16, 0:8·steps] · B over the N8 n-tiles, the A
+        fragments of ``batch`` k-steps loaded before their mmas; k-steps past ``last`` (a
+        bound on the step index, or None for all) are skipped."""
+        for kh in T.unroll(steps // batch):
+            for ks in T.unroll(batch):
+                if last is None or kh * batch + ks <= last:
+                    load_a(af, ks * 4 * EG, A, tx % 32, (kh * batch + ks) * 8)
+            for ks in T.unroll(batch):
+                if last is None or kh * batch + ks <= last:
+                    for nt in T.unroll(N8):
+                        mma(acc, tx * EM, nt * 4, af, ks * 4 * EG, A, B, tx % 32, (kh * batch + ks) * 8, nt * 8)
+
     @T.prim_func(private=True)
     def kda_prefill_state_tc(w_h: T.handle, u_h: T.handle, qg_h: T.handle, kg_h: T.handle,
                              aqk_h: T.handle, ge_h: T.handle, cu_h: T.handle, slots_h: T.handle,
@@ -248,24 +262,14 @@ def kda_prefill_state_tc_kernel(H: int, K: int, V: int, block_v: int = 32, a_bat
                     for r in T.unroll(NR):
                         Yr[tx * EM, r] = T.float32(0)
                     if tx // 32 < 4:
-                        for kh in T.unroll(K // 8 // AB):
-                            for ks in T.unroll(AB):
-                                load_a(af, ks * 4 * EG, a_rows(w, cu, blk // (H * NVB), c, tx // 32 * 16, blk // NVB % H), tx % 32, (kh * AB + ks) * 8)
-                            for ks in T.unroll(AB):
-                                for nt in T.unroll(N8):
-                                    mma(Yr, tx * EM, nt * 4, af, ks * 4 * EG, a_rows(w, cu, blk // (H * NVB), c, tx // 32 * 16, blk // NVB % H),
-                                        lambda d, j: Ss[d * SP + j], tx % 32, (kh * AB + ks) * 8, nt * 8)
+                        gemm(Yr, af, a_rows(w, cu, blk // (H * NVB), c, tx // 32 * 16, blk // NVB % H),
+                             lambda d, j: Ss[d * SP + j], K // 8, AB, tx, None)
                         for nt in T.unroll(N8):
                             for e in T.unroll(4):
                                 vn[(tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8) * SP + nt * 8 + tx % 4 * 2 + e % 2] = masked(u, cu, blk // (H * NVB), row0(cu, blk // (H * NVB), c) + tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8, blk // NVB % H, blk % NVB * BV + nt * 8 + tx % 4 * 2 + e % 2) - Yr[tx * EM, nt * 4 + e]
                     else:
-                        for kh in T.unroll(K // 8 // AB):
-                            for ks in T.unroll(AB):
-                                load_a(af, ks * 4 * EG, a_rows(qg, cu, blk // (H * NVB), c, (tx // 32 - 4) * 16, blk // NVB % H), tx % 32, (kh * AB + ks) * 8)
-                            for ks in T.unroll(AB):
-                                for nt in T.unroll(N8):
-                                    mma(Yr, tx * EM, nt * 4, af, ks * 4 * EG, a_rows(qg, cu, blk // (H * NVB), c, (tx // 32 - 4) * 16, blk // NVB % H),
-                                        lambda d, j: Ss[d * SP + j], tx % 32, (kh * AB + ks) * 8, nt * 8)
+                        gemm(Yr, af, a_rows(qg, cu, blk // (H * NVB), c, (tx // 32 - 4) * 16, blk // NVB % H),
+                             lambda d, j: Ss[d * SP + j], K // 8, AB, tx, None)
                 # phase B: S ← diag(ge) S + kgᵀ vn (all warps); o = Y + Aqk vn (warps 4-7,
                 #          causal: k-steps ≤ the diagonal)
                 if SYNC:
@@ -275,26 +279,15 @@ def kda_prefill_state_tc_kernel(H: int, K: int, V: int, block_v: int = 32, a_bat
                     for nt in T.unroll(N8):
                         for e in T.unroll(4):
                             Sr[tx * EM, nt * 4 + e] = Sr[tx * EM, nt * 4 + e] * ge[ch0[tx * EM, 0] + c, blk // NVB % H, tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8]
-                    for kh in T.unroll(C // 8 // ABB):
-                        for ks in T.unroll(ABB):
-                            load_a(af, ks * 4 * EG, a_kgt(kg, cu, blk // (H * NVB), c, tx // 32 * 16, blk // NVB % H), tx % 32, (kh * ABB + ks) * 8)
-                        for ks in T.unroll(ABB):
-                            for nt in T.unroll(N8):
-                                mma(Sr, tx * EM, nt * 4, af, ks * 4 * EG, a_kgt(kg, cu, blk // (H * NVB), c, tx // 32 * 16, blk // NVB % H),
-                                    lambda j, n: vn[j * SP + n], tx % 32, (kh * ABB + ks) * 8, nt * 8)
+                    gemm(Sr, af, a_kgt(kg, cu, blk // (H * NVB), c, tx // 32 * 16, blk // NVB % H),
+                         lambda j, n: vn[j * SP + n], C // 8, ABB, tx, None)
                     for nt in T.unroll(N8):
                         for e in T.unroll(4):
                             Ss[(tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8) * SP + nt * 8 + tx % 4 * 2 + e % 2] = Sr[tx * EM, nt * 4 + e]
                     if tx // 32 >= 4:
-                        for kh in T.unroll(C // 8 // ABB):
-                            for ks in T.unroll(ABB):
-                                if kh * ABB + ks <= (tx // 32 - 4) * 2 + 1:
-                                    load_a(af, ks * 4 * EG, a_rows(aqk, cu, blk // (H * NVB), c, (tx // 32 - 4) * 16, blk // NVB % H), tx % 32, (kh * ABB + ks) * 8)
-                            for ks in T.unroll(ABB):
-                                if kh * ABB + ks <= (tx // 32 - 4) * 2 + 1:
-                                    for nt in T.unroll(N8):
-                                        mma(Yr, tx * EM, nt * 4, af, ks * 4 * EG, a_rows(aqk, cu, blk // (H * NVB), c, (tx // 32 - 4) * 16, blk // NVB % H),
-                                            lambda j, n: vn[j * SP + n], tx % 32, (kh * ABB + ks) * 8, nt * 8)
+                        # causal: k-steps up to the diagonal of the warp's 16 rows
+                        gemm(Yr, af, a_rows(aqk, cu, blk // (H * NVB), c, (tx // 32 - 4) * 16, blk // NVB % H),
+                             lambda j, n: vn[j * SP + n], C // 8, ABB, tx, (tx // 32 - 4) * 2 + 1)
                         for nt in T.unroll(N8):
                             for e in T.unroll(4):
                                 if row0(cu, blk // (H * NVB), c) + (tx // 32 - 4) * 16 + tx % 32 // 4 + e // 2 * 8 < cu[blk // (H * NVB) + 1]:
