@@ -54,6 +54,10 @@ FUNCS = ("moe_expert_chain", "moe_mxfp4_gate_up", "moe_mxfp4_down")
 # moe_mxfp4.so) is what the model dispatches, "tensor_cores" the tensor-core GEMVs
 # (schedules/moe_mxfp4_decode_tc.py), "cuda_cores" the CUDA-core ones (moe_mxfp4_cuda.py).
 DECODE_VARIANTS = {"": ("tensor_cores", {}, {}), "cuda_cores": ("cuda_cores", {}, {})}
+# A library folder holding this file reads the codes in the checkpoint layout ("ocp"); the
+# others (the tensor-core kernels) in the tc layout (schedules/mxfp4_tc_layout.py), which the
+# run makes on the GPU with repack.so (the in-place permutation the model library runs at load).
+OCP_MARKER = "codes_layout_ocp"
 
 
 def _compile(fs: dict, path: Path, options=PTXAS_REGISTER_LEVEL) -> None:
@@ -78,6 +82,7 @@ def build(out_dir: Path) -> None:
     """The decode libraries of :data:`DECODE_VARIANTS` and the prefill libraries."""
     from schedules import moe_mxfp4_cuda as mc
     from schedules import moe_mxfp4_decode_tc as dt
+    from schedules import mxfp4_tc_layout as tcl
 
     for name, (kind, gu_kw, d_kw) in DECODE_VARIANTS.items():
         if kind == "tensor_cores":
@@ -86,8 +91,12 @@ def build(out_dir: Path) -> None:
         else:
             gu = mc.moe_mxfp4_gate_up_kernel(E, L, I, TOPK, BETA, BETA_LIN, **gu_kw)
             down = mc.moe_mxfp4_down_kernel(E, L, I, TOPK, **d_kw)
+        d = out_dir / name if name else out_dir
         _compile({"moe_expert_chain": mc.moe_expert_chain_kernel(TOPK), "moe_mxfp4_gate_up": gu,
-                  "moe_mxfp4_down": down}, (out_dir / name if name else out_dir) / "moe_mxfp4.so")
+                  "moe_mxfp4_down": down}, d / "moe_mxfp4.so")
+        if kind == "cuda_cores":
+            (d / OCP_MARKER).write_text("the kernels here read the checkpoint code layout\n")
+    _compile({"repack": tcl.repack_kernel(gpu=True)}, out_dir / "repack.so")
     build_prefill(out_dir)
 
 
@@ -126,6 +135,19 @@ def random_experts(num_experts: int, latent: int, inter: int, device, generator=
             for n, (r, c) in (("w1", (inter, latent)), ("w3", (inter, latent)), ("w2", (latent, inter)))}
 
 
+def tc_layout(W: dict, repack) -> dict:
+    """Copies of the experts ``W`` with the codes permuted into the tc layout on the GPU by
+    ``repack`` (repack.so's in-place kernel), as TVM tensors: ``{name: [packed, scale]}``."""
+    import tvm
+
+    out = {}
+    for n, (p, s) in W.items():
+        q = p.clone()
+        repack(tvm.runtime.from_dlpack(q))
+        out[n] = [tvm.runtime.from_dlpack(q), tvm.runtime.from_dlpack(s)]
+    return out
+
+
 def _dequant(packed, scale):
     """torch MXFP4 dequant: [..., N, K/2] uint8 + [..., N, K/32] uint8 -> [..., N, K] fp32."""
     import torch
@@ -156,16 +178,21 @@ def run(lib_dir: Path, decode: bool = True) -> dict:
         return tuple(lib[n] for n in FUNCS)
 
     chain_f, gu_f, down_f = load(lib_dir) if decode else (None, None, None)
+    repack = tvm.runtime.load_module(str(lib_dir / "repack.so"))["repack"]
     dev = torch.device("cuda")
     bw = copy_bandwidth()
     print(f"copy bandwidth: {bw / 1e9:.0f} GB/s", flush=True)
     g = torch.Generator(device=dev).manual_seed(0)
     W = random_experts(E, L, I, dev, g)
-    tw = {k: [tvm.runtime.from_dlpack(t) for t in v] for k, v in W.items()}
+    # the checkpoint layout (CUDA-core GEMVs) and the tc layout (tensor-core kernels)
+    tw_ocp = {k: [tvm.runtime.from_dlpack(t) for t in v] for k, v in W.items()}
+    tw_tc = tc_layout(W, repack)
+    torch.cuda.synchronize()
+    tw = tw_tc  # the dispatched kernels'
     expert_bytes = sum(p[0].numel() + p[1].numel() for p in W.values()) // E
     results = {"copy_bandwidth_GBps": bw / 1e9, "expert_bytes": expert_bytes, "check": [], "timing": []}
 
-    def make(T, fns=None):
+    def make(T, fns=None, tw=tw):
         c_f, g_f, d_f = fns or (chain_f, gu_f, down_f)
         z = torch.randn(T, L, device=dev, generator=g).to(torch.bfloat16)
         ids = torch.stack([torch.randperm(E, device=dev, generator=g)[:TOPK] for _ in range(T)]).int()
@@ -181,8 +208,8 @@ def run(lib_dir: Path, decode: bool = True) -> dict:
 
         return z, ids, a, o, ours
 
-    def check(T, fns=None):
-        z, ids, a, o, ours = make(T, fns)
+    def check(T, fns=None, tw=tw):
+        z, ids, a, o, ours = make(T, fns, tw)
         if T == 7:  # repeated experts across tokens exercise the chains
             ids[3] = ids[0]
             ids[5, :4] = ids[1, 4:8]
@@ -217,9 +244,10 @@ def run(lib_dir: Path, decode: bool = True) -> dict:
     results["variants"] = {}
     for d in sorted(p for p in lib_dir.iterdir() if decode and (p / "moe_mxfp4.so").exists()):
         fns = load(d)
-        rows = {"check_T7": check(7, fns), "check_T20": check(20, fns), "timing": []}
+        tw_d = tw_ocp if (d / OCP_MARKER).exists() else tw_tc
+        rows = {"check_T7": check(7, fns, tw_d), "check_T20": check(20, fns, tw_d), "timing": []}
         for T in TIME_T:
-            z, ids, a, o, ours = make(T, fns)
+            z, ids, a, o, ours = make(T, fns, tw_d)
             distinct = torch.unique(ids).numel()
             ms = time_cuda(ours, iters=20, warmup=3)
             ms_g = time_cuda_graph(ours)
@@ -267,13 +295,13 @@ def run(lib_dir: Path, decode: bool = True) -> dict:
         results["timing"].append(row)
         print(json.dumps(row), flush=True)
     if (lib_dir / "moe_prefill.so").exists():
-        results["prefill"] = run_prefill(lib_dir, W, Wb, tw, g)
+        results["prefill"] = run_prefill(lib_dir, W, Wb, tw_tc, g, repack)
     elif not decode:
         raise SystemExit(f"--prefill-only: no {lib_dir / 'moe_prefill.so'} (build it with `build`)")
     return results
 
 
-def check_small(path: Path, g) -> list:
+def check_small(path: Path, g, repack) -> list:
     """The :data:`SMALL` shapes (the dispatch check's model): every output vs torch fp32."""
     import torch
     import tvm
@@ -285,7 +313,7 @@ def check_small(path: Path, g) -> list:
     dev = torch.device("cuda")
     e_, l_, i_, k_ = SMALL
     Ws = random_experts(e_, l_, i_, dev, g)
-    tw = {n: [tvm.runtime.from_dlpack(t) for t in v] for n, v in Ws.items()}
+    tw = tc_layout(Ws, repack)
     rows = []
     for T in (40, 1, 200):
         ids = torch.rand(T, e_, device=dev, generator=g).topk(k_, dim=1).indices.int()
@@ -328,7 +356,7 @@ PREFILL_CHECK = ((37, "skewed"), (300, "hot"), (1, "uniform"))
 PREFILL_T = (8192, 2048)
 
 
-def run_prefill(lib_dir: Path, W, Wb, tw, g) -> dict:
+def run_prefill(lib_dir: Path, W, Wb, tw, g, repack) -> dict:
     """Prefill: correctness of the permutation and grouped GEMMs (experts with 0, 1 and many
     tokens), then timing at 8192 / 2048 tokens against torch._grouped_mm (bf16 weights) and
     the measured bf16 tensor-core peak; schedule variants are checked against the default's
@@ -343,7 +371,7 @@ def run_prefill(lib_dir: Path, W, Wb, tw, g) -> dict:
     dev = torch.device("cuda")
     res = {"check": [], "timing": []}
     if (lib_dir / "moe_prefill_small.so").exists():
-        res["check_small"] = check_small(lib_dir / "moe_prefill_small.so", g)
+        res["check_small"] = check_small(lib_dir / "moe_prefill_small.so", g, repack)
 
     def routing(T, kind):
         if kind == "uniform":

@@ -9,7 +9,9 @@ returning a JSON string, so that a runtime-only TVM reads it with
 ``target`` (a ``targets`` name), ``target_device`` (``cpu``/``cuda``/...), ``nvcc_arch``,
 ``dtype``, ``quantization`` (``mxfp4``/``bf16``), ``page_size``, ``params`` (``[[name, shape,
 dtype], ...]`` in the functions' parameter order), ``max_batch_size``, ``context_window``,
-``prefill_chunk``, ``generic_kernels``, ``memory_plan`` (``param_bytes``,
+``prefill_chunk``, ``generic_kernels``, ``expert_code_layout`` (``ocp`` or
+``e2m1-tc-v1``: the runtime then calls ``repack_expert_codes`` on every routed-expert
+``weight_packed`` after uploading it), ``memory_plan`` (``param_bytes``,
 ``kda_state_bytes_per_seq``, ``mla_cache_bytes_per_token``), ``functions``.
 """
 
@@ -77,6 +79,7 @@ def resolve_model_config(path: str | Path) -> tuple[K3Config, dict]:
 def build_metadata(exported, target_spec, *, max_batch_size: int, context_window: int,
                    prefill_chunk: int, generic_kernels: bool = False) -> dict:
     from .convert import version
+    from .pipeline import REPACK_FN
 
     cfg = exported.cfg
     return {
@@ -95,9 +98,11 @@ def build_metadata(exported, target_spec, *, max_batch_size: int, context_window
         "context_window": int(context_window),
         "prefill_chunk": int(prefill_chunk),
         "generic_kernels": bool(generic_kernels),
+        "expert_code_layout": exported.code_layout,
         "memory_plan": memory_plan(cfg, exported.params, exported.dtype),
         "functions": ["embed", "prefill", "prefill_all_logits", "decode", "kda_reset_slot",
-                      "kda_copy_slot", "mla_copy_page", METADATA_FN],
+                      "kda_copy_slot", "mla_copy_page", METADATA_FN]
+                     + ([REPACK_FN] if exported.code_layout != "ocp" else []),
     }
 
 

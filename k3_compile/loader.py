@@ -10,6 +10,11 @@ except:
 
 bf16 checkpoint tensors are converted to the parameter's dtype (the model dtype); float32
 and uint8 tensors are passed through unchanged.
+
+Libraries whose MoE kernels read the expert codes in the tc layout (metadata
+``expert_code_layout``, schedules/mxfp4_tc_layout.py) get them permuted on the device after
+upload (:func:`repack_expert_codes`), with their scales checked on the host before
+(:func:`check_expert_scales`).
 """
 
 from __future__ import annotations
@@ -92,3 +97,34 @@ def load_parameters(
                 f"model expects {tuple(shape)} (was the library compiled for another config?)"
             )
         yield name, np.ascontiguousarray(arr)
+
+
+def check_expert_scales(name: str, arr: np.ndarray, layout: str) -> None:
+    """With the tc layout, a routed-expert ``weight_scale`` must hold E8M0 bytes its kernels
+    can scale by (:func:`schedules.mxfp4_tc_layout.check_scales`); other tensors and the
+    ``"ocp"`` layout pass.
+
+    Raises:
+        ValueError: names the tensor, the byte and its index, and the fix.
+    """
+    m = EXPERT_STACKED.match(name)
+    if layout != "ocp" and m and m.group(3) == "weight_scale":
+        from schedules.mxfp4_tc_layout import check_scales
+
+        check_scales(arr, name)
+
+
+def repack_expert_codes(vm, layout: str, names: list[str], params: list) -> list:
+    """With the tc layout, permute every routed-expert ``weight_packed`` device tensor in
+    ``params`` (parallel to ``names``) in place with the library's ``repack_expert_codes``
+    (k3_compile.pipeline.attach_repack); returns ``params``. ``"ocp"``: unchanged."""
+    if layout == "ocp":
+        return params
+    from .pipeline import REPACK_FN
+
+    fn = vm[REPACK_FN]
+    for i, name in enumerate(names):
+        m = EXPERT_STACKED.match(name)
+        if m and m.group(3) == "weight_packed":
+            params[i] = fn(params[i])
+    return params

@@ -19,6 +19,9 @@ class ExportedModel:
         mod: the ``tvm.IRModule`` with the functions of ``relax_modules.model``.
         params: ``[(name, shape, dtype)]`` in the compiled functions' parameter order.
         cfg, dtype, page_size: what it was built from.
+        code_layout: layout of the routed experts' ``weight_packed`` parameters, ``"ocp"``
+            (as in the checkpoint) or ``schedules.mxfp4_tc_layout.LAYOUT`` (permuted at load
+            time by the library's ``repack_expert_codes``).
     """
 
     mod: object
@@ -26,6 +29,7 @@ class ExportedModel:
     cfg: K3Config
     dtype: str
     page_size: int
+    code_layout: str = "ocp"
 
 
 def export_model(cfg: K3Config, dtype: str = "float32", page_size: int = 16,
@@ -40,7 +44,33 @@ def export_model(cfg: K3Config, dtype: str = "float32", page_size: int = 16,
     model = K3ForCausalLM(cfg, dtype=dtype, page_size=page_size, gpu=gpu, tuned=tuned)
     mod, params = model.export()
     plist = [(n, tuple(int(s) for s in p.shape), p.dtype) for n, p in params]
-    return ExportedModel(mod, plist, cfg, dtype, page_size)
+    layout = model.expert_code_layout()
+    if layout != "ocp":
+        mod = attach_repack(mod)
+    return ExportedModel(mod, plist, cfg, dtype, page_size, layout)
+
+
+REPACK_FN = "repack_expert_codes"
+
+
+def attach_repack(mod):
+    """Add ``repack_expert_codes(codes: uint8 [e, n, kh]) -> codes`` to the Relax module: the
+    in-place permutation of a stacked ``weight_packed`` tensor from the checkpoint layout to
+    the tc layout (schedules/mxfp4_tc_layout.py), which the runtime calls once per tensor
+    after uploading it."""
+    from tvm import relax, tirx as tir
+
+    from schedules.mxfp4_tc_layout import repack_kernel
+
+    bb = relax.BlockBuilder(mod)
+    e, n, kh = tir.Var("e", "int64"), tir.Var("n", "int64"), tir.Var("kh", "int64")
+    codes = relax.Var("codes", relax.TensorType([e, n, kh], "uint8"))
+    with bb.function(REPACK_FN, [codes]):
+        gv = bb.add_func(repack_kernel(gpu=True), "repack_e2m1_tc")
+        out = bb.emit(relax.op.call_tir_inplace(gv, [codes], [0],
+                                                relax.TensorType([e, n, kh], "uint8")))
+        bb.emit_func_output(out)
+    return bb.get()
 
 
 def compile_llvm(exported: ExportedModel):

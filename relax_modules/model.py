@@ -177,6 +177,16 @@ class K3ForCausalLM(nn.Module):
         return op.reshape(flat, mla_cache.shape)
 
     # ------------------------------------------------------------------ export
+    def expert_code_layout(self) -> str:
+        """Layout the routed experts' ``weight_packed`` parameters are read in: ``"ocp"`` (the
+        checkpoint's) or ``schedules.mxfp4_tc_layout.LAYOUT`` (CUDA tensor-core kernels; the
+        runtime permutes the codes at load time). One layout for every layer."""
+        layouts = {layer.block_sparse_moe.experts.code_layout
+                   for layer in self.model.layers if layer.is_moe}
+        if len(layouts) > 1:  # every MoE layer has the same sizes
+            raise ValueError(f"MoE layers disagree on the expert code layout: {sorted(layouts)}")
+        return layouts.pop() if layouts else "ocp"
+
     def state_shapes(self) -> dict:
         """Symbolic shapes of the three state pools (docs/DESIGN.md)."""
         c = self.cfg

@@ -46,6 +46,7 @@ from schedules import moe_generic as mg
 from schedules import moe_mxfp4_cuda as mc
 from schedules import moe_mxfp4_decode_tc as dt
 from schedules import moe_mxfp4_prefill_cuda as mp
+from schedules import mxfp4_tc_layout as tcl
 
 
 def _private(func):
@@ -141,16 +142,17 @@ class RoutedExperts(nn.Module):
         self.dtype = dtype
         self.beta, self.beta_lin = beta, beta_lin
         self.sizes = (num_experts, latent, inter, top_k)
-        # CUDA decode: the tensor-core MXFP4 GEMVs (schedules/moe_mxfp4_decode_tc.py), where the
-        # widths fit their tiling (multiples of 128) and activations are bf16; else generic.
-        self.tuned_decode = (gpu and tuned and mxfp4 and dtype == "bfloat16"
-                             and latent % dt.KB == 0 and inter % dt.KB == 0
-                             and num_experts * inter * latent // 8 < 2 ** 31)  # int32 indexing
-        # CUDA prefill: token permutation + grouped GEMM on tensor cores
-        # (schedules/moe_mxfp4_prefill_cuda.py), where the widths fit its tiles.
-        self.tuned_prefill = (gpu and tuned and mxfp4 and dtype == "bfloat16"
-                              and latent % 128 == 0 and inter % 128 == 0
-                              and num_experts <= mp.PLAN_THREADS)
+        # CUDA: the tensor-core MXFP4 kernels, decode (schedules/moe_mxfp4_decode_tc.py) and
+        # prefill (token permutation + grouped GEMM, schedules/moe_mxfp4_prefill_cuda.py), where
+        # the widths fit their tiling (multiples of 128), activations are bf16 and indices fit
+        # int32; else the generic kernels. Both or neither: the tensor-core kernels read the
+        # codes in the tc layout (schedules/mxfp4_tc_layout.py), which the runtime produces at
+        # load time (``code_layout``), the generic ones the checkpoint layout.
+        self.tuned = (gpu and tuned and mxfp4 and dtype == "bfloat16"
+                      and latent % dt.KB == 0 and inter % dt.KB == 0
+                      and num_experts * inter * latent // 8 < 2 ** 31
+                      and num_experts <= mp.PLAN_THREADS)
+        self.code_layout = tcl.LAYOUT if self.tuned else "ocp"
         if mxfp4:
             self.w1 = MXFP4StackedLinear(num_experts, latent, inter, top_k, gpu)
             self.w3 = MXFP4StackedLinear(num_experts, latent, inter, top_k, gpu)
@@ -161,10 +163,8 @@ class RoutedExperts(nn.Module):
             self.w2 = StackedLinear(num_experts, inter, latent, top_k, dtype, gpu)
 
     def forward(self, z: Tensor, ids: Tensor, decode: bool = False) -> Tensor:
-        if decode and self.tuned_decode:
-            return self._decode_tuned(z, ids)
-        if not decode and self.tuned_prefill:
-            return self._prefill_tuned(z, ids)
+        if self.tuned:
+            return self._decode_tuned(z, ids) if decode else self._prefill_tuned(z, ids)
         g = self.w1(z, ids, self.dtype)
         u = self.w3(z, ids, self.dtype)
         a = situ_glu(g, u, self.beta, self.beta_lin)  # fp32 inside, model dtype out

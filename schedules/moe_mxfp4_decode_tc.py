@@ -4,8 +4,10 @@ as the benchmark's baseline), with the dot products done by ``mma.sync.m16n8k16`
 Dispatched by the model for CUDA decode (relax_modules/moe.py ``RoutedExperts``).
 
 Why: the CUDA-core GEMVs spend ~6 instructions per E2M1 code (dequant to fp32, FMA) and are
-instruction-bound at ~52% of the HBM roofline. Here a code costs ~4 (ncu): ``prmt`` dequant to
-bf16 times the E8M0 scale (:mod:`schedules.mxfp4_ptx`, ~2.5), the products on the tensor cores.
+instruction-bound at ~52% of the HBM roofline. Here the codes are in the tc layout
+(:mod:`schedules.mxfp4_tc_layout`, permuted at load time): masked rotations and one
+``mul.rn.bf16x2`` by ``2^(s-1)`` give the bf16 mma operands (:func:`schedules.mxfp4_ptx.
+dequant8`, 13 instructions per 8 codes), the products run on the tensor cores.
 
 Mapping. Weights are the mma's A operand: a block owns 16 rows of one expert (m16; gate_up:
 the same 16 rows of W1 and W3), and its ``warps`` warps split K, each taking an equal run of
@@ -30,14 +32,13 @@ i.e. 4.7 waves instead of 1.2 (a partial second wave left most SMs idle).
 fp32 accumulation; the outputs are rounded as the model's dtype flow says
 (relax_modules/moe.py).
 
-Status (H200, K3 shapes, benchmarks/results/moe_decode_tc_h200_2026-11-29.json, GPU time of
-chain + gate_up + down): 56–58% / 62–64% / 59% of the HBM roofline at 1 / 8 / 64 tokens over
-two runs (the CUDA-core GEMVs of moe_mxfp4_cuda in the same runs: 53–54% / 55% / 35–36%). What limits it: issue
-slots (ncu: ~4 instructions per E2M1 code, 64% of issue slots busy, ALU the top pipe), of
-which the prmt dequant is ~2.5; one token uses 1 of the mma's 8 columns. Tried and slower: a
-register ring instead of cp.async stages (255 registers), 2 or 8 warps per block, deeper or
-shallower stages. The look-up words live in registers (loaded once, mxfp4_ptx.load_tables):
-as constants, ptxas re-materialized them before every prmt (+5%).
+Status (H200, K3 shapes, GPU time of chain + gate_up + down): with the checkpoint layout and
+``prmt`` table look-ups (~2.5 instructions per code), 56–58% / 62–64% / 59% of the HBM roofline
+at 1 / 8 / 64 tokens (benchmarks/results/moe_decode_tc_h200_2026-11-29.json; the CUDA-core
+GEMVs in the same runs: 53–54% / 55% / 35–36%), issue-bound (ncu: 64% of issue slots busy,
+ALU the top pipe); the tc layout cuts the dequant to ~1.6 per code (results in
+moe_decode_tc_h200_2026-11-30.json). Tried and slower: a register ring instead of cp.async
+stages (255 registers), 2 or 8 warps per block, deeper or shallower stages.
 
 Reference: ``schedules.moe_mxfp4_cuda.moe_experts_reference``; the fragment mapping is
 checked on the CPU (tests/test_moe_prefill_cuda.py), the kernels on the H200 by
@@ -52,8 +53,7 @@ from tvm.script import tirx as T
 
 from schedules.barriers import mark
 from schedules.moe_mxfp4_prefill_cuda import situ_expr
-from schedules.mxfp4_ptx import (commit, cp_async4, cp_async16, dequant8, load_tables, mma_bf16,
-                                 scale_bf16x2, wait)
+from schedules.mxfp4_ptx import commit, cp_async4, cp_async16, dequant8, factor_bf16x2, mma_bf16, wait
 
 KB = 128        # inputs per K block (4 lanes × 32 codes)
 COLS = 8        # mma columns = entries per pass over a chain (the mma's n8)
@@ -143,8 +143,6 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
                 w_s = T.alloc_buffer((NS * SLOTS * NT * 4,), "uint32", scope="shared")
                 s_s = T.alloc_buffer((NS * SLOTS * NT,), "uint32", scope="shared")
                 red_s = T.alloc_buffer((NW * NM * 4 * 32,), "float32", scope="shared")  # split-K partials
-                tab = T.alloc_buffer((2,), "uint32", scope="local")  # dequant look-up words
-                load_tables(tab)
                 wcur = T.alloc_buffer((SLOTS * 4,), "uint32", scope="local")
                 xcur = T.alloc_buffer((16,), "uint32", scope="local")
                 bf = T.alloc_buffer((SLOTS * 4,), "uint32", scope="local")
@@ -196,11 +194,11 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
                             for sl in T.unroll(SLOTS):
                                 for v in T.vectorized(4):
                                     wcur[sl * 4 + v] = w_s[((kb % NS * SLOTS + sl) * NT + tx) * 4 + v]
-                                s2[sl] = scale_bf16x2(s_s[(kb % NS * SLOTS + sl) * NT + tx], tx % 4)
+                                s2[sl] = factor_bf16x2(s_s[(kb % NS * SLOTS + sl) * NT + tx], tx % 4)
                             for s in T.unroll(8):
                                 if s % 2 == 0:
                                     for sl in T.unroll(SLOTS):
-                                        T.evaluate(dequant8(T.address_of(bf[sl * 4]), wcur[sl * 4 + s // 2], s2[sl], tab))
+                                        T.evaluate(dequant8(T.address_of(bf[sl * 4]), wcur[sl * 4 + s // 2], s2[sl]))
                                 # A: rows g / g+8 at k (2q, 2q+1) and (2q+8, 2q+9) = inputs
                                 # 32q + 4s + {0, 1} and {2, 3}; B: the same inputs of column g
                                 for m in T.unroll(NM):
@@ -304,7 +302,8 @@ def moe_mxfp4_gate_up_tc_kernel(num_experts: int, latent: int, inter: int, top_k
                                 beta: float, beta_lin: float | None, out_dtype: str = "bfloat16",
                                 warps: int = 4, stages: int = 4):
     """Fused W1/W3 GEMV + SiTU on tensor cores. Arguments as
-    :func:`schedules.moe_mxfp4_cuda.moe_mxfp4_gate_up_kernel`: ``z [T, L] bf16, w1_packed,
+    :func:`schedules.moe_mxfp4_cuda.moe_mxfp4_gate_up_kernel`, codes in the tc layout
+    (:mod:`schedules.mxfp4_tc_layout`): ``z [T, L] bf16, w1_packed,
     w1_scale, w3_packed, w3_scale, chain [T, k, 2], expert_ids [T, k], a [T, k, I]``.
 
     Raises:
@@ -319,7 +318,7 @@ def moe_mxfp4_gate_up_tc_kernel(num_experts: int, latent: int, inter: int, top_k
 def moe_mxfp4_down_tc_kernel(num_experts: int, latent: int, inter: int, top_k: int,
                              out_dtype: str = "bfloat16", warps: int = 4, stages: int = 8):
     """W2 GEMV on tensor cores. Arguments as :func:`schedules.moe_mxfp4_cuda.
-    moe_mxfp4_down_kernel`: ``a [T, k, I] bf16, w2_packed, w2_scale, chain, expert_ids, o [T, k, L]``.
+    moe_mxfp4_down_kernel`, codes in the tc layout: ``a [T, k, I] bf16, w2_packed, w2_scale, chain, expert_ids, o [T, k, L]``.
 
     Raises:
         ValueError: I not a multiple of 128; L not a multiple of 16; ``warps`` not 1, 2, 4, 8

@@ -41,9 +41,11 @@ bytes); the E8M0 scales of the block's 128 weight rows stay in shared memory for
 Warps (and n8 token tiles) holding no row of the expert skip their work, so the token reads
 and mmas of a tile follow its rows in steps of 8 (the dequant is paid per warp, for 64 rows
 at a time). Dequantization happens in registers, once per warp and reused
-by all of its token tiles: a ``uint32`` of 8 codes becomes four bf16x2 words by ``prmt`` look-ups
-(magnitude → bf16 low and high byte; the sign bit moved to bit 15), then one
-``mul.rn.bf16x2`` by the scale ``2^(s-127)`` (exact: a code has two significant bits). The
+by all of its token tiles: a ``uint32`` of 8 codes in the tc layout
+(:mod:`schedules.mxfp4_tc_layout`; the library permutes the expert codes at load time) becomes
+four bf16x2 words by masked rotations (each code at the bf16 bits where it reads as its value
+× 2^-126), then one ``mul.rn.bf16x2`` by the factor ``2^(s-1)`` (exact: a code has two
+significant bits). The
 inputs of one k-step are taken in a permuted order that makes both operands' fragments
 contiguous — thread ``(g, q)`` of a warp (``g = lane/4``, ``q = lane%4``) holds inputs
 ``8q .. 8q+7`` of each 32, which the mma sees as its ``k = 2q, 2q+1, 2q+8, 2q+9`` (first
@@ -52,8 +54,8 @@ code read per weight row feed two mmas. A sum over k does not depend on the orde
 scale group (32 inputs) is the same for all. The kernels place their own barriers
 (:mod:`schedules.barriers`).
 
-E8M0 scale bytes: ``s = 255`` (NaN) gives NaN weights; ``s = 0`` gives ``2^-127`` (a bf16
-subnormal), as the reference.
+E8M0 scale bytes: ``s = 255`` (NaN) gives NaN weights, as the reference; bytes 129..254 are
+outside the tc layout's range (the loader rejects them, mxfp4_tc_layout.check_scales).
 
 Reference: :func:`moe_prefill_plan_reference` (counts, offsets, tiles) and
 ``schedules.moe_mxfp4_cuda.moe_experts_reference`` (values).
@@ -71,9 +73,8 @@ from schedules.barriers import mark
 # cannot import this module, and benchmarks/moe.py checks the kernels there against it.
 from schedules.moe_plan import BM, max_tiles, moe_prefill_plan_reference  # noqa: F401
 from schedules.mxfp4_ptx import (commit as _commit, cp_async16 as _cp_async16, dequant8 as _dequant8,
-                                 load_tables as _load_tables,
-                                 dup_half as _dup_half, mma_bf16 as _mma, scale_bf16 as _scale_bf16,
-                                 wait as _wait)
+                                 dup_half as _dup_half, mma_bf16 as _mma, wait as _wait)
+from schedules.mxfp4_tc_layout import factor_bf16 as _factor_bf16
 
 BN = 128          # weight rows per block (gate_up: 64 of W1 + 64 of W3)
 BK = 64           # inputs per pipeline step
@@ -319,8 +320,6 @@ def _grouped_gemm(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 
                 ar = T.alloc_buffer((4,), "uint32", scope="local")
                 ok = T.alloc_buffer((1,), "int64", scope="local")
                 nv = T.alloc_buffer((1,), "int32", scope="local")
-                tab = T.alloc_buffer((2,), "uint32", scope="local")  # dequant look-up words
-                _load_tables(tab)
                 if T.Cast("int32", blk // NTN) < num_tiles[0]:
                     nv[0] = tiles[blk // NTN, 2] - tiles[blk // NTN, 1]  # rows of the expert from here
                     # ---- tile metadata: gathered rows, scales of the block's weight rows
@@ -348,8 +347,8 @@ def _grouped_gemm(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 
                                 sw[0] = sq0[(tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * BN
                                              + (it * NT + tx) // KGW) * KGW + (it * NT + tx) % KGW]
                             for h in T.unroll(2):
-                                sc_s[(it * NT + tx) * 2 + h] = _scale_bf16(
-                                    (sw[0] >> T.uint32(16 * h)) & T.uint32(255)) | (_scale_bf16(
+                                sc_s[(it * NT + tx) * 2 + h] = _factor_bf16(
+                                    (sw[0] >> T.uint32(16 * h)) & T.uint32(255)) | (_factor_bf16(
                                         (sw[0] >> T.uint32(16 * h + 8)) & T.uint32(255)) << T.uint32(16))
                     for i in range(NU * NT8 * 4):
                         acc[i] = T.float32(0)
@@ -376,7 +375,7 @@ def _grouped_gemm(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 
                                         b_s[(ks % NS * BN + b_row(tx // 32 % WN, j, tx % 32 // 4))
                                             * B_ROW_WORDS + hk * 4 + tx % 4],
                                         _dup_half(sc_s[b_row(tx // 32 % WN, j, tx % 32 // 4) * KGH + ks], hk),
-                                        tab))
+                                        ))
                                 for t in T.unroll(NT8):
                                     # n8 token tiles past the expert's last row are skipped (warp-uniform)
                                     if tx // (32 * WN) * WM + t * 8 < nv[0]:
@@ -437,7 +436,7 @@ def moe_grouped_gate_up_kernel(num_experts: int, latent: int, inter: int, top_k:
     PrimFunc arguments::
 
         z            [T, L]          bf16    latent activations
-        w1_packed    [E, I, L/2]     uint8   w1_scale [E, I, L/32] uint8
+        w1_packed    [E, I, L/2]     uint8   w1_scale [E, I, L/32] uint8   (codes in the tc layout)
         w3_packed    [E, I, L/2]     uint8   w3_scale [E, I, L/32] uint8
         sorted_pair  [T·k]           int32   from moe_sort
         tiles        [MAXT, 3]       int32   from moe_sort
@@ -459,7 +458,7 @@ def moe_grouped_down_kernel(num_experts: int, latent: int, inter: int, top_k: in
     PrimFunc arguments::
 
         a_sorted     [T·k, I]        bf16
-        w2_packed    [E, L, I/2]     uint8   w2_scale [E, L, I/32] uint8
+        w2_packed    [E, L, I/2]     uint8   w2_scale [E, L, I/32] uint8   (codes in the tc layout)
         w2_packed, w2_scale          (passed twice: the builder shares the gate_up signature)
         sorted_pair  [T·k]           int32
         tiles        [MAXT, 3]       int32

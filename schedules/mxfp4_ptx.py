@@ -5,14 +5,13 @@
   held in registers (PTX ISA, "Matrix fragments for mma.m16n8k16": thread ``(g, q) = (lane/4,
   lane%4)`` holds A rows ``g, g+8`` × k ``2q, 2q+1, 2q+8, 2q+9``, B column ``g`` × the same
   k, C rows ``g, g+8`` × columns ``2q, 2q+1``).
-- :func:`dequant8` — 8 E2M1 codes (one ``uint32``, nibble i = input i; compressed-tensors
-  packing, low nibble first) times a bf16x2 E8M0 scale -> four bf16x2 words, by ``prmt``
-  look-ups (magnitude -> low / high byte of the bf16; sign bits gathered by one more ``prmt``)
-  and ``mul.rn.bf16x2`` (sm_90+; exact: a code has two significant bits). tests/
-  test_moe_prefill_cuda.py emulates it instruction by instruction against the E2M1 table.
-- :func:`scale_bf16` / :func:`dup_half` / :func:`scale_bf16x2` — an E8M0 byte as bf16 bits
-  (0 -> 2^-127, 255 -> NaN), a bf16x2 of one half of a word, and a byte of a word straight to
-  a bf16x2 scale.
+- :func:`dequant8` — 8 E2M1 codes of one ``uint32`` in the tc layout
+  (:mod:`schedules.mxfp4_tc_layout`: the expert codes are permuted at load time) times a
+  bf16x2 factor ``2^(s-1)`` -> four bf16x2 words: masked rotations put each code at the bf16
+  bits where it reads as its value × 2^-126, one ``mul.rn.bf16x2`` (sm_90+) scales; 13
+  instructions per 8 codes. tests/test_mxfp4_tc_layout.py emulates it against the E2M1 table.
+- :func:`factor_bf16x2` / :func:`dup_half` — a byte of a word straight to the bf16x2 factor
+  ``2^(s-1)`` (255 -> NaN), and a bf16x2 of one half of a word.
 - :func:`cp_async16`, :func:`cp_async4`, :func:`commit`, :func:`wait` — 16-byte
   ``cp.async.cg`` (zero-filled when not ``valid``) and 4-byte ``cp.async.ca`` global -> shared
   copies and their group accounting. The copies and the wait carry a ``"memory"`` clobber, so
@@ -24,6 +23,8 @@ from __future__ import annotations
 
 from tvm.backend.cuda.op import cuda_func_call
 from tvm.script import tirx as T
+
+from schedules import mxfp4_tc_layout as _L
 
 _MMA = r"""
 __forceinline__ __device__ void k3_mma_bf16(float* d, unsigned a0, unsigned a1, unsigned a2,
@@ -53,45 +54,24 @@ __forceinline__ __device__ void k3_cp_async_commit() { asm volatile("cp.async.co
 _WAIT = r"""
 __forceinline__ __device__ void k3_cp_async_wait{n}() {{ asm volatile("cp.async.wait_group {n};\n" ::: "memory"); }}
 """
-# prmt look-up words: magnitude code m (0..7) -> low / high byte of its bf16
-# (0, .5, 1, 1.5 | 2, 3, 4, 6): byte m of {b, a}.
-LO_TABLE = (0xC0800000, 0xC0804000)
-HI_TABLE = (0x3F3F3F00, 0x40404040)
-# 8 E2M1 codes (nibble i of w = input i) times the bf16x2 scale s2 -> 4 bf16x2 words
-# (inputs 0-1, 2-3, 4-5, 6-7). prmt look-ups: magnitude -> low / high byte of its bf16;
-# the sign bits (nibble bit 3) are gathered into bit 7 of the high bytes by one more prmt.
-# The "a" words of the tables come in as registers (lo_a, hi_a: see _TABLES); the "b"
-# words are immediates, which the SASS prmt takes in its immediate slot.
+# 8 E2M1 codes of a tc-layout word (schedules/mxfp4_tc_layout.py) times the bf16x2 factor f2
+# = 2^(s-1) -> 4 bf16x2 words (inputs 0-1, 2-3, 4-5, 6-7): masked rotations (shf.r.wrap +
+# lop3) place each code's sign at bf16 bit 15 and e1 e0 m at bits 8-6 (= value · 2^-126),
+# one mul.rn.bf16x2 scales (exact: a code has two significant bits).
 DEQUANT_SRC = r"""
-__forceinline__ __device__ void k3_e2m1x8_bf16(unsigned* out, unsigned w, unsigned s2, unsigned lo_a,
-                                               unsigned hi_a) {
-  const unsigned lo_b = %(lo_b)#xu, hi_b = %(hi_b)#xu;
-  unsigned t = w << 4;
+__forceinline__ __device__ void k3_e2m1x8_tc(unsigned* out, unsigned w, unsigned f2) {
+  unsigned r[4];
+  r[0] = w & %(t)#xu;
+  r[1] = __funnelshift_r(w, w, %(r1)d) & %(t)#xu;
+  r[2] = __funnelshift_r(w, w, %(r2)d) & %(t)#xu;
+  r[3] = (__funnelshift_r(w, w, %(ra)d) & %(ma)#xu) | (__funnelshift_r(w, w, %(rb)d) & %(mb)#xu);
   #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    unsigned sel = (w >> (16 * h)) & 0x7777u;
-    unsigned lo, hi, sg;
-    asm("prmt.b32 %%0, %%1, %%2, %%3;\n" : "=r"(lo) : "r"(lo_a), "r"(lo_b), "r"(sel));
-    asm("prmt.b32 %%0, %%1, %%2, %%3;\n" : "=r"(hi) : "r"(hi_a), "r"(hi_b), "r"(sel));
-    asm("prmt.b32 %%0, %%1, %%2, %%3;\n" : "=r"(sg) : "r"(t), "r"(w), "r"(h ? 0x7362u : 0x5140u));
-    hi |= sg & 0x80808080u;
-    unsigned p0, p1;
-    asm("prmt.b32 %%0, %%1, %%2, 0x5140;\n" : "=r"(p0) : "r"(lo), "r"(hi));
-    asm("prmt.b32 %%0, %%1, %%2, 0x7362;\n" : "=r"(p1) : "r"(lo), "r"(hi));
-    asm("mul.rn.bf16x2 %%0, %%1, %%2;\n" : "=r"(out[2 * h]) : "r"(p0), "r"(s2));
-    asm("mul.rn.bf16x2 %%0, %%1, %%2;\n" : "=r"(out[2 * h + 1]) : "r"(p1), "r"(s2));
+  for (int i = 0; i < 4; ++i) {
+    asm("mul.rn.bf16x2 %%0, %%1, %%2;\n" : "=r"(out[i]) : "r"(r[i]), "r"(f2));
   }
 }
-""" % {"lo_b": LO_TABLE[1], "hi_b": HI_TABLE[1]}
-# the "a" look-up words, read once per thread from a global (volatile: neither nvcc nor ptxas
-# may fold them into constants, which they re-materialize from a uniform register before every
-# prmt; a folded __shfl_sync or inline-PTX shfl of a constant did not help)
-_TABLES = r"""
-__device__ unsigned k3_e2m1_tables[2] = {%(lo_a)#xu, %(hi_a)#xu};
-__forceinline__ __device__ unsigned k3_e2m1_table(int i) {
-  return *(volatile unsigned*)&k3_e2m1_tables[i];
-}
-""" % {"lo_a": LO_TABLE[0], "hi_a": HI_TABLE[0]}
+""" % {"t": _L.T_MASK, "r1": _L.PIECES[1][2], "r2": _L.PIECES[2][2], "ra": _L.PIECES[3][2],
+       "ma": _L.PIECES[3][1], "rb": _L.PIECES[4][2], "mb": _L.PIECES[4][1]}
 
 
 def mma_bf16(d, a0, a1, a2, a3, b0, b1):
@@ -116,45 +96,27 @@ def wait(n: int):
     return cuda_func_call(f"k3_cp_async_wait{n}", source_code=_WAIT.format(n=n))
 
 
-def dequant8(out, w, s2, tables):
-    """8 E2M1 codes of ``w`` times the bf16x2 scale ``s2`` into ``out[0:4]`` (bf16x2 words);
-    ``tables``: a 2-word local buffer filled once per thread by :func:`load_tables`."""
-    return cuda_func_call("k3_e2m1x8_bf16", out, w, s2, tables[0], tables[1], source_code=DEQUANT_SRC)
+def dequant8(out, w, f2):
+    """8 E2M1 codes of the tc-layout word ``w`` (uint32) times the bf16x2 factor ``f2``
+    (:func:`factor_bf16x2`) into ``out[0:4]`` (bf16x2 words of inputs 0-1, 2-3, 4-5, 6-7)."""
+    return cuda_func_call("k3_e2m1x8_tc", out, w, f2, source_code=DEQUANT_SRC)
 
 
-def _table(i: int):
-    return cuda_func_call("k3_e2m1_table", T.int32(i), source_code=_TABLES, return_type="uint32")
+# factor_bf16x2's constants (shared with its test): prmt selector of byte b = base + b, the
+# multiplier placing a byte in both bf16 exponent fields, the exponent offset (126: 2^(s-1)),
+# E8M0 255 as bf16x2 NaN
+FACTOR_SELECT, FACTOR_MUL, FACTOR_OFFSET, FACTOR_NAN2 = 0x4440, 0x00800080, 126, 0x7FC07FC0
 
 
-@T.macro
-def load_tables(tables):
-    """Fill the 2-word local buffer ``tables`` with the "a" look-up words for :func:`dequant8`
-    (two loads: do it once, at the top of the kernel)."""
-    tables[0] = _table(0)
-    tables[1] = _table(1)
-
-
-def scale_bf16(s):
-    """uint32 holding the bf16 bits of the E8M0 byte ``s`` (uint32 0..255): 2^(s-127);
-    0 -> 2^-127 (the subnormal 0x0040), 255 -> NaN (0x7FC0)."""
-    return T.Select(s == T.uint32(0), T.uint32(0x40),
-                    T.Select(s == T.uint32(255), T.uint32(0x7FC0), s << T.uint32(7)))
-
-
-# scale_bf16x2's constants (shared with its test): prmt selector of byte b = base + b, the
-# multiplier placing a byte in both bf16 exponent fields, E8M0 0 / 255 as bf16x2
-SCALE_SELECT, SCALE_MUL, SCALE_MIN, SCALE_NAN = 0x4440, 0x00800080, 0x00400040, 0x7FC07FC0
-
-
-def scale_bf16x2(word, byte):
-    """bf16x2 word with both halves = the E8M0 byte ``byte`` (0..3) of uint32 ``word`` as bf16
-    (as :func:`scale_bf16`: 0 -> 2^-127, 255 -> NaN): one ``prmt`` extracts the byte ``s``,
-    ``s · 0x00800080`` places it in both exponent fields, a max makes s = 0 the subnormal
-    0x0040, a select makes 255 NaN."""
+def factor_bf16x2(word, byte):
+    """bf16x2 word with both halves ``2^(s-1)`` for the E8M0 byte ``s`` = byte ``byte`` (0..3)
+    of the uint32 ``word`` (the tc layout's scale factor, mxfp4_tc_layout.factor_bf16): one
+    ``prmt`` extracts ``s``, ``(s + 126) · 0x00800080`` places it in both exponent fields, a
+    select makes 255 NaN."""
     s = T.call_pure_extern("uint32", "__byte_perm", word, T.uint32(0),
-                           T.uint32(SCALE_SELECT) + T.Cast("uint32", byte))
-    d = T.max(s * T.uint32(SCALE_MUL), T.uint32(SCALE_MIN))
-    return T.Select(s == T.uint32(255), T.uint32(SCALE_NAN), d)
+                           T.uint32(FACTOR_SELECT) + T.Cast("uint32", byte))
+    return T.Select(s == T.uint32(255), T.uint32(FACTOR_NAN2),
+                    (s + T.uint32(FACTOR_OFFSET)) * T.uint32(FACTOR_MUL))
 
 
 def dup_half(w, hi):

@@ -1,100 +1,18 @@
-"""The MXFP4 MoE tensor-core kernels (schedules/moe_mxfp4_prefill_cuda.py, moe_mxfp4_decode_tc.py,
-mxfp4_ptx.py), on the CPU: the bit-level
-tricks the CUDA code relies on, emulated instruction by instruction and checked against the
-E2M1/E8M0 tables and a plain matmul, the plan reference against an independent count, and that
+"""The MXFP4 MoE tensor-core kernels (schedules/moe_mxfp4_prefill_cuda.py,
+moe_mxfp4_decode_tc.py), on the CPU: the fragment mappings the CUDA code relies on, emulated
+lane by lane and checked against a plain matmul (the dequant's bit tricks:
+tests/test_mxfp4_tc_layout.py), the plan reference against an independent count, and that
 the kernels compile (CUDA source always; fatbin where nvcc exists). The kernels run on the H200
 in benchmarks/moe.py and tests/gpu/check_moe_dispatch.py (not in CI: no GPU here)."""
 
 from __future__ import annotations
 
-import re
-
-import ml_dtypes
 import numpy as np
 import pytest
 
 from helpers_tvm import build_sm90a_fatbin, needs_nvcc
-from schedules import moe_generic as mg
 from schedules import moe_mxfp4_prefill_cuda as mp
-from schedules import mxfp4_ptx as ptx
-
-
-def _prmt(a: int, b: int, sel: int) -> int:
-    """PTX ``prmt.b32`` (default mode): byte i of the result = byte ``sel`` nibble i of {b, a};
-    nibble bit 3 replicates that byte's sign bit."""
-    pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
-    out = 0
-    for i in range(4):
-        n = (sel >> (4 * i)) & 0xF
-        byte = pool[n & 7]
-        if n & 8:
-            byte = 0xFF if byte & 0x80 else 0
-        out |= byte << (8 * i)
-    return out
-
-
-def _bf16x2(word: int) -> np.ndarray:
-    return np.array([word & 0xFFFF, word >> 16], np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
-
-
-def _mul_bf16x2(x: int, y: int) -> int:
-    r = (_bf16x2(x) * _bf16x2(y)).astype(ml_dtypes.bfloat16).view(np.uint16)
-    return int(r[0]) | (int(r[1]) << 16)
-
-
-def _constants():
-    """The look-up words: the "a" words as the kernels load them (``ptx.LO_TABLE[0]`` /
-    ``HI_TABLE[0]``), the "b" words read from the CUDA source (so a typo there fails)."""
-    src = ptx.DEQUANT_SRC
-    lo_b, hi_b = (int(x, 16) for x in re.search(r"lo_b = (0x[0-9a-fA-F]+)u, hi_b = (0x[0-9a-fA-F]+)u", src).groups())
-    return ptx.LO_TABLE[0], lo_b, ptx.HI_TABLE[0], hi_b
-
-
-def _dequant8(w: int, s2: int) -> list[int]:
-    """Instruction-by-instruction emulation of ``k3_e2m1x8_bf16``."""
-    lo_a, lo_b, hi_a, hi_b = _constants()
-    t = (w << 4) & 0xFFFFFFFF
-    out = []
-    for h in range(2):
-        sel = (w >> (16 * h)) & 0x7777
-        lo, hi = _prmt(lo_a, lo_b, sel), _prmt(hi_a, hi_b, sel)
-        hi |= _prmt(t, w, 0x7362 if h else 0x5140) & 0x80808080
-        out += [_mul_bf16x2(_prmt(lo, hi, 0x5140), s2), _mul_bf16x2(_prmt(lo, hi, 0x7362), s2)]
-    return out
-
-
-def _scale2(s: int) -> int:
-    b = 0x40 if s == 0 else (0x7FC0 if s == 255 else s << 7)
-    return b | (b << 16)
-
-
-def test_dequant_trick_matches_e2m1_and_e8m0_tables():
-    rng = np.random.default_rng(0)
-    words = [0x76543210, 0xFEDCBA98] + [int(x) for x in rng.integers(0, 2 ** 32, 60, dtype=np.uint64)]
-    for w in words:
-        for s in (1, 100, 121, 127, 130, 200):
-            vals = np.concatenate([_bf16x2(x) for x in _dequant8(w, _scale2(s))])
-            codes = np.array([(w >> (4 * i)) & 15 for i in range(8)], np.uint8)
-            ref = mg.e2m1_reference(codes) * np.float32(2.0 ** (s - 127))
-            np.testing.assert_array_equal(vals, ref, err_msg=f"w={w:#x} s={s}")
-    nan = np.concatenate([_bf16x2(x) for x in _dequant8(0x11111111, _scale2(255))])
-    assert np.isnan(nan).all()
-
-
-def test_scale_word_to_bf16x2_matches_e8m0():
-    """Emulation of ``mxfp4_ptx.scale_bf16x2`` with its own constants (prmt byte extract,
-    multiply, max, select) against the E8M0 table (0 -> 2^-127 subnormal, 255 -> NaN) for every
-    byte and position."""
-    rng = np.random.default_rng(2)
-    for s in range(256):
-        for pos in range(4):
-            word = (int(rng.integers(0, 2 ** 32)) & ~(0xFF << (8 * pos))) | (s << (8 * pos))
-            b = _prmt(word, 0, ptx.SCALE_SELECT + pos)
-            d = ptx.SCALE_NAN if b == 255 else max((b * ptx.SCALE_MUL) & 0xFFFFFFFF, ptx.SCALE_MIN)
-            assert d == _scale2(s), (s, pos)
-            if s not in (0, 255):
-                assert _bf16x2(d)[0] == 2.0 ** (s - 127) == _bf16x2(d)[1]
-    assert _bf16x2(_scale2(0))[0] == 2.0 ** -127
+from schedules import mxfp4_tc_layout as tcl
 
 
 def _mma_m16n8k16(regs) -> np.ndarray:
@@ -265,7 +183,8 @@ def _module():
           "d": mp.moe_grouped_down_kernel(5, 256, 384, 3),
           "tc_gu": dt.moe_mxfp4_gate_up_tc_kernel(5, 256, 96, 3, 4.0, 25.0, warps=2),
           "tc_gu4": dt.moe_mxfp4_gate_up_tc_kernel(5, 512, 48, 3, 4.0, None, warps=4, stages=2),
-          "tc_d": dt.moe_mxfp4_down_tc_kernel(5, 256, 128, 3, warps=1)}
+          "tc_d": dt.moe_mxfp4_down_tc_kernel(5, 256, 128, 3, warps=1),
+          "repack": tcl.repack_kernel(gpu=True)}
     return tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in fs.items()})
 
 

@@ -290,7 +290,8 @@ def _model_kind(model_dir: Path) -> str:
                          "*.safetensors checkpoint shards")
 
 
-def _load_converted(model_dir: Path, meta_params: list, device, progress: bool) -> list:
+def _load_converted(model_dir: Path, meta_params: list, device, progress: bool,
+                    check: Callable[[str, np.ndarray], None]) -> list:
     import tvm
 
     from ..convert import PARAMS_INDEX
@@ -340,11 +341,13 @@ def _load_converted(model_dir: Path, meta_params: list, device, progress: bool) 
         if dname != dtype and (dname == "uint8" or dtype == "uint8"):
             raise ModelLoadError(f"parameter {name}: {model_dir} holds {dname}, the library expects {dtype}")
         arr = map_tensor(model_dir / e["file"], info["dtype"], start + info["data_offsets"][0], shape)
+        check(name, arr)
         out.append(tvm.runtime.tensor(np.ascontiguousarray(to_param_dtype(arr, dtype, name)), device))
     return out
 
 
-def _load_checkpoint(model_dir: Path, cfg: K3Config, meta_params: list, device, progress: bool) -> list:
+def _load_checkpoint(model_dir: Path, cfg: K3Config, meta_params: list, device, progress: bool,
+                     check: Callable[[str, np.ndarray], None]) -> list:
     import tvm
 
     from ..loader import load_parameters
@@ -352,9 +355,40 @@ def _load_checkpoint(model_dir: Path, cfg: K3Config, meta_params: list, device, 
 
     reader = CheckpointReader(model_dir, cfg)
     reader.validate()
-    return [tvm.runtime.tensor(a, device)
-            for _, a in load_parameters(reader.get, [(n, tuple(s), d) for n, s, d in meta_params],
-                                        cfg.num_experts, progress=progress)]
+    out = []
+    for name, a in load_parameters(reader.get, [(n, tuple(s), d) for n, s, d in meta_params],
+                                   cfg.num_experts, progress=progress):
+        check(name, a)
+        out.append(tvm.runtime.tensor(a, device))
+    return out
+
+
+def _code_layout(meta: dict, lib: Path) -> str:
+    """The library's ``expert_code_layout`` (``ocp`` when absent).
+
+    Raises:
+        ModelLoadError: a layout this runtime does not know."""
+    from schedules.mxfp4_tc_layout import LAYOUT
+
+    layout = meta.get("expert_code_layout", "ocp")
+    if layout not in ("ocp", LAYOUT):
+        raise ModelLoadError(f"library {lib}: expert_code_layout {layout!r} is unknown to this runtime "
+                             f"(it knows 'ocp' and {LAYOUT!r}); recompile it with this k3-compile")
+    return layout
+
+
+def _scale_check(layout: str) -> Callable[[str, np.ndarray], None]:
+    """Per-tensor host check before upload (:func:`k3_compile.loader.check_expert_scales`),
+    as a ModelLoadError."""
+    from ..loader import check_expert_scales
+
+    def check(name: str, arr: np.ndarray) -> None:
+        try:
+            check_expert_scales(name, arr, layout)
+        except ValueError as e:
+            raise ModelLoadError(str(e)) from None
+
+    return check
 
 
 def _mismatch(lib: Path, meta: dict, what_lib: str, what_here: str) -> ModelLoadError:
@@ -446,10 +480,15 @@ def load_model(model_dir: str | Path, lib: str | Path | None = None, device: str
     vm = VirtualMachine(module, dev) if kind_dev != "cpu" else VirtualMachine(module, tvm.runtime.cpu())
     meta_params = [(n, tuple(s), d) for n, s, d in meta["params"]]
     detail(f"loading parameters from {model_dir} ({kind})")
+    layout = _code_layout(meta, lib)
+    check = _scale_check(layout)
     if kind == "converted":
-        params = _load_converted(model_dir, meta_params, dev, progress)
+        params = _load_converted(model_dir, meta_params, dev, progress, check)
     else:
-        params = _load_checkpoint(model_dir, cfg, meta_params, dev, progress)
+        params = _load_checkpoint(model_dir, cfg, meta_params, dev, progress, check)
+    from ..loader import repack_expert_codes
+
+    params = repack_expert_codes(vm, layout, [n for n, _, _ in meta_params], params)
 
     # ---- sizing
     page = int(meta["page_size"])

@@ -179,6 +179,7 @@ def prepare(out: Path) -> None:
         lib.export_library(str(out / _lib_name(dtype)))
         print(describe_library(out / _lib_name(dtype)), f"({time.time() - t0:.1f} s)", flush=True)
         meta["params"][dtype] = [[n, list(s), d] for n, s, d in ex_gpu.params]
+        meta.setdefault("code_layout", {})[dtype] = ex_gpu.code_layout
         # CPU references
         ex = export_model(cfg, dtype)
         vm = relax.VirtualMachine(compile_llvm(ex), tvm.cpu())
@@ -285,7 +286,7 @@ def run(out: Path, json_path: Path | None) -> dict:
 
     from k3_compile.config import K3Config
     from k3_compile.device_code import load_cuda_runtime
-    from k3_compile.loader import load_parameters
+    from k3_compile.loader import check_expert_scales, load_parameters, repack_expert_codes
     from k3_compile.runtime.engine import Engine
     from k3_compile.weights import CheckpointReader
 
@@ -314,8 +315,12 @@ def run(out: Path, json_path: Path | None) -> dict:
         lib = tvm.runtime.load_module(str(out / _lib_name(dtype)))
         vm = VirtualMachine(lib, dev)
         plist = [(nm, tuple(s), d) for nm, s, d in meta["params"][dtype]]
-        params = [tvm.runtime.tensor(a, dev)
-                  for _, a in load_parameters(reader.get, plist, cfg.num_experts)]
+        layout = meta.get("code_layout", {}).get(dtype, "ocp")
+        params = []
+        for nm, a in load_parameters(reader.get, plist, cfg.num_experts):
+            check_expert_scales(nm, a, layout)
+            params.append(tvm.runtime.tensor(a, dev))
+        params = repack_expert_codes(vm, layout, [nm for nm, _, _ in plist], params)
         r["load_seconds"] = round(time.perf_counter() - t0, 2)
         eng = Engine(vm, params, cfg, dev, dtype, **ENGINE_KW)
         try:
