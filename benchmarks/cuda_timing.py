@@ -99,7 +99,10 @@ def copy_bandwidth() -> float:
 
 
 def git_commit() -> str:
-    """HEAD of this checkout, or ``$K3_COMMIT`` (the GPU machine's copy has no .git)."""
+    """``$K3_COMMIT`` where set (the GPU machine's copy of the tree may carry a stale .git:
+    set it from here), else HEAD of this checkout."""
+    if os.environ.get("K3_COMMIT"):
+        return os.environ["K3_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
                                        stderr=subprocess.DEVNULL).strip()
