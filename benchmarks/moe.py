@@ -53,7 +53,15 @@ FUNCS = ("moe_expert_chain", "moe_mxfp4_gate_up", "moe_mxfp4_down")
 # decode builds: name -> (kernels, gate_up kwargs, down kwargs); "" (the top-level
 # moe_mxfp4.so) is what the model dispatches, "tensor_cores" the tensor-core GEMVs
 # (schedules/moe_mxfp4_decode_tc.py), "cuda_cores" the CUDA-core ones (moe_mxfp4_cuda.py).
-DECODE_VARIANTS = {"": ("tensor_cores", {}, {}), "cuda_cores": ("cuda_cores", {}, {})}
+DECODE_VARIANTS = {"": ("tensor_cores", {}, {}), "cuda_cores": ("cuda_cores", {}, {}),
+                   "ch2": ("tensor_cores", {"chains": 2}, {"chains": 2}),
+                   "unroll": ("tensor_cores", {"unroll": True}, {"unroll": True}),
+                   "ch2_unroll": ("tensor_cores", {"chains": 2, "unroll": True}, {"chains": 2, "unroll": True}),
+                   "ch4_unroll": ("tensor_cores", {"chains": 4, "unroll": True}, {"chains": 4, "unroll": True}),
+                   "ch2_unroll_d4": ("tensor_cores", {"chains": 2, "unroll": True},
+                                     {"chains": 2, "unroll": True, "stages": 4}),
+                   "ch2_unroll_gu3_d6": ("tensor_cores", {"chains": 2, "unroll": True, "stages": 3},
+                                         {"chains": 2, "unroll": True, "stages": 6})}
 # A library folder holding this file reads the codes in the checkpoint layout ("ocp"); the
 # others (the tensor-core kernels) in the tc layout (schedules/mxfp4_tc_layout.py), which the
 # run makes on the GPU with repack.so (the in-place permutation the model library runs at load).

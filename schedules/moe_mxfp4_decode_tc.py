@@ -77,9 +77,14 @@ def _check(kd: int, n: int, rows_per_block: int, E: int):
 
 def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
              beta_lin: float | None = None, out_dtype: str = "bfloat16", warps: int = 4,
-             stages: int = 4):
-    """Builder of both kernels (``kind`` "gate_up": two weight matrices + SiTU; "down": one)."""
+             stages: int = 4, chains: int = 1, unroll: bool = False):
+    """Builder of both kernels (``kind`` "gate_up": two weight matrices + SiTU; "down": one).
+    ``chains``: accumulators per matrix, mma step ``s`` adding into chain ``s % chains`` (shorter
+    dependency chains of mmas); ``unroll``: unroll the K loop."""
     K = top_k
+    if chains not in (1, 2, 4, 8):
+        raise ValueError(f"chains must be 1, 2, 4 or 8, got {chains}")
+    CH = chains
     if warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"warps must be 1, 2, 4, 8 or 16, got {warps}")
     if stages < 2:
@@ -135,6 +140,34 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
                 dst[i * 4 + v] = xq[xr * XW + kb * 64 + q * 16 + i * 4 + v]
 
     @T.macro
+    def kstep(kb, w_s, s_s, wq0, wq1, sw0, sw1, xq, xcur, wcur, s2, bf, acc, rr, tx):
+        """K block ``kb`` of the warp: refill the stage ``NS - 1`` ahead, then dequantize and
+        multiply the one that has landed."""
+        if kb + NS - 1 < KPW:
+            issue(rr[3] + kb + NS - 1, kb + NS - 1, w_s, s_s, wq0, sw0, 0, rr[0], tx)
+            if gate_up:
+                issue(rr[3] + kb + NS - 1, kb + NS - 1, w_s, s_s, wq1, sw1, 2, rr[0], tx)
+        T.evaluate(commit())
+        # activations from L1 (every block of the pass reads the same rows)
+        load_x(xcur, rr[3] + kb, xq, rr[1], tx % 4)
+        T.evaluate(wait(NS - 1))  # K block kb has landed
+        for sl in T.unroll(SLOTS):
+            for v in T.vectorized(4):
+                wcur[sl * 4 + v] = w_s[((kb % NS * SLOTS + sl) * NT + tx) * 4 + v]
+            s2[sl] = factor_bf16x2(s_s[(kb % NS * SLOTS + sl) * NT + tx], tx % 4)
+        for s in T.unroll(8):
+            if s % 2 == 0:
+                for sl in T.unroll(SLOTS):
+                    T.evaluate(dequant8(T.address_of(bf[sl * 4]), wcur[sl * 4 + s // 2], s2[sl]))
+            # A: rows g / g+8 at k (2q, 2q+1) and (2q+8, 2q+9) = inputs
+            # 32q + 4s + {0, 1} and {2, 3}; B: the same inputs of column g
+            for m in T.unroll(NM):
+                T.evaluate(mma_bf16(T.address_of(acc[(s % CH * NM + m) * 4]),
+                                    bf[m * 8 + a_word(s, 0)], bf[m * 8 + a_word(s, 1)],
+                                    bf[m * 8 + a_word(s, 2)], bf[m * 8 + a_word(s, 3)],
+                                    xcur[b_word(s, 0)], xcur[b_word(s, 1)]))
+
+    @T.macro
     def body(nt, xq, wq0, wq1, sw0, sw1, chain, ids, y):
         for blk in T.thread_binding(nt * K * NTILE, thread="blockIdx.x"):
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
@@ -146,7 +179,8 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
                 wcur = T.alloc_buffer((SLOTS * 4,), "uint32", scope="local")
                 xcur = T.alloc_buffer((16,), "uint32", scope="local")
                 bf = T.alloc_buffer((SLOTS * 4,), "uint32", scope="local")
-                acc = T.alloc_buffer((NM * 4,), "float32", scope="local")
+                # chain c of matrix m: acc[(c * NM + m) * 4 ..] (chain 0 = the layout used after the K loop)
+                acc = T.alloc_buffer((CH * NM * 4,), "float32", scope="local")
                 s2 = T.alloc_buffer((SLOTS,), "uint32", scope="local")
                 # [0] weight row g of the block's 16 rows, [1] activation row of column g,
                 # [2] chain cursor, [3] first K block of this warp
@@ -180,32 +214,18 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
                         # last one (B column g only feeds C column g, which is then not stored)
                         rr[1] = xrow(ent_s[T.min(tx % 32 // 4, cnt_s[0] - 1)])
                         rr[2] = ent_s[COLS]
-                        for i in T.unroll(NM * 4):
+                        for i in T.unroll(CH * NM * 4):
                             acc[i] = T.float32(0)
-                        for kb in range(KPW):
-                            if kb + NS - 1 < KPW:
-                                issue(rr[3] + kb + NS - 1, kb + NS - 1, w_s, s_s, wq0, sw0, 0, rr[0], tx)
-                                if gate_up:
-                                    issue(rr[3] + kb + NS - 1, kb + NS - 1, w_s, s_s, wq1, sw1, 2, rr[0], tx)
-                            T.evaluate(commit())
-                            # activations from L1 (every block of the pass reads the same rows)
-                            load_x(xcur, rr[3] + kb, xq, rr[1], tx % 4)
-                            T.evaluate(wait(NS - 1))  # K block kb has landed
-                            for sl in T.unroll(SLOTS):
-                                for v in T.vectorized(4):
-                                    wcur[sl * 4 + v] = w_s[((kb % NS * SLOTS + sl) * NT + tx) * 4 + v]
-                                s2[sl] = factor_bf16x2(s_s[(kb % NS * SLOTS + sl) * NT + tx], tx % 4)
-                            for s in T.unroll(8):
-                                if s % 2 == 0:
-                                    for sl in T.unroll(SLOTS):
-                                        T.evaluate(dequant8(T.address_of(bf[sl * 4]), wcur[sl * 4 + s // 2], s2[sl]))
-                                # A: rows g / g+8 at k (2q, 2q+1) and (2q+8, 2q+9) = inputs
-                                # 32q + 4s + {0, 1} and {2, 3}; B: the same inputs of column g
-                                for m in T.unroll(NM):
-                                    T.evaluate(mma_bf16(T.address_of(acc[m * 4]),
-                                                        bf[m * 8 + a_word(s, 0)], bf[m * 8 + a_word(s, 1)],
-                                                        bf[m * 8 + a_word(s, 2)], bf[m * 8 + a_word(s, 3)],
-                                                        xcur[b_word(s, 0)], xcur[b_word(s, 1)]))
+                        if unroll:
+                            for kb in T.unroll(KPW):
+                                kstep(kb, w_s, s_s, wq0, wq1, sw0, sw1, xq, xcur, wcur, s2, bf, acc, rr, tx)
+                        else:
+                            for kb in range(KPW):
+                                kstep(kb, w_s, s_s, wq0, wq1, sw0, sw1, xq, xcur, wcur, s2, bf, acc, rr, tx)
+                        # ---- the accumulator chains of each matrix summed into chain 0
+                        for c in T.unroll(1, CH):
+                            for i in T.unroll(NM * 4):
+                                acc[i] = acc[i] + acc[c * NM * 4 + i]
                         # ---- split-K: the warps' partial sums meet in shared memory, warp 0 adds them
                         for i in T.unroll(NM * 4):
                             red_s[(tx // 32 * NM * 4 + i) * 32 + tx % 32] = acc[i]
@@ -300,7 +320,7 @@ def split_k_warps(in_width: int) -> int:
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def moe_mxfp4_gate_up_tc_kernel(num_experts: int, latent: int, inter: int, top_k: int,
                                 beta: float, beta_lin: float | None, out_dtype: str = "bfloat16",
-                                warps: int = 4, stages: int = 4):
+                                warps: int = 4, stages: int = 4, chains: int = 1, unroll: bool = False):
     """Fused W1/W3 GEMV + SiTU on tensor cores. Arguments as
     :func:`schedules.moe_mxfp4_cuda.moe_mxfp4_gate_up_kernel`, codes in the tc layout
     (:mod:`schedules.mxfp4_tc_layout`): ``z [T, L] bf16, w1_packed,
@@ -311,12 +331,14 @@ def moe_mxfp4_gate_up_tc_kernel(num_experts: int, latent: int, inter: int, top_k
             or 16 or not dividing L/128; ``stages < 2``; the stages (10 KiB each at 4 warps)
             and the other buffers over 48 KiB of shared memory; the codes over 2^31 words.
     """
-    return _gemv_tc("gate_up", num_experts, inter, latent, top_k, beta, beta_lin, out_dtype, warps, stages)
+    return _gemv_tc("gate_up", num_experts, inter, latent, top_k, beta, beta_lin, out_dtype, warps, stages,
+                    chains, unroll)
 
 
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def moe_mxfp4_down_tc_kernel(num_experts: int, latent: int, inter: int, top_k: int,
-                             out_dtype: str = "bfloat16", warps: int = 4, stages: int = 8):
+                             out_dtype: str = "bfloat16", warps: int = 4, stages: int = 8,
+                             chains: int = 1, unroll: bool = False):
     """W2 GEMV on tensor cores. Arguments as :func:`schedules.moe_mxfp4_cuda.
     moe_mxfp4_down_kernel`, codes in the tc layout: ``a [T, k, I] bf16, w2_packed, w2_scale, chain, expert_ids, o [T, k, L]``.
 
@@ -326,4 +348,4 @@ def moe_mxfp4_down_tc_kernel(num_experts: int, latent: int, inter: int, top_k: i
             the other buffers over 48 KiB of shared memory; the codes over 2^31 words.
     """
     return _gemv_tc("down", num_experts, latent, inter, top_k, out_dtype=out_dtype, warps=warps,
-                    stages=stages)
+                    stages=stages, chains=chains, unroll=unroll)
