@@ -54,14 +54,16 @@ FUNCS = ("moe_expert_chain", "moe_mxfp4_gate_up", "moe_mxfp4_down")
 # moe_mxfp4.so) is what the model dispatches, "tensor_cores" the tensor-core GEMVs
 # (schedules/moe_mxfp4_decode_tc.py), "cuda_cores" the CUDA-core ones (moe_mxfp4_cuda.py).
 DECODE_VARIANTS = {"": ("tensor_cores", {}, {}), "cuda_cores": ("cuda_cores", {}, {}),
-                   "ch2": ("tensor_cores", {"chains": 2}, {"chains": 2}),
-                   "unroll": ("tensor_cores", {"unroll": True}, {"unroll": True}),
-                   "ch2_unroll": ("tensor_cores", {"chains": 2, "unroll": True}, {"chains": 2, "unroll": True}),
-                   "ch4_unroll": ("tensor_cores", {"chains": 4, "unroll": True}, {"chains": 4, "unroll": True}),
-                   "ch2_unroll_d4": ("tensor_cores", {"chains": 2, "unroll": True},
-                                     {"chains": 2, "unroll": True, "stages": 4}),
-                   "ch2_unroll_gu3_d6": ("tensor_cores", {"chains": 2, "unroll": True, "stages": 3},
-                                         {"chains": 2, "unroll": True, "stages": 6})}
+                   # the defaults are chains=2, unroll=True, stages 4 (gate_up) and 4 (down)
+                   "rolled_ch1_d8": ("tensor_cores", {"chains": 1, "unroll": False},
+                                     {"chains": 1, "unroll": False, "stages": 8}),
+                   "ch1": ("tensor_cores", {"chains": 1}, {"chains": 1}),
+                   "d3": ("tensor_cores", {}, {"stages": 3}),
+                   "d6": ("tensor_cores", {}, {"stages": 6}),
+                   "gu3": ("tensor_cores", {"stages": 3}, {}),
+                   "gu_w2": ("tensor_cores", {"warps": 2}, {}),
+                   "d_w8": ("tensor_cores", {}, {"warps": 8}),
+                   "d_w2": ("tensor_cores", {}, {"warps": 2})}
 # A library folder holding this file reads the codes in the checkpoint layout ("ocp"); the
 # others (the tensor-core kernels) in the tc layout (schedules/mxfp4_tc_layout.py), which the
 # run makes on the GPU with repack.so (the in-place permutation the model library runs at load).
@@ -109,8 +111,8 @@ def build(out_dir: Path) -> None:
 
 
 PREFILL_FUNCS = ("moe_sort", "moe_grouped_gate_up", "moe_grouped_down")
-# besides the defaults of schedules.moe_mxfp4_prefill_cuda (STAGES = 2, WARPS_M = 2)
-PREFILL_VARIANTS = {"stages3": {"stages": 3}, "warps_m4": {"warps_m": 4}}
+# besides the defaults of schedules.moe_mxfp4_prefill_cuda (STAGES = 3, WARPS_M = 2)
+PREFILL_VARIANTS = {"stages2": {"stages": 2}, "stages4": {"stages": 4}, "warps_m4": {"warps_m": 4}}
 SMALL = (3, 512, 512, 2)  # E, L, I, top_k of tests/gpu/check_moe_dispatch.py's model
 
 

@@ -320,7 +320,7 @@ def split_k_warps(in_width: int) -> int:
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def moe_mxfp4_gate_up_tc_kernel(num_experts: int, latent: int, inter: int, top_k: int,
                                 beta: float, beta_lin: float | None, out_dtype: str = "bfloat16",
-                                warps: int = 4, stages: int = 4, chains: int = 1, unroll: bool = False):
+                                warps: int = 4, stages: int = 4, chains: int = 2, unroll: bool = True):
     """Fused W1/W3 GEMV + SiTU on tensor cores. Arguments as
     :func:`schedules.moe_mxfp4_cuda.moe_mxfp4_gate_up_kernel`, codes in the tc layout
     (:mod:`schedules.mxfp4_tc_layout`): ``z [T, L] bf16, w1_packed,
@@ -337,8 +337,8 @@ def moe_mxfp4_gate_up_tc_kernel(num_experts: int, latent: int, inter: int, top_k
 
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def moe_mxfp4_down_tc_kernel(num_experts: int, latent: int, inter: int, top_k: int,
-                             out_dtype: str = "bfloat16", warps: int = 4, stages: int = 8,
-                             chains: int = 1, unroll: bool = False):
+                             out_dtype: str = "bfloat16", warps: int = 4, stages: int = 4,
+                             chains: int = 2, unroll: bool = True):
     """W2 GEMV on tensor cores. Arguments as :func:`schedules.moe_mxfp4_cuda.
     moe_mxfp4_down_kernel`, codes in the tc layout: ``a [T, k, I] bf16, w2_packed, w2_scale, chain, expert_ids, o [T, k, L]``.
 

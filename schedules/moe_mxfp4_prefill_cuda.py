@@ -113,8 +113,8 @@ def acc_word(nt8: int, u, t, c):
 
 
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory per block on sm_90 / sm_100
-STAGES = 2        # cp.async pipeline depth (k-steps in flight; 2 and 3 within 1% on the H200, 4 slower,
-                  # measured with the tokens as the mma's A operand)
+STAGES = 3        # cp.async pipeline depth (k-steps in flight): with the tc code layout's cheaper
+                  # dequant, 3 is 4-6% faster than 2 on the H200 (moe_tc_layout_h200_2026-11-30.json)
 ROW_WORDS = 32    # uint32 per 64-element bf16 activation row in shared memory (16-byte chunks
                   # XOR-swizzled by row parity: conflict-free fragment reads, no padding)
 B_ROW_WORDS = 12  # uint32 per packed weight row in shared memory (64 codes + 16 bytes pad)
