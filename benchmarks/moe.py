@@ -57,12 +57,9 @@ DECODE_VARIANTS = {"": ("tensor_cores", {}, {}), "cuda_cores": ("cuda_cores", {}
                    # the defaults are chains=2, unroll=True, stages 4 (gate_up) and 4 (down)
                    "rolled_ch1_d8": ("tensor_cores", {"chains": 1, "unroll": False},
                                      {"chains": 1, "unroll": False, "stages": 8}),
-                   "ch1": ("tensor_cores", {"chains": 1}, {"chains": 1}),
                    "d3": ("tensor_cores", {}, {"stages": 3}),
-                   "d6": ("tensor_cores", {}, {"stages": 6}),
-                   "gu3": ("tensor_cores", {"stages": 3}, {}),
-                   "gu_w2": ("tensor_cores", {"warps": 2}, {}),
-                   "d_w8": ("tensor_cores", {}, {"warps": 8}),
+                   "gu_mb5": ("tensor_cores", {"min_blocks": 5}, {}),
+                   "gu_ch1_mb5": ("tensor_cores", {"chains": 1, "min_blocks": 5}, {}),
                    "d_w2": ("tensor_cores", {}, {"warps": 2})}
 # A library folder holding this file reads the codes in the checkpoint layout ("ocp"); the
 # others (the tensor-core kernels) in the tc layout (schedules/mxfp4_tc_layout.py), which the

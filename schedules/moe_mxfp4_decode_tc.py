@@ -52,6 +52,7 @@ import functools
 from tvm.script import tirx as T
 
 from schedules.barriers import mark
+from schedules.launch_bounds import min_blocks_per_sm
 from schedules.moe_mxfp4_prefill_cuda import situ_expr
 from schedules.mxfp4_ptx import commit, cp_async4, cp_async16, dequant8, factor_bf16x2, mma_bf16, wait
 
@@ -77,14 +78,16 @@ def _check(kd: int, n: int, rows_per_block: int, E: int):
 
 def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
              beta_lin: float | None = None, out_dtype: str = "bfloat16", warps: int = 4,
-             stages: int = 4, chains: int = 1, unroll: bool = False):
+             stages: int = 4, chains: int = 1, unroll: bool = False, min_blocks: int | None = None):
     """Builder of both kernels (``kind`` "gate_up": two weight matrices + SiTU; "down": one).
     ``chains``: accumulators per matrix, mma step ``s`` adding into chain ``s % chains`` (shorter
-    dependency chains of mmas); ``unroll``: unroll the K loop."""
+    dependency chains of mmas); ``unroll``: unroll the K loop; ``min_blocks``: resident blocks
+    per SM asked of ptxas (schedules/launch_bounds.py), capping the registers."""
     K = top_k
     if chains not in (1, 2, 4, 8):
         raise ValueError(f"chains must be 1, 2, 4 or 8, got {chains}")
     CH = chains
+    ask_blocks = min_blocks is not None
     if warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"warps must be 1, 2, 4, 8 or 16, got {warps}")
     if stages < 2:
@@ -171,6 +174,8 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
     def body(nt, xq, wq0, wq1, sw0, sw1, chain, ids, y):
         for blk in T.thread_binding(nt * K * NTILE, thread="blockIdx.x"):
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                if ask_blocks:
+                    T.evaluate(min_blocks_per_sm(min_blocks))
                 ent_s = T.alloc_buffer((COLS + 1,), "int32", scope="shared")  # entries; [COLS] = next
                 cnt_s = T.alloc_buffer((1,), "int32", scope="shared")
                 w_s = T.alloc_buffer((NS * SLOTS * NT * 4,), "uint32", scope="shared")
@@ -320,7 +325,8 @@ def split_k_warps(in_width: int) -> int:
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def moe_mxfp4_gate_up_tc_kernel(num_experts: int, latent: int, inter: int, top_k: int,
                                 beta: float, beta_lin: float | None, out_dtype: str = "bfloat16",
-                                warps: int = 4, stages: int = 4, chains: int = 2, unroll: bool = True):
+                                warps: int = 4, stages: int = 4, chains: int = 2, unroll: bool = True,
+                                min_blocks: int | None = None):
     """Fused W1/W3 GEMV + SiTU on tensor cores. Arguments as
     :func:`schedules.moe_mxfp4_cuda.moe_mxfp4_gate_up_kernel`, codes in the tc layout
     (:mod:`schedules.mxfp4_tc_layout`): ``z [T, L] bf16, w1_packed,
@@ -332,13 +338,13 @@ def moe_mxfp4_gate_up_tc_kernel(num_experts: int, latent: int, inter: int, top_k
             and the other buffers over 48 KiB of shared memory; the codes over 2^31 words.
     """
     return _gemv_tc("gate_up", num_experts, inter, latent, top_k, beta, beta_lin, out_dtype, warps, stages,
-                    chains, unroll)
+                    chains, unroll, min_blocks)
 
 
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def moe_mxfp4_down_tc_kernel(num_experts: int, latent: int, inter: int, top_k: int,
                              out_dtype: str = "bfloat16", warps: int = 4, stages: int = 4,
-                             chains: int = 2, unroll: bool = True):
+                             chains: int = 2, unroll: bool = True, min_blocks: int | None = None):
     """W2 GEMV on tensor cores. Arguments as :func:`schedules.moe_mxfp4_cuda.
     moe_mxfp4_down_kernel`, codes in the tc layout: ``a [T, k, I] bf16, w2_packed, w2_scale, chain, expert_ids, o [T, k, L]``.
 
@@ -348,4 +354,4 @@ def moe_mxfp4_down_tc_kernel(num_experts: int, latent: int, inter: int, top_k: i
             the other buffers over 48 KiB of shared memory; the codes over 2^31 words.
     """
     return _gemv_tc("down", num_experts, latent, inter, top_k, out_dtype=out_dtype, warps=warps,
-                    stages=stages, chains=chains, unroll=unroll)
+                    stages=stages, chains=chains, unroll=unroll, min_blocks=min_blocks)
