@@ -32,7 +32,8 @@ def min_blocks_per_sm(n: int):
 def apply_min_blocks(src: str) -> str:
     """``src`` with ``__launch_bounds__(t)`` -> ``__launch_bounds__(t, n)`` for every kernel
     whose definition calls ``k3_min_blocks_<n>()`` (declaration and definition alike)."""
-    defs = [m for m in _KERNEL.finditer(src)]
+    # definitions only (the signature's first "{" comes before any ";"), not declarations
+    defs = [m for m in _KERNEL.finditer(src) if src.find("{", m.end()) < src.find(";", m.end())]
     wanted: dict[str, int] = {}
     for i, m in enumerate(defs):
         end = defs[i + 1].start() if i + 1 < len(defs) else len(src)
