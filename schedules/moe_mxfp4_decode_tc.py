@@ -32,13 +32,16 @@ i.e. 4.7 waves instead of 1.2 (a partial second wave left most SMs idle).
 fp32 accumulation; the outputs are rounded as the model's dtype flow says
 (relax_modules/moe.py).
 
-Status (H200, K3 shapes, GPU time of chain + gate_up + down): with the checkpoint layout and
-``prmt`` table look-ups (~2.5 instructions per code), 56–58% / 62–64% / 59% of the HBM roofline
-at 1 / 8 / 64 tokens (benchmarks/results/moe_decode_tc_h200_2026-11-29.json; the CUDA-core
-GEMVs in the same runs: 53–54% / 55% / 35–36%), issue-bound (ncu: 64% of issue slots busy,
-ALU the top pipe); the tc layout cuts the dequant to ~1.6 per code (results in
-moe_decode_tc_h200_2026-11-30.json). Tried and slower: a register ring instead of cp.async
-stages (255 registers), 2 or 8 warps per block, deeper or shallower stages.
+Status (H200, K3 shapes, GPU time of chain + gate_up + down; benchmarks/results/
+moe_decode_tuned_h200_2026-11-30.json and _variants_): 66–70% / 74–81% / 69–71% of the HBM
+roofline at 1 / 8 / 64 tokens with the defaults (tc layout, ``chains=2``, ``unroll``, down
+``stages=4``); the previous version (prmt look-ups on the checkpoint layout, one chain, rolled
+loop) 57–58% / 61–62% / 57–59% in the same runs, the CUDA-core GEMVs 52–53% / 55% / 35–36%.
+Chains and unrolling turned the K loop from latency-bound (8 dependent mmas per K block) into
+overlapped work; one token is now limited by latency (ncu: ~1.3 eligible warps per
+scheduler; W1/W3 blocks at 128 registers, 4 per SM — ``min_blocks=5`` spills and is slower),
+the per-block ramp (a block streams 61 KB) and three launches. Tried and slower: a register
+ring instead of cp.async stages, 2 or 8 warps per block for W1/W3, 8 for W2, deeper stages.
 
 Reference: ``schedules.moe_mxfp4_cuda.moe_experts_reference``; the fragment mapping is
 checked on the CPU (tests/test_moe_prefill_cuda.py), the kernels on the H200 by
