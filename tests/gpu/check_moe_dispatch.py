@@ -11,7 +11,9 @@ tokens); reports the largest prefill-logit difference and each decode step's; ex
 logit differs by more than 5% of the largest. Seen on the H200 (2026-11-29) with the
 tensor-core decode GEMVs: prefill logits equal, decode logits within 0.029 of 2.6 at every
 step (benchmarks/results/moe_decode_tc_h200_2026-11-29.json, ``dispatch_check``); the greedy
-tokens of an untied run differed at step 15 by a near-tie, hence the teacher forcing.
+tokens of an untied run differed at step 15 by a near-tie, hence the teacher forcing. Again
+on 2026-11-30 with the tc code layout (codes permuted by load_model): prefill logits equal,
+decode within 0.029 (benchmarks/results/moe_dispatch_check_h200_2026-11-30.json).
 """
 
 import json
