@@ -303,9 +303,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if cmd == "/stats":
             s = model.stats()
             print(f"[session totals: prefill {s['prefill_tokens']} tokens, {s['prefill_tokens_per_s']:.1f} tok/s; "
-                  f"decode {s['decode_tokens']} tokens, {s['decode_tokens_per_s']:.1f} tok/s; "
+                  f"{s['generated_tokens']} tokens generated in {s['decode_tokens']} decode steps "
+                  f"(a reply's first token comes from its prefill), {s['decode_tokens_per_s']:.1f} tok/s; "
                   f"cache: {s['mla_pages_used']}/{s['mla_pages']} MLA pages of {s['page_size']} tokens, "
-                  f"{s['kda_slots_used']}/{s['kda_slots']} KDA slots; conversation "
+                  f"{s['kda_slots_used']}/{s['kda_slots']} KDA state slots (batch {s['kda_slots'] - 1} + 1 spare "
+                  f"for fork/rollback); conversation "
                   f"{model.engine.length(session.seq)}/{s['context_window']} tokens]", flush=True)
             continue
         if cmd == "/help":

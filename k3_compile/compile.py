@@ -31,7 +31,9 @@ import numpy as np
 from .config import K3Config
 
 METADATA_FN = "_metadata"
-METADATA_FORMAT = "k3-compile-lib-v1"
+METADATA_FORMAT = "k3-compile-lib-v2"
+# v2 added ``expert_code_layout`` (v1 libraries read the codes as stored: "ocp")
+KNOWN_METADATA_FORMATS = ("k3-compile-lib-v1", METADATA_FORMAT)
 DEFAULT_MAX_BATCH_SIZE = 4
 
 

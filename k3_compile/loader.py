@@ -117,14 +117,28 @@ def check_expert_scales(name: str, arr: np.ndarray, layout: str) -> None:
 def repack_expert_codes(vm, layout: str, names: list[str], params: list) -> list:
     """With the tc layout, permute every routed-expert ``weight_packed`` device tensor in
     ``params`` (parallel to ``names``) in place with the library's ``repack_expert_codes``
-    (k3_compile.pipeline.attach_repack); returns ``params``. ``"ocp"``: unchanged."""
+    (k3_compile.pipeline.attach_repack); returns ``params``. ``"ocp"``: unchanged.
+
+    Raises:
+        ParameterError: the library has no ``repack_expert_codes``, or it failed on a tensor
+            (named, with the first line of the runtime's message).
+    """
     if layout == "ocp":
         return params
     from .pipeline import REPACK_FN
 
-    fn = vm[REPACK_FN]
+    try:
+        fn = vm[REPACK_FN]
+    except Exception as e:  # noqa: BLE001 - the runtime raises its own error types
+        raise ParameterError(f"the library says expert_code_layout {layout!r} but has no {REPACK_FN} "
+                             f"function ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                             "recompile it with `k3 compile`") from None
     for i, name in enumerate(names):
         m = EXPERT_STACKED.match(name)
         if m and m.group(3) == "weight_packed":
-            params[i] = fn(params[i])
+            try:
+                params[i] = fn(params[i])
+            except Exception as e:  # noqa: BLE001
+                msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+                raise ParameterError(f"parameter {name}: {REPACK_FN} failed ({msg})") from None
     return params

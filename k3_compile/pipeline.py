@@ -53,11 +53,11 @@ def export_model(cfg: K3Config, dtype: str = "float32", page_size: int = 16,
 REPACK_FN = "repack_expert_codes"
 
 
-def attach_repack(mod):
+def attach_repack(mod, gpu: bool = True):
     """Add ``repack_expert_codes(codes: uint8 [e, n, kh]) -> codes`` to the Relax module: the
     in-place permutation of a stacked ``weight_packed`` tensor from the checkpoint layout to
     the tc layout (schedules/mxfp4_tc_layout.py), which the runtime calls once per tensor
-    after uploading it."""
+    after uploading it. ``gpu``: the thread-bound kernel (False: the CPU loop, for tests)."""
     from tvm import relax, tirx as tir
 
     from schedules.mxfp4_tc_layout import repack_kernel
@@ -66,7 +66,7 @@ def attach_repack(mod):
     e, n, kh = tir.Var("e", "int64"), tir.Var("n", "int64"), tir.Var("kh", "int64")
     codes = relax.Var("codes", relax.TensorType([e, n, kh], "uint8"))
     with bb.function(REPACK_FN, [codes]):
-        gv = bb.add_func(repack_kernel(gpu=True), "repack_e2m1_tc")
+        gv = bb.add_func(repack_kernel(gpu=gpu), "repack_e2m1_tc")
         out = bb.emit(relax.op.call_tir_inplace(gv, [codes], [0],
                                                 relax.TensorType([e, n, kh], "uint8")))
         bb.emit_func_output(out)
@@ -81,20 +81,31 @@ def compile_llvm(exported: ExportedModel):
 
 
 def load_checkpoint_params(model_dir: str | Path, exported: ExportedModel, device,
-                           progress: bool = False) -> list:
+                           progress: bool = False, vm=None) -> list:
     """Read (and validate) the checkpoint in ``model_dir`` into device tensors, in order.
+
+    ``vm``: the compiled library's VirtualMachine on ``device``; needed when the export reads
+    the expert codes in the tc layout (``exported.code_layout != "ocp"``), whose
+    ``repack_expert_codes`` then permutes them after upload.
 
     Raises:
         k3_compile.weights.CheckpointError: the checkpoint does not match the config.
         k3_compile.loader.ParameterError: a tensor cannot become its parameter.
+        ValueError: a tc-layout export without ``vm``; an expert scale out of the layout's range.
     """
     import tvm
 
-    from .loader import load_parameters
+    from .loader import check_expert_scales, load_parameters, repack_expert_codes
     from .weights import CheckpointReader
 
+    layout = exported.code_layout
+    if layout != "ocp" and vm is None:
+        raise ValueError(f"this export reads the expert codes in the {layout} layout: pass vm= (the "
+                         f"compiled library's VirtualMachine) so that {REPACK_FN} can permute them")
     reader = CheckpointReader(model_dir, exported.cfg)
     reader.validate()
-    return [tvm.runtime.tensor(a, device)
-            for _, a in load_parameters(reader.get, exported.params, exported.cfg.num_experts,
-                                        progress=progress)]
+    out = []
+    for name, a in load_parameters(reader.get, exported.params, exported.cfg.num_experts, progress=progress):
+        check_expert_scales(name, a, layout)
+        out.append(tvm.runtime.tensor(a, device))
+    return repack_expert_codes(vm, layout, [n for n, _, _ in exported.params], out)

@@ -5,6 +5,7 @@ is one line on stderr with exit status 2. Plus the sampler's contracts."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -254,6 +255,10 @@ def test_chat_over_stdin(lib):
     assert "[conversation reset]" in out
     stats = [ln for ln in out.splitlines() if "[session totals: prefill " in ln]
     assert "conversation 0/" in stats[1]
+    # one reply of at most 8 tokens: its first token came from the prefill, or it ended at EOS
+    gen, steps = (int(x) for x in re.search(r"(\d+) tokens generated in (\d+) decode steps", stats[0]).groups())
+    assert 0 <= gen <= 8 and gen - steps in (0, 1)
+    assert re.search(r"\d+/5 KDA state slots \(batch 4 \+ 1 spare", stats[0])
     assert "Traceback" not in proc.stderr
 
 

@@ -7,6 +7,7 @@ and the loader's handling of the layout (scale check, device repack)."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -15,6 +16,8 @@ import pytest
 from schedules import moe_generic as mg
 from schedules import mxfp4_ptx as ptx
 from schedules import mxfp4_tc_layout as tcl
+
+NANO = Path(__file__).resolve().parents[1] / "models" / "k3-nano"
 
 
 def _bf16(bits) -> np.ndarray:
@@ -30,11 +33,12 @@ def _device_recipe(w: int, f2: int) -> list[int]:
     source, so a typo there fails here), then ``mul.rn.bf16x2`` by ``f2`` (bf16 round to
     nearest; exact here)."""
     src = ptx.DEQUANT_SRC
-    t = int(re.search(r"r\[0\] = w & (0x[0-9a-f]+)u", src).group(1), 16)
-    r1, r2 = (int(re.search(rf"r\[{i}\] = __funnelshift_r\(w, w, (\d+)\) & 0x", src).group(1)) for i in (1, 2))
+    t0 = int(re.search(r"r\[0\] = w & (0x[0-9a-f]+)u", src).group(1), 16)
+    (r1, t1), (r2, t2) = ((int(a), int(b, 16)) for a, b in (
+        re.search(rf"r\[{i}\] = __funnelshift_r\(w, w, (\d+)\) & (0x[0-9a-f]+)u;", src).groups() for i in (1, 2)))
     ra, ma, rb, mb = re.search(r"r\[3\] = \(__funnelshift_r\(w, w, (\d+)\) & (0x[0-9a-f]+)u\) \| "
                                r"\(__funnelshift_r\(w, w, (\d+)\) & (0x[0-9a-f]+)u\)", src).groups()
-    regs = [w & t, _rotr(w, r1) & t, _rotr(w, r2) & t,
+    regs = [w & t0, _rotr(w, r1) & t1, _rotr(w, r2) & t2,
             (_rotr(w, int(ra)) & int(ma, 16)) | (_rotr(w, int(rb)) & int(mb, 16))]
     out = []
     for r in regs:
@@ -111,6 +115,47 @@ def test_repack_kernel_llvm_equals_reference():
         np.testing.assert_array_equal(t.numpy(), tcl.repack_reference(packed))
 
 
+def test_factor_tir_matches_reference_on_llvm():
+    """The TIR ``factor_bf16`` (what the prefill kernel evaluates) for every byte, compiled for
+    the CPU, against ``factor_reference`` and 2^(s-1)."""
+    import tvm
+    from tvm.script import tirx as T
+
+    @T.prim_func
+    def factors(s_h: T.handle, o_h: T.handle):
+        s = T.match_buffer(s_h, (256,), "uint32")
+        o = T.match_buffer(o_h, (256,), "uint32")
+        for i in range(256):
+            o[i] = tcl.factor_bf16(s[i])
+
+    lib = tvm.compile(tvm.IRModule({"factors": factors.with_attr("global_symbol", "factors")}), target="llvm")
+    s = np.arange(256, dtype=np.uint32)
+    o = tvm.runtime.tensor(np.zeros(256, np.uint32))
+    lib["factors"](tvm.runtime.tensor(s), o)
+    got = o.numpy()
+    ok = np.r_[0:129, 255]
+    np.testing.assert_array_equal(got[ok], tcl.factor_reference(s[ok].astype(np.uint8)))
+    np.testing.assert_array_equal(_bf16(got[:129].astype(np.uint16)), 2.0 ** (np.arange(129) - 1.0))
+    assert np.isnan(_bf16([got[255]]))[0]
+
+
+def test_repack_as_relax_function_runs_in_place():
+    """``k3_compile.pipeline.attach_repack`` (CPU kernel): the library function the runtime calls
+    on each uploaded ``weight_packed`` gives the reference layout."""
+    import tvm
+    from tvm import relax
+
+    from k3_compile.pipeline import REPACK_FN, attach_repack
+
+    mod = attach_repack(tvm.IRModule(), gpu=False)
+    vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())
+    packed = np.random.default_rng(3).integers(0, 256, (2, 3, 8), dtype=np.uint8)
+    t = tvm.runtime.tensor(packed)
+    out = vm[REPACK_FN](t)
+    np.testing.assert_array_equal(out.numpy(), tcl.repack_reference(packed))
+    np.testing.assert_array_equal(t.numpy(), tcl.repack_reference(packed))  # in place
+
+
 def test_check_scales_names_the_tensor_and_index():
     ok = np.array([[0, 1, 127, 128, 255]], np.uint8)
     tcl.check_scales(ok, "x")
@@ -141,3 +186,38 @@ def test_loader_checks_scales_and_repacks_only_expert_codes():
     out = repack_expert_codes(VM(), tcl.LAYOUT, names, ["p", "s", "e"])
     assert out == [("repacked", "p"), "s", "e"] and calls == [("repack_expert_codes", "p")]
     assert repack_expert_codes(VM(), "ocp", names, ["p", "s", "e"]) == ["p", "s", "e"]
+
+    from k3_compile.loader import ParameterError
+
+    class Failing:
+        def __getitem__(self, fn):
+            def f(t):
+                raise RuntimeError("CUDA error: an illegal memory access\nstack...")
+            return f
+
+    with pytest.raises(ParameterError, match=r"experts\.w1\.weight_packed: repack_expert_codes failed "
+                                             r"\(CUDA error: an illegal memory access\)"):
+        repack_expert_codes(Failing(), tcl.LAYOUT, names, ["p", "s", "e"])
+
+
+def test_export_records_the_layout_per_build():
+    """bf16 CUDA builds with the tuned kernels read the tc layout (and carry the repack
+    function); CPU, float32 and --generic-kernels builds the checkpoint's."""
+    from types import SimpleNamespace
+
+    from k3_compile.compile import build_metadata
+    from k3_compile.config import K3Config
+    from k3_compile.pipeline import REPACK_FN, export_model, load_checkpoint_params
+
+    cfg = K3Config.from_file(NANO)
+    spec = SimpleNamespace(name="cuda-sm90a", device="cuda", nvcc_arch="sm_90a")
+    for dtype, gpu, tuned, want in (("bfloat16", True, True, tcl.LAYOUT), ("bfloat16", True, False, "ocp"),
+                                    ("float32", True, True, "ocp"), ("bfloat16", False, True, "ocp")):
+        ex = export_model(cfg, dtype, gpu=gpu, tuned=tuned)
+        assert ex.code_layout == want, (dtype, gpu, tuned)
+        names = [g.name_hint for g in ex.mod.get_global_vars()]
+        assert (REPACK_FN in names) == (want != "ocp")
+        meta = build_metadata(ex, spec, max_batch_size=1, context_window=64, prefill_chunk=16)
+        assert meta["expert_code_layout"] == want and (REPACK_FN in meta["functions"]) == (want != "ocp")
+    with pytest.raises(ValueError, match="pass vm="):
+        load_checkpoint_params(NANO, export_model(cfg, "bfloat16", gpu=True), None)

@@ -128,6 +128,7 @@ class LoadedModel:
     context_window: int
     generation_defaults: dict = field(default_factory=dict)
     load_seconds: float = 0.0
+    generated_tokens: int = 0  # tokens returned by generate() so far (decode steps + 1 per request)
 
     # ------------------------------------------------------------------ generation
     def encode_prompt(self, text: str, chat: bool = False) -> list[int]:
@@ -221,15 +222,20 @@ class LoadedModel:
             text += dec.flush()
         if stream is not None and len(text) > emitted:
             stream(text[emitted:])
+        self.generated_tokens += len(out)
         return GenerationResult(text=text, token_ids=out, prompt_tokens=len(prompt_ids), finish_reason=finish,
                                 prefill_seconds=prefill_s, decode_seconds=eng.stats.decode_seconds - d0,
                                 prefill_tokens=len(prompt_ids), decode_tokens=n_dec,
                                 first_token_seconds=first_tok)
 
     def stats(self) -> dict:
+        """Session totals: ``prefill_tokens``, ``decode_tokens`` (decode steps: a request's first
+        token comes from its prefill, so N generated tokens take N - 1 steps),
+        ``generated_tokens``, speeds, and the engine's cache use (``kda_slots`` counts one spare
+        slot beyond the batch, for fork and rollback)."""
         s = self.engine.stats
         return {"prefill_tokens": s.prefill_tokens, "prefill_tokens_per_s": round(s.prefill_tokens_per_s, 2),
-                "decode_tokens": s.decode_tokens, "decode_tokens_per_s": round(s.decode_tokens_per_s, 2),
+                "generated_tokens": self.generated_tokens, "decode_tokens": s.decode_tokens, "decode_tokens_per_s": round(s.decode_tokens_per_s, 2),
                 **self.engine.cache_usage(), "context_window": self.engine.max_context}
 
 
@@ -463,6 +469,12 @@ def load_model(model_dir: str | Path, lib: str | Path | None = None, device: str
     except Exception as e:
         raise ModelLoadError(f"library {lib}: cannot read its metadata ({str(e).splitlines()[0]})") from None
 
+    from ..compile import KNOWN_METADATA_FORMATS
+
+    if meta.get("format") not in KNOWN_METADATA_FORMATS:
+        raise ModelLoadError(f"library {lib}: metadata format {meta.get('format')!r} is unknown to this "
+                             f"runtime (it reads {', '.join(KNOWN_METADATA_FORMATS)}); recompile it with "
+                             "this k3-compile or update k3-compile")
     here_hash = cfg.summary_hash()
     if meta.get("config_hash") != here_hash:
         raise _mismatch(lib, meta, f"config hash {meta.get('config_hash')} / target {meta.get('target')}",
@@ -486,9 +498,12 @@ def load_model(model_dir: str | Path, lib: str | Path | None = None, device: str
         params = _load_converted(model_dir, meta_params, dev, progress, check)
     else:
         params = _load_checkpoint(model_dir, cfg, meta_params, dev, progress, check)
-    from ..loader import repack_expert_codes
+    from ..loader import ParameterError, repack_expert_codes
 
-    params = repack_expert_codes(vm, layout, [n for n, _, _ in meta_params], params)
+    try:
+        params = repack_expert_codes(vm, layout, [n for n, _, _ in meta_params], params)
+    except ParameterError as e:
+        raise ModelLoadError(f"library {lib}: {e}") from None
 
     # ---- sizing
     page = int(meta["page_size"])

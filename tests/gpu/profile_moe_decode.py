@@ -6,6 +6,8 @@ GPU machine, runtime-only TVM: ``ncu --kernel-name regex:moe_mxfp4 --launch-skip
 holding ``moe_mxfp4.so`` from ``python benchmarks/moe.py build dist/moe``; the second
 argument is the number of decode tokens T). Runs chain + gate_up + down twice over T tokens,
 each routed to 16 distinct random experts of 896 resident MXFP4 experts (random codes).
+Timing only: the random codes are not permuted into the tc layout the tensor-core kernels
+read (schedules/mxfp4_tc_layout.py), so their outputs are not the reference's.
 """
 
 import sys

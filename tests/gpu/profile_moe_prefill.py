@@ -4,6 +4,8 @@ GPU machine, runtime-only TVM: ``ncu --kernel-name regex:grouped --section Speed
 python3 tests/gpu/profile_moe_prefill.py dist/moe/moe_prefill.so 8192`` (the library from
 ``python benchmarks/moe.py build dist/moe``). One sort + gate_up + down pass over T tokens
 routed uniformly at random to top-16 of 896 MXFP4 experts (random codes, resident).
+Timing only: the random codes are not permuted into the tc layout the tensor-core kernels
+read (schedules/mxfp4_tc_layout.py), so their outputs are not the reference's.
 """
 
 import sys
