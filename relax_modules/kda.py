@@ -21,6 +21,8 @@ from k3_compile.config import K3Config
 from relax_modules.common import ForwardMeta
 from relax_modules.layers import Linear
 from schedules.kda_decode_cuda import decode_tiling, kda_decode_fused_kernel
+from schedules.kda_prefill_cuda import C as TC_CHUNK
+from schedules.kda_prefill_tc import kda_prefill_intra_tc_kernel, kda_prefill_state_tc_kernel
 from schedules.kda_generic import (
     kda_chunk_prefill_kernel,
     kda_decode_kernel,
@@ -70,7 +72,13 @@ class KimiDeltaAttention(nn.Module):
         self.H = H = config.kda_num_heads
         self.K = K = config.kda_head_dim
         self.W = W = config.short_conv_kernel_size
-        self.lower_bound = config.gate_lower_bound
+        self.lower_bound = lb = config.gate_lower_bound
+        # GPU prefill: the chunked kernels on tensor cores (schedules/kda_prefill_tc.py: TF32
+        # products, fp32 state) for bf16 models with K = V = 128 and the lower-bound gate
+        # (|g| ≤ 5.5 keeps the in-chunk exponentials of 16-row sub-blocks inside fp32); fp32
+        # models keep the exact fp32 generic kernel.
+        self.tc_prefill = (gpu and tuned and dtype == "bfloat16" and config.kda_head_dim == 128
+                           and lb is not None and -5.5 <= lb < 0)
         self.eps = config.rms_norm_eps
         self.dtype = dtype
         hidden, HK = config.hidden_size, H * K
@@ -154,6 +162,8 @@ class KimiDeltaAttention(nn.Module):
                 kda_decode_kernel(H, K, K, scale, gpu=self.gpu), "kda_decode",
                 [q, k, v, g, beta, meta.seq_slots, kda_state, _i32(kda_index)],
                 [6, -1], [s_ty, o_ty])
+        elif self.tc_prefill:
+            kda_state, o = self._tc_prefill(q, k, v, g, beta, meta, kda_state, kda_index, scale)
         else:
             kda_state, o = op.tensor_ir_inplace_op(
                 kda_chunk_prefill_kernel(H, K, K, scale, gpu=self.gpu), "kda_chunk_prefill",
@@ -161,6 +171,27 @@ class KimiDeltaAttention(nn.Module):
                  _i32(kda_index)],
                 [7, -1], [s_ty, o_ty])
         return self._output(x, o), kda_state, conv_state
+
+    def _tc_prefill(self, q, k, v, g, beta, meta, kda_state, kda_index, scale):
+        """Step 5 on tensor cores: the intra-chunk kernel (w, u, qg, kg, Aqk per chunk row,
+        the chunk decays ge), then the inter-chunk pass (state in place, o). Returns
+        ``(kda_state, o [T, H, K] f32)``."""
+        T, H, K = q.shape[0], self.H, self.K
+        B = meta.seq_slots.shape[0]
+        nc = (T + TC_CHUNK - 1) // TC_CHUNK + B  # schedules.kda_prefill_cuda.max_chunks
+        f32 = "float32"
+        outs = [nn.Tensor.placeholder(shape, f32) for shape in
+                ((T, H, K), (T, H, K), (T, H, K), (T, H, K), (T, H, TC_CHUNK), (nc, H, K))]
+        # w is written in place into an uninitialized buffer (the kernel writes every row; a
+        # call_tir_inplace needs one in-place output), the others are fresh outputs
+        w, u, qg, kg, aqk, ge = op.tensor_ir_inplace_op(
+            kda_prefill_intra_tc_kernel(H, K, K, scale), "kda_prefill_intra_tc",
+            [k, q, v, g, beta, meta.cu_seqlens, op.empty((T, H, K), f32)], [6] + [-1] * 5, outs)
+        bv = 32 if H >= 48 else 16  # benchmarks/results/kda_prefill_h200_2026-11-29.json
+        return op.tensor_ir_inplace_op(
+            kda_prefill_state_tc_kernel(H, K, K, block_v=bv, a_batch=8), "kda_prefill_state_tc",
+            [w, u, qg, kg, aqk, ge, meta.cu_seqlens, meta.seq_slots, kda_state, _i32(kda_index)],
+            [8, -1], [nn.Tensor.placeholder(kda_state.shape, f32), nn.Tensor.placeholder((T, H, K), f32)])
 
     def _output(self, x, o):
         """Step 6: o = RMSNorm_{o_norm}(o) · σ(g_proj x) per head (fp32), then o_proj."""

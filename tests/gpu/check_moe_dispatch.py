@@ -1,12 +1,12 @@
-"""The tuned MoE kernels (decode GEMVs and the prefill grouped GEMM), dispatched by the model
-on CUDA, against the generic path.
+"""The tuned kernels the model dispatches on CUDA — MoE (decode GEMVs, prefill grouped GEMM)
+and KDA (fused decode, tensor-core chunked prefill) — against the generic path.
 
 ``prepare OUT`` (here): writes a random K3-format checkpoint whose latent and expert widths
-fit the tuned kernels (512: multiples of 128, and 4 warps split its K), with the routed experts made to dominate each MoE layer's
+fit the tuned kernels (512: multiples of 128, and 4 warps split its K; KDA head_dim 128), with the routed experts made to dominate each MoE layer's
 output (no routed_expert_norm, whose RMS normalization would hide a wrong scale, and
 ``routed_expert_up_proj`` ×20), and compiles it for cuda-sm90a in bf16 twice: with the tuned
-kernels and with ``--generic-kernels``. ``run OUT`` (H200, runtime-only TVM): prefill 40
-tokens then 16 decode steps with each library (the tuned one fed the generic one's greedy
+kernels and with ``--generic-kernels``. ``run OUT`` (H200, runtime-only TVM): prefill 150
+tokens (three KDA chunks) then 16 decode steps with each library (the tuned one fed the generic one's greedy
 tokens); reports the largest prefill-logit difference and each decode step's; exits 1 if a
 logit differs by more than 5% of the largest. Seen on the H200 (2026-11-29) with the
 tensor-core decode GEMVs: prefill logits equal, decode logits within 0.029 of 2.6 at every
@@ -32,8 +32,10 @@ def prepare(out: Path) -> None:
     from k3_compile.compile import compile_model
     from oracle_mlx import tiny_config, write_random_checkpoint
 
+    # head_dim 128: the tuned library also dispatches the KDA kernels (fused decode, tensor-core
+    # prefill), which need K = V = 128
     lac = {**tiny_config()["text_config"]["linear_attn_config"], "kda_layers": [1, 2],
-           "full_attn_layers": [3]}
+           "full_attn_layers": [3], "head_dim": 128}
     raw = tiny_config(hidden_size=256, num_hidden_layers=3, linear_attn_config=lac,
                       routed_expert_hidden_size=512, moe_intermediate_size=512,
                       num_experts=3, num_experts_per_token=2)
@@ -62,12 +64,13 @@ def _amplify_routed_experts(ckpt: Path, factor: float = 20.0) -> None:
 
 
 def run(out: Path) -> dict:
-    """Prefill 40 tokens, then 16 decode steps with each library. The generic library picks
+    """Prefill 150 tokens, then 16 decode steps with each library. The generic library picks
     the tokens greedily; the tuned one is fed the same tokens (teacher forcing), so a near-tie
     that one library breaks the other way cannot make the later steps incomparable."""
     from k3_compile.runtime.model_runner import load_model
 
-    ids = [int(t) for t in np.random.default_rng(0).integers(3, 97, size=40)]
+    # 150 tokens: three KDA chunks of 64, so the prefill's inter-chunk state pass runs
+    ids = [int(t) for t in np.random.default_rng(0).integers(3, 97, size=150)]
     res, forced = {}, None
     for name in ("generic", "tuned"):
         m = load_model(out / "ckpt", lib=out / f"{name}.so", device="cuda:0")
