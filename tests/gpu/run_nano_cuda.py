@@ -153,6 +153,21 @@ def prepare_kernels(out: Path) -> None:
     np.savez_compressed(out / "kernels_ref.npz", **data)
 
 
+def _margin(eng, prompt, want, j):
+    """Logit gap at greedy step ``j`` between this engine's argmax and the reference token
+    ``want[j]``, feeding ``want[:j]`` after ``prompt``."""
+    s = eng.add_sequence()
+    try:
+        logits = eng.prefill([s], [list(prompt)])
+        for t in want[:j]:
+            logits = eng.decode([s], [int(t)])
+        row = np.asarray(logits[0], np.float64)
+        return {"argmax": int(row.argmax()), "cpu_token": int(want[j]),
+                "gap": float(row.max() - row[int(want[j])]), "max_abs_logit": float(np.abs(row).max())}
+    finally:
+        eng.remove_sequence(s)
+
+
 # ------------------------------------------------------------------------------ prepare
 def prepare(out: Path) -> None:
     import tvm
@@ -340,6 +355,11 @@ def run(out: Path, json_path: Path | None) -> dict:
             r["greedy_first_mismatch"] = [
                 next((j for j, (a, b) in enumerate(zip(g, w)) if a != b), None)
                 for g, w in zip(greedy, want)]
+            # at a mismatch: this run's logit of its own token minus that of the CPU's token,
+            # teacher-forced on the CPU's tokens up to there (a near-tie gives a small margin)
+            r["greedy_mismatch_margin"] = [
+                None if j is None else _margin(eng, p, w, j)
+                for p, w, j in zip(ids, want, r["greedy_first_mismatch"])]
             r["bench"] = []
             _bench(eng, cfg.vocab_size, 1, 64, 8, 99)  # warm-up
             for batch, plen, ndec in ((1, 512, 64), (8, 512, 64), (1, 16, 128), (8, 16, 128)):
