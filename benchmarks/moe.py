@@ -208,11 +208,15 @@ def run(lib_dir: Path, decode: bool = True) -> dict:
         o = torch.empty(T, TOPK, L, dtype=torch.bfloat16, device=dev)
         tv = [tvm.runtime.from_dlpack(t) for t in (z, ids, chain, a, o)]
 
-        def ours():
-            c_f(tv[1], tv[2])
-            g_f(tv[0], *tw["w1"], *tw["w3"], tv[2], tv[1], tv[3])
-            d_f(tv[3], *tw["w2"], tv[2], tv[1], tv[4])
+        parts = {"chain": lambda: c_f(tv[1], tv[2]),
+                 "gate_up": lambda: g_f(tv[0], *tw["w1"], *tw["w3"], tv[2], tv[1], tv[3]),
+                 "down": lambda: d_f(tv[3], *tw["w2"], tv[2], tv[1], tv[4])}
 
+        def ours():
+            for f in parts.values():
+                f()
+
+        ours.parts = parts
         return z, ids, a, o, ours
 
     def check(T, fns=None, tw=tw):
@@ -277,6 +281,11 @@ def run(lib_dir: Path, decode: bool = True) -> dict:
         distinct = torch.unique(ids).numel()
         ours_ms = time_cuda(ours, iters=20, warmup=3)
         ours_graph_ms = time_cuda_graph(ours)
+        ours()  # the chain the parts read
+        torch.cuda.synchronize()
+        # each kernel alone (graph replays; inputs as left by a full step), and its share of
+        # the roofline: W1/W3 move 2/3 of the expert bytes (w1, w3 vs w2: 2 x L x I each)
+        parts_ms = {n: time_cuda_graph(f) for n, f in ours.parts.items()}
         groups = {}
         for t in range(T):
             for j in range(TOPK):
@@ -298,7 +307,10 @@ def run(lib_dir: Path, decode: bool = True) -> dict:
         row = {"T": T, "distinct_experts": distinct, "ours_ms": ours_ms, "torch_bf16_loop_ms": torch_ms,
                "roofline_ms": roof_ms, "ours_pct_roofline": 100 * roof_ms / ours_ms,
                "torch_pct_roofline": 100 * roof_ms / torch_ms, "speedup_vs_torch": torch_ms / ours_ms,
-               "ours_graph_ms": ours_graph_ms, "ours_pct_roofline_graph": 100 * roof_ms / ours_graph_ms}
+               "ours_graph_ms": ours_graph_ms, "ours_pct_roofline_graph": 100 * roof_ms / ours_graph_ms,
+               "parts_graph_ms": parts_ms,
+               "gate_up_pct_roofline": 100 * roof_ms * 2 / 3 / parts_ms["gate_up"],
+               "down_pct_roofline": 100 * roof_ms / 3 / parts_ms["down"]}
         results["timing"].append(row)
         print(json.dumps(row), flush=True)
     if (lib_dir / "moe_prefill.so").exists():
