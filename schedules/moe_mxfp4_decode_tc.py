@@ -81,7 +81,8 @@ def _check(kd: int, n: int, rows_per_block: int, E: int):
 
 def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
              beta_lin: float | None = None, out_dtype: str = "bfloat16", warps: int = 4,
-             stages: int = 4, chains: int = 1, unroll: bool = False, min_blocks: int | None = None):
+             stages: int = 4, chains: int = 1, unroll: bool = False, min_blocks: int | None = None,
+             tiles: int = 1):
     """Builder of both kernels (``kind`` "gate_up": two weight matrices + SiTU; "down": one).
     ``chains``: accumulators per matrix, mma step ``s`` adding into chain ``s % chains`` (shorter
     dependency chains of mmas); ``unroll``: unroll the K loop; ``min_blocks``: resident blocks
@@ -100,6 +101,10 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
     RB = 16                      # weight rows per block (the mma's m16); the warps split K
     _check(KD, N, RB, E)
     NTILE = N // RB
+    if tiles < 1 or NTILE % tiles:
+        raise ValueError(f"tiles={tiles} must divide the {NTILE} row tiles of 16")
+    TPB = tiles
+    NG = NTILE // TPB            # tile groups = blocks per entry
     NKB = KD // KB
     if NKB % NW:
         raise ValueError(f"the {NKB} K blocks of 128 inputs must split evenly over {NW} warps")
@@ -146,21 +151,25 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
                 dst[i * 4 + v] = xq[xr * XW + kb * 64 + q * 16 + i * 4 + v]
 
     @T.macro
-    def kstep(kb, w_s, s_s, wq0, wq1, sw0, sw1, xq, xcur, wcur, s2, bf, acc, rr, tx):
-        """K block ``kb`` of the warp: refill the stage ``NS - 1`` ahead, then dequantize and
-        multiply the one that has landed."""
-        if kb + NS - 1 < KPW:
-            issue(rr[3] + kb + NS - 1, kb + NS - 1, w_s, s_s, wq0, sw0, 0, rr[0], tx)
+    def kstep(j, kb, w_s, s_s, wq0, wq1, sw0, sw1, xq, xcur, wcur, s2, bf, acc, rr, tx):
+        """Step ``j`` of the block's ``tiles · KPW`` (K block ``kb`` of the warp in tile
+        ``j // KPW``): refill the stage ``NS - 1`` steps ahead (the next tile's rows once this
+        tile's K blocks are all in flight), then dequantize and multiply the one that has
+        landed."""
+        if j + NS - 1 < TPB * KPW:
+            issue(rr[3] + (j + NS - 1) % KPW, j + NS - 1, w_s, s_s, wq0, sw0, 0,
+                  rr[0] + (j + NS - 1) // KPW * RB, tx)
             if gate_up:
-                issue(rr[3] + kb + NS - 1, kb + NS - 1, w_s, s_s, wq1, sw1, 2, rr[0], tx)
+                issue(rr[3] + (j + NS - 1) % KPW, j + NS - 1, w_s, s_s, wq1, sw1, 2,
+                      rr[0] + (j + NS - 1) // KPW * RB, tx)
         T.evaluate(commit())
         # activations from L1 (every block of the pass reads the same rows)
         load_x(xcur, rr[3] + kb, xq, rr[1], tx % 4)
         T.evaluate(wait(NS - 1))  # K block kb has landed
         for sl in T.unroll(SLOTS):
             for v in T.vectorized(4):
-                wcur[sl * 4 + v] = w_s[((kb % NS * SLOTS + sl) * NT + tx) * 4 + v]
-            s2[sl] = factor_bf16x2(s_s[(kb % NS * SLOTS + sl) * NT + tx], tx % 4)
+                wcur[sl * 4 + v] = w_s[((j % NS * SLOTS + sl) * NT + tx) * 4 + v]
+            s2[sl] = factor_bf16x2(s_s[(j % NS * SLOTS + sl) * NT + tx], tx % 4)
         for s in T.unroll(8):
             if s % 2 == 0:
                 for sl in T.unroll(SLOTS):
@@ -174,8 +183,50 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
                                     xcur[b_word(s, 0)], xcur[b_word(s, 1)]))
 
     @T.macro
+    def tile(t, w_s, s_s, red_s, wq0, wq1, sw0, sw1, xq, xcur, wcur, s2, bf, acc, rr, ent_s, cnt_s, y, blk, tx):
+        """Tile ``t`` of the block's ``tiles`` (rows ``t·16 ..`` of its group) for the pass's
+        entries: K loop, split-K reduction, outputs."""
+        for i in T.unroll(CH * NM * 4):
+            acc[i] = T.float32(0)
+        if unroll:
+            for kb in T.unroll(KPW):
+                kstep(t * KPW + kb, kb, w_s, s_s, wq0, wq1, sw0, sw1, xq, xcur, wcur, s2, bf,
+                      acc, rr, tx)
+        else:
+            for kb in range(KPW):
+                kstep(t * KPW + kb, kb, w_s, s_s, wq0, wq1, sw0, sw1, xq, xcur, wcur, s2, bf,
+                      acc, rr, tx)
+        # ---- the accumulator chains of each matrix summed into chain 0
+        for c in T.unroll(1, CH):
+            for i in T.unroll(NM * 4):
+                acc[i] = acc[i] + acc[c * NM * 4 + i]
+        # ---- split-K: the warps' partial sums meet in shared memory, warp 0 adds them
+        for i in T.unroll(NM * 4):
+            red_s[(tx // 32 * NM * 4 + i) * 32 + tx % 32] = acc[i]
+        T.tvm_storage_sync("shared")
+        if tx < 32:
+            for w in T.unroll(1, NW):
+                for i in T.unroll(NM * 4):
+                    acc[i] = acc[i] + red_s[(w * NM * 4 + i) * 32 + tx]
+        # ---- outputs: c0, c1 -> row g, columns 2q, 2q+1; c2, c3 -> row g+8
+        for c in T.unroll(2):
+            if tx < 32 and tx % 4 * 2 + c < cnt_s[0]:
+                for h in T.unroll(2):
+                    if gate_up:
+                        y[ent_s[tx % 4 * 2 + c] // K, ent_s[tx % 4 * 2 + c] % K,
+                          (T.Cast("int32", blk % NG) * TPB + t) * RB + tx % 32 // 4 + h * 8] = T.Cast(
+                            out_dtype, situ_expr(_round(acc[h * 2 + c], rnd, out_dtype),
+                                                 _round(acc[4 + h * 2 + c], rnd, out_dtype),
+                                                 B, BL, use_bl))
+                    else:
+                        y[ent_s[tx % 4 * 2 + c] // K, ent_s[tx % 4 * 2 + c] % K,
+                          (T.Cast("int32", blk % NG) * TPB + t) * RB + tx % 32 // 4 + h * 8] = \
+                            T.Cast(out_dtype, acc[h * 2 + c])
+        T.tvm_storage_sync("shared")
+
+    @T.macro
     def body(nt, xq, wq0, wq1, sw0, sw1, chain, ids, y):
-        for blk in T.thread_binding(nt * K * NTILE, thread="blockIdx.x"):
+        for blk in T.thread_binding(nt * K * NG, thread="blockIdx.x"):
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
                 if ask_blocks:
                     T.evaluate(min_blocks_per_sm(min_blocks))
@@ -194,19 +245,19 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
                 # [2] chain cursor, [3] first K block of this warp
                 rr = T.alloc_buffer((4,), "int32", scope="local")
                 # (the row is read before the chain test so that both loads are in flight at once)
-                rr[0] = ids[T.Cast("int32", blk // NTILE) // K, T.Cast("int32", blk // NTILE) % K] * N \
-                    + T.Cast("int32", blk % NTILE) * RB + tx % 32 // 4
+                rr[0] = ids[T.Cast("int32", blk // NG) // K, T.Cast("int32", blk // NG) % K] * N \
+                    + T.Cast("int32", blk % NG) * (TPB * RB) + tx % 32 // 4
                 rr[3] = tx // 32 * KPW
-                if chain[T.Cast("int32", blk // NTILE) // K, T.Cast("int32", blk // NTILE) % K, 0] == 1:
-                    rr[2] = T.Cast("int32", blk // NTILE)
+                if chain[T.Cast("int32", blk // NG) // K, T.Cast("int32", blk // NG) % K, 0] == 1:
+                    rr[2] = T.Cast("int32", blk // NG)
                     while rr[2] >= 0:
                         # the first stages of weights: they do not depend on the chain (a later
                         # pass re-reads them, from L2)
                         for r in T.unroll(NS - 1):
-                            if r < KPW:
-                                issue(rr[3] + r, r, w_s, s_s, wq0, sw0, 0, rr[0], tx)
+                            if r < TPB * KPW:
+                                issue(rr[3] + r % KPW, r, w_s, s_s, wq0, sw0, 0, rr[0] + r // KPW * RB, tx)
                                 if gate_up:
-                                    issue(rr[3] + r, r, w_s, s_s, wq1, sw1, 2, rr[0], tx)
+                                    issue(rr[3] + r % KPW, r, w_s, s_s, wq1, sw1, 2, rr[0] + r // KPW * RB, tx)
                             T.evaluate(commit())
                         # ---- up to 8 entries of the chain = the mma's columns
                         if tx == 0:
@@ -222,41 +273,9 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
                         # last one (B column g only feeds C column g, which is then not stored)
                         rr[1] = xrow(ent_s[T.min(tx % 32 // 4, cnt_s[0] - 1)])
                         rr[2] = ent_s[COLS]
-                        for i in T.unroll(CH * NM * 4):
-                            acc[i] = T.float32(0)
-                        if unroll:
-                            for kb in T.unroll(KPW):
-                                kstep(kb, w_s, s_s, wq0, wq1, sw0, sw1, xq, xcur, wcur, s2, bf, acc, rr, tx)
-                        else:
-                            for kb in range(KPW):
-                                kstep(kb, w_s, s_s, wq0, wq1, sw0, sw1, xq, xcur, wcur, s2, bf, acc, rr, tx)
-                        # ---- the accumulator chains of each matrix summed into chain 0
-                        for c in T.unroll(1, CH):
-                            for i in T.unroll(NM * 4):
-                                acc[i] = acc[i] + acc[c * NM * 4 + i]
-                        # ---- split-K: the warps' partial sums meet in shared memory, warp 0 adds them
-                        for i in T.unroll(NM * 4):
-                            red_s[(tx // 32 * NM * 4 + i) * 32 + tx % 32] = acc[i]
-                        T.tvm_storage_sync("shared")
-                        if tx < 32:
-                            for w in T.unroll(1, NW):
-                                for i in T.unroll(NM * 4):
-                                    acc[i] = acc[i] + red_s[(w * NM * 4 + i) * 32 + tx]
-                        # ---- outputs: c0, c1 -> row g, columns 2q, 2q+1; c2, c3 -> row g+8
-                        for c in T.unroll(2):
-                            if tx < 32 and tx % 4 * 2 + c < cnt_s[0]:
-                                for h in T.unroll(2):
-                                    if gate_up:
-                                        y[ent_s[tx % 4 * 2 + c] // K, ent_s[tx % 4 * 2 + c] % K,
-                                          T.Cast("int32", blk % NTILE) * RB + tx % 32 // 4 + h * 8] = T.Cast(
-                                            out_dtype, situ_expr(_round(acc[h * 2 + c], rnd, out_dtype),
-                                                                 _round(acc[4 + h * 2 + c], rnd, out_dtype),
-                                                                 B, BL, use_bl))
-                                    else:
-                                        y[ent_s[tx % 4 * 2 + c] // K, ent_s[tx % 4 * 2 + c] % K,
-                                          T.Cast("int32", blk % NTILE) * RB + tx % 32 // 4 + h * 8] = \
-                                            T.Cast(out_dtype, acc[h * 2 + c])
-                        T.tvm_storage_sync("shared")
+                        for t in range(TPB):  # rolled: unrolling it let ptxas hoist loads across tiles (160-221 registers)
+                            tile(t, w_s, s_s, red_s, wq0, wq1, sw0, sw1, xq, xcur, wcur, s2, bf, acc, rr,
+                                 ent_s, cnt_s, y, blk, tx)
 
     if gate_up:
         @T.prim_func(private=True)
@@ -329,7 +348,7 @@ def split_k_warps(in_width: int) -> int:
 def moe_mxfp4_gate_up_tc_kernel(num_experts: int, latent: int, inter: int, top_k: int,
                                 beta: float, beta_lin: float | None, out_dtype: str = "bfloat16",
                                 warps: int = 4, stages: int = 4, chains: int = 2, unroll: bool = True,
-                                min_blocks: int | None = None):
+                                min_blocks: int | None = None, tiles: int = 1):
     """Fused W1/W3 GEMV + SiTU on tensor cores. Arguments as
     :func:`schedules.moe_mxfp4_cuda.moe_mxfp4_gate_up_kernel`, codes in the tc layout
     (:mod:`schedules.mxfp4_tc_layout`): ``z [T, L] bf16, w1_packed,
@@ -341,13 +360,14 @@ def moe_mxfp4_gate_up_tc_kernel(num_experts: int, latent: int, inter: int, top_k
             and the other buffers over 48 KiB of shared memory; the codes over 2^31 words.
     """
     return _gemv_tc("gate_up", num_experts, inter, latent, top_k, beta, beta_lin, out_dtype, warps, stages,
-                    chains, unroll, min_blocks)
+                    chains, unroll, min_blocks, tiles)
 
 
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def moe_mxfp4_down_tc_kernel(num_experts: int, latent: int, inter: int, top_k: int,
                              out_dtype: str = "bfloat16", warps: int = 4, stages: int = 4,
-                             chains: int = 2, unroll: bool = True, min_blocks: int | None = None):
+                             chains: int = 2, unroll: bool = True, min_blocks: int | None = None,
+                             tiles: int = 1):
     """W2 GEMV on tensor cores. Arguments as :func:`schedules.moe_mxfp4_cuda.
     moe_mxfp4_down_kernel`, codes in the tc layout: ``a [T, k, I] bf16, w2_packed, w2_scale, chain, expert_ids, o [T, k, L]``.
 
@@ -357,4 +377,4 @@ def moe_mxfp4_down_tc_kernel(num_experts: int, latent: int, inter: int, top_k: i
             the other buffers over 48 KiB of shared memory; the codes over 2^31 words.
     """
     return _gemv_tc("down", num_experts, latent, inter, top_k, out_dtype=out_dtype, warps=warps,
-                    stages=stages, chains=chains, unroll=unroll, min_blocks=min_blocks)
+                    stages=stages, chains=chains, unroll=unroll, min_blocks=min_blocks, tiles=tiles)
