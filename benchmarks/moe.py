@@ -55,12 +55,11 @@ FUNCS = ("moe_expert_chain", "moe_mxfp4_gate_up", "moe_mxfp4_down")
 # (schedules/moe_mxfp4_decode_tc.py), "cuda_cores" the CUDA-core ones (moe_mxfp4_cuda.py).
 DECODE_VARIANTS = {"": ("tensor_cores", {}, {}), "cuda_cores": ("cuda_cores", {}, {}),
                    # the defaults are chains=2, unroll=True, stages 4 (gate_up) and 4 (down), tiles 1
-                   "d3": ("tensor_cores", {}, {"stages": 3}),
                    "d_t2": ("tensor_cores", {}, {"tiles": 2}),
-                   "d_t4": ("tensor_cores", {}, {"tiles": 4}),
-                   "d_t4_mb6": ("tensor_cores", {}, {"tiles": 4, "min_blocks": 6}),
-                   "gu_t2": ("tensor_cores", {"tiles": 2}, {}),
-                   "gu_t4": ("tensor_cores", {"tiles": 4}, {})}
+                   "d_t7": ("tensor_cores", {}, {"tiles": 7}),
+                   "gu_t6": ("tensor_cores", {"tiles": 6}, {}),
+                   "gu_t6_d_t7": ("tensor_cores", {"tiles": 6}, {"tiles": 7}),
+                   "d_t8": ("tensor_cores", {}, {"tiles": 8})}
 # A library folder holding this file reads the codes in the checkpoint layout ("ocp"); the
 # others (the tensor-core kernels) in the tc layout (schedules/mxfp4_tc_layout.py), which the
 # run makes on the GPU with repack.so (the in-place permutation the model library runs at load).
