@@ -11,7 +11,7 @@ Two steps, because the GPU machine has no TVM compiler:
    and the prefill kernels (sort, grouped gate_up, grouped down) into ``moe_prefill.so`` (plus
    pipeline-depth variants and a small-shape build), for ``cuda-sm90a``.
 2. On the H200 (runtime-only TVM): ``python benchmarks/moe.py run dist/moe --out $OUT``
-   (``--prefill-only`` skips the decode part).
+   (``--prefill-only`` / ``--decode-only`` skip the other part).
 
 K3 shapes: E = 896 experts, latent L = 3584, expert width I = 3072, top-16; x and outputs
 bf16; all 896 experts resident in MXFP4 (random codes, scales 2^-6..2^-1).
@@ -171,7 +171,7 @@ def _situ(g, u):
     return BETA * torch.tanh(g / BETA) * torch.sigmoid(g) * (BETA_LIN * torch.tanh(u / BETA_LIN))
 
 
-def run(lib_dir: Path, decode: bool = True) -> dict:
+def run(lib_dir: Path, decode: bool = True, prefill: bool = True) -> dict:
     import torch
     import tvm
 
@@ -314,7 +314,7 @@ def run(lib_dir: Path, decode: bool = True) -> dict:
                "down_pct_roofline": 100 * roof_ms / 3 / parts_ms["down"]}
         results["timing"].append(row)
         print(json.dumps(row), flush=True)
-    if (lib_dir / "moe_prefill.so").exists():
+    if prefill and (lib_dir / "moe_prefill.so").exists():
         results["prefill"] = run_prefill(lib_dir, W, Wb, tw_tc, g, repack)
     elif not decode:
         raise SystemExit(f"--prefill-only: no {lib_dir / 'moe_prefill.so'} (build it with `build`)")
@@ -583,13 +583,14 @@ def main(argv=None) -> int:
     r.add_argument("lib_dir", type=Path)
     r.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     r.add_argument("--prefill-only", action="store_true", help="skip the decode kernels")
+    r.add_argument("--decode-only", action="store_true", help="skip the prefill kernels")
     args = ap.parse_args(argv)
     if args.cmd == "build":
         build(args.out_dir)
         return 0
     import torch
 
-    res = run(args.lib_dir, decode=not args.prefill_only)
+    res = run(args.lib_dir, decode=not args.prefill_only, prefill=not args.decode_only)
     res.update({"machine": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
                 "commit": git_commit(), "shapes": {"E": E, "L": L, "I": I, "top_k": TOPK}})
     args.out.mkdir(parents=True, exist_ok=True)
