@@ -55,11 +55,10 @@ FUNCS = ("moe_expert_chain", "moe_mxfp4_gate_up", "moe_mxfp4_down")
 # (schedules/moe_mxfp4_decode_tc.py), "cuda_cores" the CUDA-core ones (moe_mxfp4_cuda.py).
 DECODE_VARIANTS = {"": ("tensor_cores", {}, {}), "cuda_cores": ("cuda_cores", {}, {}),
                    # the defaults are chains=2, unroll=True, stages 4 (gate_up) and 4 (down), tiles 1
-                   "d_t2": ("tensor_cores", {}, {"tiles": 2}),
-                   "d_t7": ("tensor_cores", {}, {"tiles": 7}),
-                   "gu_t6": ("tensor_cores", {"tiles": 6}, {}),
-                   "gu_t6_d_t7": ("tensor_cores", {"tiles": 6}, {"tiles": 7}),
-                   "d_t8": ("tensor_cores", {}, {"tiles": 8})}
+                   "skipx": ("tensor_cores", {"skip_x": True}, {"skip_x": True}),
+                   "d_skipx": ("tensor_cores", {}, {"skip_x": True}),
+                   "skipx_d3": ("tensor_cores", {"skip_x": True}, {"skip_x": True, "stages": 3}),
+                   "skipx_d_t7": ("tensor_cores", {"skip_x": True}, {"skip_x": True, "tiles": 7})}
 # A library folder holding this file reads the codes in the checkpoint layout ("ocp"); the
 # others (the tensor-core kernels) in the tc layout (schedules/mxfp4_tc_layout.py), which the
 # run makes on the GPU with repack.so (the in-place permutation the model library runs at load).

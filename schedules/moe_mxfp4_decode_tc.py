@@ -82,7 +82,7 @@ def _check(kd: int, n: int, rows_per_block: int, E: int):
 def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
              beta_lin: float | None = None, out_dtype: str = "bfloat16", warps: int = 4,
              stages: int = 4, chains: int = 1, unroll: bool = False, min_blocks: int | None = None,
-             tiles: int = 1):
+             tiles: int = 1, skip_x: bool = False):
     """Builder of both kernels (``kind`` "gate_up": two weight matrices + SiTU; "down": one).
     ``chains``: accumulators per matrix, mma step ``s`` adding into chain ``s % chains`` (shorter
     dependency chains of mmas); ``unroll``: unroll the K loop; ``min_blocks``: resident blocks
@@ -164,7 +164,13 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
                       rr[0] + (j + NS - 1) // KPW * RB, tx)
         T.evaluate(commit())
         # activations from L1 (every block of the pass reads the same rows)
-        load_x(xcur, rr[3] + kb, xq, rr[1], tx % 4)
+        if skip_x:
+            # only lanes of the pass's columns load (B column g feeds only C column g, which is
+            # not stored past the entries): one token's pass reads 1/8 of the activation bytes
+            if rr[4] != 0:
+                load_x(xcur, rr[3] + kb, xq, rr[1], tx % 4)
+        else:
+            load_x(xcur, rr[3] + kb, xq, rr[1], tx % 4)
         T.evaluate(wait(NS - 1))  # K block kb has landed
         for sl in T.unroll(SLOTS):
             for v in T.vectorized(4):
@@ -242,8 +248,8 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
                 acc = T.alloc_buffer((CH * NM * 4,), "float32", scope="local")
                 s2 = T.alloc_buffer((SLOTS,), "uint32", scope="local")
                 # [0] weight row g of the block's 16 rows, [1] activation row of column g,
-                # [2] chain cursor, [3] first K block of this warp
-                rr = T.alloc_buffer((4,), "int32", scope="local")
+                # [2] chain cursor, [3] first K block of this warp, [4] column g holds an entry
+                rr = T.alloc_buffer((5,), "int32", scope="local")
                 # (the row is read before the chain test so that both loads are in flight at once)
                 rr[0] = ids[T.Cast("int32", blk // NG) // K, T.Cast("int32", blk // NG) % K] * N \
                     + T.Cast("int32", blk % NG) * (TPB * RB) + tx % 32 // 4
@@ -272,6 +278,7 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
                         # column g's activation row; columns past the pass's entries repeat the
                         # last one (B column g only feeds C column g, which is then not stored)
                         rr[1] = xrow(ent_s[T.min(tx % 32 // 4, cnt_s[0] - 1)])
+                        rr[4] = T.Cast("int32", tx % 32 // 4 < cnt_s[0])  # column g holds an entry
                         rr[2] = ent_s[COLS]
                         for t in range(TPB):  # rolled: unrolling it let ptxas hoist loads across tiles (160-221 registers)
                             tile(t, w_s, s_s, red_s, wq0, wq1, sw0, sw1, xq, xcur, wcur, s2, bf, acc, rr,
@@ -348,7 +355,7 @@ def split_k_warps(in_width: int) -> int:
 def moe_mxfp4_gate_up_tc_kernel(num_experts: int, latent: int, inter: int, top_k: int,
                                 beta: float, beta_lin: float | None, out_dtype: str = "bfloat16",
                                 warps: int = 4, stages: int = 4, chains: int = 2, unroll: bool = True,
-                                min_blocks: int | None = None, tiles: int = 1):
+                                min_blocks: int | None = None, tiles: int = 1, skip_x: bool = False):
     """Fused W1/W3 GEMV + SiTU on tensor cores. Arguments as
     :func:`schedules.moe_mxfp4_cuda.moe_mxfp4_gate_up_kernel`, codes in the tc layout
     (:mod:`schedules.mxfp4_tc_layout`): ``z [T, L] bf16, w1_packed,
@@ -360,14 +367,14 @@ def moe_mxfp4_gate_up_tc_kernel(num_experts: int, latent: int, inter: int, top_k
             and the other buffers over 48 KiB of shared memory; the codes over 2^31 words.
     """
     return _gemv_tc("gate_up", num_experts, inter, latent, top_k, beta, beta_lin, out_dtype, warps, stages,
-                    chains, unroll, min_blocks, tiles)
+                    chains, unroll, min_blocks, tiles, skip_x)
 
 
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def moe_mxfp4_down_tc_kernel(num_experts: int, latent: int, inter: int, top_k: int,
                              out_dtype: str = "bfloat16", warps: int = 4, stages: int = 4,
                              chains: int = 2, unroll: bool = True, min_blocks: int | None = None,
-                             tiles: int = 1):
+                             tiles: int = 1, skip_x: bool = False):
     """W2 GEMV on tensor cores. Arguments as :func:`schedules.moe_mxfp4_cuda.
     moe_mxfp4_down_kernel`, codes in the tc layout: ``a [T, k, I] bf16, w2_packed, w2_scale, chain, expert_ids, o [T, k, L]``.
 
@@ -377,4 +384,4 @@ def moe_mxfp4_down_tc_kernel(num_experts: int, latent: int, inter: int, top_k: i
             the other buffers over 48 KiB of shared memory; the codes over 2^31 words.
     """
     return _gemv_tc("down", num_experts, latent, inter, top_k, out_dtype=out_dtype, warps=warps,
-                    stages=stages, chains=chains, unroll=unroll, min_blocks=min_blocks, tiles=tiles)
+                    stages=stages, chains=chains, unroll=unroll, min_blocks=min_blocks, tiles=tiles, skip_x=skip_x)
