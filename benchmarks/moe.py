@@ -54,11 +54,9 @@ FUNCS = ("moe_expert_chain", "moe_mxfp4_gate_up", "moe_mxfp4_down")
 # moe_mxfp4.so) is what the model dispatches, "tensor_cores" the tensor-core GEMVs
 # (schedules/moe_mxfp4_decode_tc.py), "cuda_cores" the CUDA-core ones (moe_mxfp4_cuda.py).
 DECODE_VARIANTS = {"": ("tensor_cores", {}, {}), "cuda_cores": ("cuda_cores", {}, {}),
-                   # the defaults are chains=2, unroll=True, stages 4 (gate_up) and 4 (down), tiles 1
-                   "skipx": ("tensor_cores", {"skip_x": True}, {"skip_x": True}),
-                   "d_skipx": ("tensor_cores", {}, {"skip_x": True}),
-                   "skipx_d3": ("tensor_cores", {"skip_x": True}, {"skip_x": True, "stages": 3}),
-                   "skipx_d_t7": ("tensor_cores", {"skip_x": True}, {"skip_x": True, "tiles": 7})}
+                   # the defaults: chains=2, unroll=True, stages 4, tiles 1; skip_x for W2 only
+                   "skipx_gu": ("tensor_cores", {"skip_x": True}, {}),
+                   "no_skipx": ("tensor_cores", {}, {"skip_x": False})}
 # A library folder holding this file reads the codes in the checkpoint layout ("ocp"); the
 # others (the tensor-core kernels) in the tc layout (schedules/mxfp4_tc_layout.py), which the
 # run makes on the GPU with repack.so (the in-place permutation the model library runs at load).

@@ -33,15 +33,18 @@ fp32 accumulation; the outputs are rounded as the model's dtype flow says
 (relax_modules/moe.py).
 
 Status (H200, K3 shapes, GPU time of chain + gate_up + down; benchmarks/results/
-moe_decode_tuned_h200_2026-11-30.json and _variants_): 66–70% / 74–81% / 69–71% of the HBM
-roofline at 1 / 8 / 64 tokens with the defaults (tc layout, ``chains=2``, ``unroll``, down
-``stages=4``); the previous version (prmt look-ups on the checkpoint layout, one chain, rolled
-loop) 57–58% / 61–62% / 57–59% in the same runs, the CUDA-core GEMVs 52–53% / 55% / 35–36%.
-Chains and unrolling turned the K loop from latency-bound (8 dependent mmas per K block) into
-overlapped work; one token is now limited by latency (ncu: ~1.3 eligible warps per
-scheduler; W1/W3 blocks at 128 registers, 4 per SM — ``min_blocks=5`` spills and is slower),
-the per-block ramp (a block streams 61 KB) and three launches. Tried and slower: a register
-ring instead of cp.async stages, 2 or 8 warps per block for W1/W3, 8 for W2, deeper stages.
+moe_decode_tuned_h200_2026-11-30.json, _variants_, _parts_, _skipx_): 70–73% / 74–82% /
+69–71% of the HBM roofline at 1 / 8 / 64 tokens with the defaults (tc layout, ``chains=2``,
+``unroll``, down ``stages=4`` and ``skip_x``); the previous version (prmt look-ups on the
+checkpoint layout, one chain, rolled loop) 57–58% / 61–62% / 57–59% in the same runs, the
+CUDA-core GEMVs 52–53% / 55% / 35–36%. Chains and unrolling turned the K loop from
+latency-bound (8 dependent mmas per K block) into overlapped work. Per kernel at one token
+(graph replays): W1/W3 81% of its share of the roofline, W2 59% — ncu: W2 is bound by the
+L1/TEX pipe (84%), where each lane's 64-byte activation read weighs twice what it does in W1/W3
+(one matrix instead of two); ``skip_x`` (only the lanes of real columns load) brings W2 to 65%
+(slower for W1/W3, so off there). Tried and not faster: ``tiles`` 2–8 per block (the ramp and
+the partial last wave are not what limits), ``min_blocks=5`` for W1/W3 (spills), a register
+ring instead of cp.async stages, 2 or 8 warps per block, deeper stages.
 
 Reference: ``schedules.moe_mxfp4_cuda.moe_experts_reference``; the fragment mapping is
 checked on the CPU (tests/test_moe_prefill_cuda.py), the kernels on the H200 by
@@ -374,7 +377,7 @@ def moe_mxfp4_gate_up_tc_kernel(num_experts: int, latent: int, inter: int, top_k
 def moe_mxfp4_down_tc_kernel(num_experts: int, latent: int, inter: int, top_k: int,
                              out_dtype: str = "bfloat16", warps: int = 4, stages: int = 4,
                              chains: int = 2, unroll: bool = True, min_blocks: int | None = None,
-                             tiles: int = 1, skip_x: bool = False):
+                             tiles: int = 1, skip_x: bool = True):
     """W2 GEMV on tensor cores. Arguments as :func:`schedules.moe_mxfp4_cuda.
     moe_mxfp4_down_kernel`, codes in the tc layout: ``a [T, k, I] bf16, w2_packed, w2_scale, chain, expert_ids, o [T, k, L]``.
 
