@@ -55,7 +55,8 @@ FUNCS = ("moe_expert_chain", "moe_mxfp4_gate_up", "moe_mxfp4_down")
 # (schedules/moe_mxfp4_decode_tc.py), "cuda_cores" the CUDA-core ones (moe_mxfp4_cuda.py).
 DECODE_VARIANTS = {"": ("tensor_cores", {}, {}), "cuda_cores": ("cuda_cores", {}, {}),
                    # the defaults: chains=2, unroll=True, stages 4, tiles 1; skip_x for W2 only
-                   "skipx_gu": ("tensor_cores", {"skip_x": True}, {}),
+                   "d_pair": ("tensor_cores", {}, {"pair": True}),
+                   "d_pair_s3": ("tensor_cores", {}, {"pair": True, "stages": 3}),
                    "no_skipx": ("tensor_cores", {}, {"skip_x": False})}
 # A library folder holding this file reads the codes in the checkpoint layout ("ocp"); the
 # others (the tensor-core kernels) in the tc layout (schedules/mxfp4_tc_layout.py), which the

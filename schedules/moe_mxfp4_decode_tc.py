@@ -85,11 +85,15 @@ def _check(kd: int, n: int, rows_per_block: int, E: int):
 def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
              beta_lin: float | None = None, out_dtype: str = "bfloat16", warps: int = 4,
              stages: int = 4, chains: int = 1, unroll: bool = False, min_blocks: int | None = None,
-             tiles: int = 1, skip_x: bool = False):
+             tiles: int = 1, skip_x: bool = False, pair: bool = False):
     """Builder of both kernels (``kind`` "gate_up": two weight matrices + SiTU; "down": one).
     ``chains``: accumulators per matrix, mma step ``s`` adding into chain ``s % chains`` (shorter
     dependency chains of mmas); ``unroll``: unroll the K loop; ``min_blocks``: resident blocks
-    per SM asked of ptxas (schedules/launch_bounds.py), capping the registers."""
+    per SM asked of ptxas (schedules/launch_bounds.py), capping the registers; ``tiles``: block
+    tiles per block, streamed through one pipeline; ``skip_x``: lanes of columns past the pass's
+    entries do not load activations; ``pair`` (down): a block tile is two row tiles of 16, the
+    second taken as the mma's second matrix (as W3 in gate_up), so the activations each lane
+    loads feed twice the rows."""
     K = top_k
     if chains not in (1, 2, 4, 8):
         raise ValueError(f"chains must be 1, 2, 4 or 8, got {chains}")
@@ -101,11 +105,16 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
         raise ValueError(f"stages must be at least 2, got {stages}")
     NW = warps
     NT = 32 * NW
-    RB = 16                      # weight rows per block (the mma's m16); the warps split K
-    _check(KD, N, RB, E)
-    NTILE = N // RB
+    RB = 16                      # weight rows per matrix tile (the mma's m16); the warps split K
+    if pair and kind == "gate_up":
+        raise ValueError("pair is for the down kernel (gate_up already pairs W1 with W3)")
+    NP = 2 if pair else 1        # row tiles of 16 per block tile
+    ROW1 = RB if pair else 0     # rows from the first matrix to the second (W3: same rows)
+    BR = RB * NP                 # weight rows per block tile
+    _check(KD, N, BR, E)
+    NTILE = N // BR
     if tiles < 1 or NTILE % tiles:
-        raise ValueError(f"tiles={tiles} must divide the {NTILE} row tiles of 16")
+        raise ValueError(f"tiles={tiles} must divide the {NTILE} block tiles of {BR} rows")
     TPB = tiles
     NG = NTILE // TPB            # tile groups = blocks per entry
     NKB = KD // KB
@@ -117,7 +126,7 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
     KG = KD // 32                # scale groups per row (a multiple of 4: KD % 128 == 0)
     XW = KD // 2                 # uint32 words per activation row
     gate_up = kind == "gate_up"
-    NM = 2 if gate_up else 1
+    NM = 2 if gate_up or pair else 1
     SLOTS = NM * 2               # (matrix, row g / g+8) chunks per thread per stage
     # code and scale stages, split-K partials, the pass's entries and count (64-byte aligned)
     smem = NS * SLOTS * NT * (16 + 4) + NW * NM * 4 * 32 * 4 + 2 * 64
@@ -161,10 +170,10 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
         landed."""
         if j + NS - 1 < TPB * KPW:
             issue(rr[3] + (j + NS - 1) % KPW, j + NS - 1, w_s, s_s, wq0, sw0, 0,
-                  rr[0] + (j + NS - 1) // KPW * RB, tx)
-            if gate_up:
+                  rr[0] + (j + NS - 1) // KPW * BR, tx)
+            if NM == 2:
                 issue(rr[3] + (j + NS - 1) % KPW, j + NS - 1, w_s, s_s, wq1, sw1, 2,
-                      rr[0] + (j + NS - 1) // KPW * RB, tx)
+                      rr[0] + (j + NS - 1) // KPW * BR + ROW1, tx)
         T.evaluate(commit())
         # activations from L1 (every block of the pass reads the same rows)
         if skip_x:
@@ -223,14 +232,15 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
                 for h in T.unroll(2):
                     if gate_up:
                         y[ent_s[tx % 4 * 2 + c] // K, ent_s[tx % 4 * 2 + c] % K,
-                          (T.Cast("int32", blk % NG) * TPB + t) * RB + tx % 32 // 4 + h * 8] = T.Cast(
+                          (T.Cast("int32", blk % NG) * TPB + t) * BR + tx % 32 // 4 + h * 8] = T.Cast(
                             out_dtype, situ_expr(_round(acc[h * 2 + c], rnd, out_dtype),
                                                  _round(acc[4 + h * 2 + c], rnd, out_dtype),
                                                  B, BL, use_bl))
                     else:
-                        y[ent_s[tx % 4 * 2 + c] // K, ent_s[tx % 4 * 2 + c] % K,
-                          (T.Cast("int32", blk % NG) * TPB + t) * RB + tx % 32 // 4 + h * 8] = \
-                            T.Cast(out_dtype, acc[h * 2 + c])
+                        for m in T.unroll(NM):
+                            y[ent_s[tx % 4 * 2 + c] // K, ent_s[tx % 4 * 2 + c] % K,
+                              (T.Cast("int32", blk % NG) * TPB + t) * BR + m * RB + tx % 32 // 4 + h * 8] = \
+                                T.Cast(out_dtype, acc[m * 4 + h * 2 + c])
         T.tvm_storage_sync("shared")
 
     @T.macro
@@ -255,7 +265,7 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
                 rr = T.alloc_buffer((5,), "int32", scope="local")
                 # (the row is read before the chain test so that both loads are in flight at once)
                 rr[0] = ids[T.Cast("int32", blk // NG) // K, T.Cast("int32", blk // NG) % K] * N \
-                    + T.Cast("int32", blk % NG) * (TPB * RB) + tx % 32 // 4
+                    + T.Cast("int32", blk % NG) * (TPB * BR) + tx % 32 // 4
                 rr[3] = tx // 32 * KPW
                 if chain[T.Cast("int32", blk // NG) // K, T.Cast("int32", blk // NG) % K, 0] == 1:
                     rr[2] = T.Cast("int32", blk // NG)
@@ -264,9 +274,10 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
                         # pass re-reads them, from L2)
                         for r in T.unroll(NS - 1):
                             if r < TPB * KPW:
-                                issue(rr[3] + r % KPW, r, w_s, s_s, wq0, sw0, 0, rr[0] + r // KPW * RB, tx)
-                                if gate_up:
-                                    issue(rr[3] + r % KPW, r, w_s, s_s, wq1, sw1, 2, rr[0] + r // KPW * RB, tx)
+                                issue(rr[3] + r % KPW, r, w_s, s_s, wq0, sw0, 0, rr[0] + r // KPW * BR, tx)
+                                if NM == 2:
+                                    issue(rr[3] + r % KPW, r, w_s, s_s, wq1, sw1, 2,
+                                          rr[0] + r // KPW * BR + ROW1, tx)
                             T.evaluate(commit())
                         # ---- up to 8 entries of the chain = the mma's columns
                         if tx == 0:
@@ -377,7 +388,7 @@ def moe_mxfp4_gate_up_tc_kernel(num_experts: int, latent: int, inter: int, top_k
 def moe_mxfp4_down_tc_kernel(num_experts: int, latent: int, inter: int, top_k: int,
                              out_dtype: str = "bfloat16", warps: int = 4, stages: int = 4,
                              chains: int = 2, unroll: bool = True, min_blocks: int | None = None,
-                             tiles: int = 1, skip_x: bool = True):
+                             tiles: int = 1, skip_x: bool = True, pair: bool = False):
     """W2 GEMV on tensor cores. Arguments as :func:`schedules.moe_mxfp4_cuda.
     moe_mxfp4_down_kernel`, codes in the tc layout: ``a [T, k, I] bf16, w2_packed, w2_scale, chain, expert_ids, o [T, k, L]``.
 
@@ -387,4 +398,4 @@ def moe_mxfp4_down_tc_kernel(num_experts: int, latent: int, inter: int, top_k: i
             the other buffers over 48 KiB of shared memory; the codes over 2^31 words.
     """
     return _gemv_tc("down", num_experts, latent, inter, top_k, out_dtype=out_dtype, warps=warps,
-                    stages=stages, chains=chains, unroll=unroll, min_blocks=min_blocks, tiles=tiles, skip_x=skip_x)
+                    stages=stages, chains=chains, unroll=unroll, min_blocks=min_blocks, tiles=tiles, skip_x=skip_x, pair=pair)
