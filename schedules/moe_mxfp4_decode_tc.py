@@ -386,16 +386,18 @@ def moe_mxfp4_gate_up_tc_kernel(num_experts: int, latent: int, inter: int, top_k
 
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def moe_mxfp4_down_tc_kernel(num_experts: int, latent: int, inter: int, top_k: int,
-                             out_dtype: str = "bfloat16", warps: int = 4, stages: int = 4,
+                             out_dtype: str = "bfloat16", warps: int = 4, stages: int = 3,
                              chains: int = 2, unroll: bool = True, min_blocks: int | None = None,
-                             tiles: int = 1, skip_x: bool = True, pair: bool = False):
+                             tiles: int = 1, skip_x: bool = True, pair: bool = True):
     """W2 GEMV on tensor cores. Arguments as :func:`schedules.moe_mxfp4_cuda.
     moe_mxfp4_down_kernel`, codes in the tc layout: ``a [T, k, I] bf16, w2_packed, w2_scale, chain, expert_ids, o [T, k, L]``.
 
     Raises:
-        ValueError: I not a multiple of 128; L not a multiple of 16; ``warps`` not 1, 2, 4, 8
-            or 16 or not dividing I/128; ``stages < 2``; the stages (5 KiB each at 4 warps) and
-            the other buffers over 48 KiB of shared memory; the codes over 2^31 words.
+        ValueError: I not a multiple of 128; L not a multiple of 32 (16 without ``pair``);
+            ``warps`` not 1, 2, 4, 8 or 16 or not dividing I/128; ``stages < 2``; the stages
+            (10 KiB each at 4 warps with ``pair``) and the other buffers over 48 KiB of shared
+            memory; the codes over 2^31 words.
     """
     return _gemv_tc("down", num_experts, latent, inter, top_k, out_dtype=out_dtype, warps=warps,
-                    stages=stages, chains=chains, unroll=unroll, min_blocks=min_blocks, tiles=tiles, skip_x=skip_x, pair=pair)
+                    stages=stages, chains=chains, unroll=unroll, min_blocks=min_blocks, tiles=tiles,
+                    skip_x=skip_x, pair=pair)
