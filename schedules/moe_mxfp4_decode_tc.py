@@ -33,16 +33,17 @@ fp32 accumulation; the outputs are rounded as the model's dtype flow says
 (relax_modules/moe.py).
 
 Status (H200, K3 shapes, GPU time of chain + gate_up + down; benchmarks/results/
-moe_decode_tuned_h200_2026-11-30.json, _variants_, _parts_, _skipx_): 70–73% / 74–82% /
-69–71% of the HBM roofline at 1 / 8 / 64 tokens with the defaults (tc layout, ``chains=2``,
-``unroll``, down ``stages=4`` and ``skip_x``); the previous version (prmt look-ups on the
+moe_decode_tuned_h200_2026-11-30.json, _variants_, _parts_, _skipx_, _pair_, _final_):
+70–73% / 76–80% / 71–74% of the HBM roofline at 1 / 8 / 64 tokens with the defaults (tc
+layout, ``chains=2``, ``unroll``; W2 with ``skip_x``, ``pair`` and 3 stages); the previous version (prmt look-ups on the
 checkpoint layout, one chain, rolled loop) 57–58% / 61–62% / 57–59% in the same runs, the
 CUDA-core GEMVs 52–53% / 55% / 35–36%. Chains and unrolling turned the K loop from
 latency-bound (8 dependent mmas per K block) into overlapped work. Per kernel at one token
 (graph replays): W1/W3 81% of its share of the roofline, W2 59% — ncu: W2 is bound by the
 L1/TEX pipe (84%), where each lane's 64-byte activation read weighs twice what it does in W1/W3
 (one matrix instead of two); ``skip_x`` (only the lanes of real columns load) brings W2 to 65%
-(slower for W1/W3, so off there). Tried and not faster: ``tiles`` 2–8 per block (the ramp and
+(slower for W1/W3, so off there); ``pair`` (two row tiles as the two matrices) helps W2 at 8
+and 64 tokens (1.27 -> 1.15 ms at 64). Tried and not faster: ``tiles`` 2–8 per block (the ramp and
 the partial last wave are not what limits), ``min_blocks=5`` for W1/W3 (spills), a register
 ring instead of cp.async stages, 2 or 8 warps per block, deeper stages.
 
