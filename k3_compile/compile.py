@@ -214,7 +214,9 @@ def compile_model(model: str | Path, target: str, out: str | Path, *, dtype: str
 
     say(f"exporting the Relax graph (config {cfg.summary_hash()}, dtype {dtype})")
     ts = time.time()
-    exported = export_model(cfg, dtype, gpu=spec.is_gpu, tuned=not generic_kernels)
+    # the tuned kernels (inline PTX, mma.sync, cp.async, dynamic shared memory) are CUDA-only:
+    # Metal and ROCm builds take the generic GPU kernels
+    exported = export_model(cfg, dtype, gpu=spec.is_gpu, tuned=spec.is_cuda and not generic_kernels)
     meta = build_metadata(exported, spec, max_batch_size=mbs, context_window=ctx,
                           prefill_chunk=chunk, generic_kernels=generic_kernels)
     mod = attach_metadata(exported.mod, meta)

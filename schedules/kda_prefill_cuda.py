@@ -49,6 +49,8 @@ fla's ``naive_chunk_kda`` / ``naive_recurrent_kda``.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import tvm
 from tvm.script import tirx as T
@@ -73,6 +75,7 @@ def max_chunks(n_tok: int, n_seq: int) -> int:
     return (n_tok + C - 1) // C + n_seq
 
 
+@functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def kda_prefill_intra_kernel(H: int, K: int, V: int, scale: float, emulate: bool = False):
     """Intra-chunk precompute, one block per (chunk, head). PrimFunc arguments::
 
@@ -269,6 +272,7 @@ def kda_prefill_intra_kernel(H: int, K: int, V: int, scale: float, emulate: bool
     return kda_prefill_intra if emulate else mark(kda_prefill_intra)
 
 
+@functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def kda_prefill_state_kernel(H: int, K: int, V: int, block_v: int = 32, emulate: bool = False):
     """Inter-chunk pass, one block per (sequence, head, ``block_v`` columns). Arguments::
 

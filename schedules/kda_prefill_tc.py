@@ -57,6 +57,8 @@ phase reads and writes at once (L and Tm) are regions of one buffer.
 
 from __future__ import annotations
 
+import functools
+
 from tvm.script import tirx as T
 
 from schedules.barriers import mark
@@ -144,6 +146,7 @@ def _loops(emulate: bool):
             (lambda n: T.thread_binding(n, thread="threadIdx.x")), "shared.dyn")
 
 
+@functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def kda_prefill_state_tc_kernel(H: int, K: int, V: int, block_v: int = 32, a_batch: int = 8,
                                 emulate: bool = False):
     """Inter-chunk pass on tensor cores, one block per (sequence, head, ``block_v`` columns).
@@ -301,6 +304,7 @@ def kda_prefill_state_tc_kernel(H: int, K: int, V: int, block_v: int = 32, a_bat
     return kda_prefill_state_tc if emulate else mark(kda_prefill_state_tc)
 
 
+@functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def kda_prefill_intra_tc_kernel(H: int, K: int, V: int, scale: float, hoist_loads: bool = True,
                                 emulate: bool = False):
     """Intra-chunk precompute on tensor cores, one block per (chunk, head), 8 warps.
