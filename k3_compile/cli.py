@@ -226,8 +226,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+_CHAT_COMMANDS = ("/reset", "/stats", "/exit", "/quit", "/help")
 _CHAT_HELP = ("commands: /reset (new conversation), /stats (speed, cache use), /exit; "
-              "end a line with \\ to continue it, or wrap several lines in \"\"\"")
+              "end a line with \\ to continue it, or wrap several lines in \"\"\"; "
+              "Ctrl-C stops a reply")
 
 
 def _read_message(prompt: str = ">>> ", more: str = "... ") -> str | None:
@@ -313,11 +315,20 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if cmd == "/help":
             print(_CHAT_HELP, flush=True)
             continue
+        if cmd.startswith("/") and cmd.split()[0] in _CHAT_COMMANDS:
+            print(f"[{cmd.split()[0]} takes no arguments; {_CHAT_HELP}]", flush=True)
+            continue
         if cmd.startswith("/") and " " not in cmd:
             print(f"[unknown command {cmd}; {_CHAT_HELP}]", flush=True)
             continue
         try:
             session.send(msg, params, stream=lambda p: (sys.stdout.write(p), sys.stdout.flush()))
+        except KeyboardInterrupt:
+            # Ctrl-C stops this reply, not the chat: the unfinished turn is dropped and the
+            # sequence's cache cleared, so the next message re-reads the conversation so far
+            model.engine.reset(session.seq)
+            print("\n[reply stopped; it is not part of the conversation]", flush=True)
+            continue
         except Exception as e:  # keep the session alive: one line, then the next message
             from .runtime.model_runner import ModelLoadError
 
@@ -333,7 +344,7 @@ def _runtime_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("model", help="a checkpoint directory or a `k3 convert-weight` output")
     sp.add_argument("--lib", help="library from `k3 compile` (default: compile into / reuse the cache, "
                                   "~/.cache/k3-compile or $K3_CACHE_DIR)")
-    sp.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    sp.add_argument("--device", default="cpu", help="cpu, cuda or gpu (GPU 0), or cuda:N (default cpu)")
     sp.add_argument("--dtype", choices=["bfloat16", "float32"],
                     help="library dtype (checked against --lib; default float32 on CPU, bfloat16 on GPU)")
     sp.add_argument("--max-batch-size", type=positive_int)

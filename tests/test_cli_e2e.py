@@ -262,6 +262,34 @@ def test_chat_over_stdin(lib):
     assert "Traceback" not in proc.stderr
 
 
+def test_chat_ctrl_c_stops_the_reply_not_the_chat(lib, monkeypatch, capsys):
+    """Ctrl-C while a reply streams: the reply stops, the sequence's cache is cleared, the next
+    message is answered from the whole conversation; a known command with arguments is not
+    sent to the model."""
+    import io
+
+    from k3_compile.runtime import model_runner
+
+    real_send, calls = model_runner.ChatSession.send, []
+
+    def send(self, text, params, stream=None):
+        calls.append(text)
+        if len(calls) == 1:
+            stream("partial")
+            raise KeyboardInterrupt
+        assert self.model.engine.length(self.seq) == 0  # cleared after the interrupt
+        return real_send(self, text, params, stream)
+
+    monkeypatch.setattr(model_runner.ChatSession, "send", send)
+    monkeypatch.setattr("sys.stdin", io.StringIO("first\n/stats now\nsecond\n/exit\n"))
+    rc = main(["chat", str(NANO), "--lib", str(lib), "--device", "cpu", "--max-tokens", "4"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "[reply stopped; it is not part of the conversation]" in out
+    assert "[/stats takes no arguments" in out
+    assert calls == ["first", "second"]
+
+
 def test_targets_table(capsys):
     assert main(["targets"]) == 0
     out = capsys.readouterr().out

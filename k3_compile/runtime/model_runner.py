@@ -444,6 +444,9 @@ def load_model(model_dir: str | Path, lib: str | Path | None = None, device: str
     lib = Path(lib)
     if not lib.is_file():
         raise ModelLoadError(f"library {lib} does not exist (build one with `k3 compile`)")
+    if lib.suffix not in (".so", ".dylib", ".dll"):
+        raise ModelLoadError(f"library {lib}: expected a shared library (.so) written by `k3 compile`, "
+                             f"not a {lib.suffix or 'suffix-less'} file")
 
     import tvm
     from tvm.runtime.vm import VirtualMachine
