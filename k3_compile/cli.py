@@ -339,8 +339,20 @@ def cmd_chat(args: argparse.Namespace) -> int:
         print(flush=True)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .runtime.server import serve
+
+    model = _load(args)
+    print(f"k3 serve: {model.model_dir} on {model.device} ({model.metadata['target']}, "
+          f"{model.metadata['dtype']}) as {args.served_model_name!r} at http://{args.host}:{args.port}/v1",
+          file=sys.stderr, flush=True)
+    serve(model, args.host, args.port, args.served_model_name)
+    return 0
+
+
 # ---------------------------------------------------------------------- parser
-def _runtime_args(sp: argparse.ArgumentParser) -> None:
+def _model_args(sp: argparse.ArgumentParser) -> None:
+    """The flags that load a model: directory, library, device, dtype, sizes."""
     sp.add_argument("model", help="a checkpoint directory or a `k3 convert-weight` output")
     sp.add_argument("--lib", help="library from `k3 compile` (default: compile into / reuse the cache, "
                                   "~/.cache/k3-compile or $K3_CACHE_DIR)")
@@ -350,6 +362,12 @@ def _runtime_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--max-batch-size", type=positive_int)
     sp.add_argument("--context-window", type=positive_int, help="tokens per sequence (default: the library's)")
     sp.add_argument("--prefill-chunk", type=positive_int, help="prefill at most this many tokens per call")
+    sp.add_argument("--verbose", action="store_true", help="progress messages on stderr even with --json")
+
+
+def _runtime_args(sp: argparse.ArgumentParser) -> None:
+    """The model flags and the sampling flags (generate, chat)."""
+    _model_args(sp)
     sp.add_argument("--max-tokens", type=positive_int)
     sp.add_argument("--temperature", type=float, help="0 = greedy (default: generation_config.json)")
     sp.add_argument("--top-p", type=float)
@@ -357,7 +375,6 @@ def _runtime_args(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--seed", type=int)
     sp.add_argument("--repetition-penalty", type=float)
     sp.add_argument("--stop", action="append", help="stop string (repeatable)")
-    sp.add_argument("--verbose", action="store_true", help="progress messages on stderr even with --json")
 
 
 class _UsageError(Exception):
@@ -434,6 +451,14 @@ def build_parser() -> argparse.ArgumentParser:
     _runtime_args(sp)
     sp.add_argument("--system", help="system message")
     sp.set_defaults(func=cmd_chat)
+
+    sp = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    _model_args(sp)
+    sp.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    sp.add_argument("--port", type=positive_int, default=8000, help="port (default 8000)")
+    sp.add_argument("--served-model-name", default="k3",
+                    help="the name clients pass as `model` (default k3)")
+    sp.set_defaults(func=cmd_serve)
     return ap
 
 

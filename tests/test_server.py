@@ -1,0 +1,116 @@
+"""The OpenAI-compatible server (k3_compile/runtime/server.py) on k3-nano (CPU library), through
+FastAPI's test client: the answers equal the runtime's own generation, streaming gives the same
+text, bad requests get 4xx with an OpenAI-style error and the server keeps answering."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from k3_compile.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+NANO = ROOT / "models" / "k3-nano"
+PROMPT = "def fibonacci(n):"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from k3_compile.runtime.model_runner import load_model
+
+    lib = tmp_path_factory.mktemp("srv") / "lib.so"
+    assert main(["compile", str(NANO), "--target", "llvm", "-o", str(lib), "--dtype", "float32", "--quiet"]) == 0
+    return load_model(NANO, lib, "cpu", context_window=256)
+
+
+@pytest.fixture(scope="module")
+def client(model):
+    from fastapi.testclient import TestClient
+
+    from k3_compile.runtime.server import create_app
+
+    return TestClient(create_app(model, "nano"))
+
+
+def _events(resp) -> list:
+    lines = [ln for ln in resp.text.splitlines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(ln[len("data: "):]) for ln in lines[:-1]]
+
+
+def test_models_and_health(client):
+    assert client.get("/health").json() == {"status": "ok"}
+    data = client.get("/v1/models").json()["data"]
+    assert [m["id"] for m in data] == ["nano"]
+
+
+def test_completion_equals_the_runtime_and_streams_the_same_text(client, model):
+    from k3_compile.runtime.sampler import SamplingParams
+
+    want = model.generate(model.encode_prompt(PROMPT), SamplingParams(temperature=0, max_tokens=12))
+    r = client.post("/v1/completions", json={"model": "nano", "prompt": PROMPT, "max_tokens": 12,
+                                              "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and body["choices"][0]["text"] == want.text
+    assert body["choices"][0]["finish_reason"] == want.finish_reason
+    assert body["usage"] == {"prompt_tokens": len(model.encode_prompt(PROMPT)),
+                             "completion_tokens": len(want.token_ids),
+                             "total_tokens": len(model.encode_prompt(PROMPT)) + len(want.token_ids)}
+    r = client.post("/v1/completions", json={"prompt": [PROMPT], "max_tokens": 12, "temperature": 0,
+                                              "stream": True})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    ev = _events(r)
+    assert "".join(e["choices"][0]["text"] for e in ev) == want.text
+    assert ev[-1]["choices"][0]["finish_reason"] == want.finish_reason and "usage" in ev[-1]
+
+
+def test_chat_completion_and_stream(client, model):
+    from k3_compile.runtime.sampler import SamplingParams
+
+    msgs = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "Say hi."}]
+    want = model.generate(model.tokenizer.encode_chat(msgs), SamplingParams(temperature=0, max_tokens=8))
+    r = client.post("/v1/chat/completions", json={"model": "nano", "messages": msgs, "max_tokens": 8,
+                                                   "temperature": 0, "user": "ignored-field"})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": want.text}
+    r = client.post("/v1/chat/completions", json={"messages": msgs, "max_completion_tokens": 8,
+                                                   "temperature": 0, "stream": True})
+    ev = _events(r)
+    assert ev[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in ev) == want.text
+
+
+@pytest.mark.parametrize("body,status,field", [
+    ("{not json", 400, None),
+    ({"model": "gpt-4", "prompt": "x"}, 404, "model"),
+    ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ({"prompt": "x", "temperature": -0.5}, 400, "temperature"),
+    ({"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"max_tokens": 4}, 400, "prompt"),
+    ({"prompt": "x", "n": 2}, 400, "n"),
+    ({"prompt": ["a", "b"]}, 400, "prompt"),
+    ({"prompt": "word " * 400}, 400, "prompt"),  # over the 256-token context window
+    ({"prompt": "word " * 400, "stream": True}, 400, "prompt"),
+])
+def test_bad_completion_requests_get_4xx_and_the_server_stays_up(client, body, status, field):
+    if isinstance(body, str):
+        r = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    else:
+        r = client.post("/v1/completions", json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"]
+    if field:
+        assert field in (err["param"] or "") or field in err["message"]
+    ok = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "temperature": 0})
+    assert ok.status_code == 200
+
+
+def test_bad_chat_requests(client):
+    assert client.post("/v1/chat/completions", json={"messages": []}).status_code == 400
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]})
+    assert r.status_code == 400 and "role" in r.json()["error"]["message"]
