@@ -327,7 +327,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
             # Ctrl-C stops this reply, not the chat: the unfinished turn is dropped and the
             # sequence's cache cleared, so the next message re-reads the conversation so far
             model.engine.reset(session.seq)
-            print("\n[reply stopped; it is not part of the conversation]", flush=True)
+            print("\n[reply stopped; this turn (your message and the reply) is dropped from the conversation]",
+                  flush=True)
             continue
         except Exception as e:  # keep the session alive: one line, then the next message
             from .runtime.model_runner import ModelLoadError

@@ -216,9 +216,10 @@ def compile_model(model: str | Path, target: str, out: str | Path, *, dtype: str
     ts = time.time()
     # the tuned kernels (inline PTX, mma.sync, cp.async, dynamic shared memory) are CUDA-only:
     # Metal and ROCm builds take the generic GPU kernels
-    exported = export_model(cfg, dtype, gpu=spec.is_gpu, tuned=spec.is_cuda and not generic_kernels)
+    tuned = spec.is_cuda and not generic_kernels
+    exported = export_model(cfg, dtype, gpu=spec.is_gpu, tuned=tuned)
     meta = build_metadata(exported, spec, max_batch_size=mbs, context_window=ctx,
-                          prefill_chunk=chunk, generic_kernels=generic_kernels)
+                          prefill_chunk=chunk, generic_kernels=not tuned)
     mod = attach_metadata(exported.mod, meta)
     phases["export"] = time.time() - ts
     say(f"building for {spec.name} ({spec.description})")

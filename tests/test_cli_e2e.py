@@ -285,7 +285,7 @@ def test_chat_ctrl_c_stops_the_reply_not_the_chat(lib, monkeypatch, capsys):
     rc = main(["chat", str(NANO), "--lib", str(lib), "--device", "cpu", "--max-tokens", "4"])
     out = capsys.readouterr().out
     assert rc == 0
-    assert "[reply stopped; it is not part of the conversation]" in out
+    assert "[reply stopped; this turn (your message and the reply) is dropped" in out
     assert "[/stats takes no arguments" in out
     assert calls == ["first", "second"]
 

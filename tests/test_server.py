@@ -86,6 +86,12 @@ def test_chat_completion_and_stream(client, model):
 
 @pytest.mark.parametrize("body,status,field", [
     ("{not json", 400, None),
+    ({"prompt": "x", "seed": -1}, 400, "seed"),
+    ('{"prompt": "a\\ud800b"}', 400, "prompt"),  # a lone surrogate, as JSON allows
+    ({"prompt": "x", "echo": True}, 400, "echo"),
+    ({"prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ({"prompt": "x", "stop": [""]}, 400, "stop"),
+    ({"prompt": [5, 10 ** 9]}, 400, "prompt"),
     ({"model": "gpt-4", "prompt": "x"}, 404, "model"),
     ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
     ({"prompt": "x", "temperature": -0.5}, 400, "temperature"),
@@ -114,3 +120,31 @@ def test_bad_chat_requests(client):
     assert client.post("/v1/chat/completions", json={"messages": []}).status_code == 400
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]})
     assert r.status_code == 400 and "role" in r.json()["error"]["message"]
+
+
+def test_openai_client_variants(client, model):
+    """What OpenAI clients send besides the basics: token-id prompts, text parts, the developer
+    role, explicit nulls, max_completion_tokens; extreme sampling values stay finite."""
+    from k3_compile.runtime.sampler import SamplingParams
+
+    ids = model.encode_prompt(PROMPT)
+    a = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 6, "temperature": 0}).json()
+    b = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 6, "temperature": 0, "n": None,
+                                              "stream": None, "ignore_eos": None}).json()
+    assert a["choices"][0]["text"] == b["choices"][0]["text"]
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    want = model.generate(model.tokenizer.encode_chat(msgs), SamplingParams(temperature=0, max_tokens=5))
+    parts = [{"role": "developer", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
+             {"role": "user", "content": "Hello"}]
+    r = client.post("/v1/chat/completions", json={"messages": parts, "max_completion_tokens": 5, "max_tokens": 99,
+                                                   "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == want.text
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "temperature": 1,
+                                              "top_p": 1e-300, "repetition_penalty": 1e-300, "seed": 1})
+    assert r.status_code == 200, r.text
+
+
+def test_unknown_route_gets_an_openai_error(client):
+    r = client.get("/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()

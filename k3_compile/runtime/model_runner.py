@@ -88,7 +88,7 @@ class GenerationResult:
     text: str
     token_ids: list[int]
     prompt_tokens: int
-    finish_reason: str  # "stop" (EOS / stop string), "length" (max tokens / context full)
+    finish_reason: str  # "stop" (EOS / stop string), "length" (max tokens / context full), "cancelled"
     prefill_seconds: float
     decode_seconds: float
     prefill_tokens: int
@@ -150,7 +150,8 @@ class LoadedModel:
                                  f"generating needs at least one more ({hint})")
 
     def generate(self, prompt_ids: list[int], params: SamplingParams | None = None,
-                 stream: Callable[[str], None] | None = None, seq_id: int | None = None) -> GenerationResult:
+                 stream: Callable[[str], None] | None = None, seq_id: int | None = None,
+                 should_stop: Callable[[], bool] | None = None) -> GenerationResult:
         """Prefill ``prompt_ids`` (in chunks of ``prefill_chunk``), then sample and decode until
         an EOS id (``tokenizer.eos_ids``), a stop string, ``max_tokens`` or the context limit.
 
@@ -159,6 +160,8 @@ class LoadedModel:
                 still become part of a stop string is held back).
             seq_id: continue this engine sequence (chat); otherwise a fresh sequence is used
                 and removed afterwards.
+            should_stop: polled before each prefill chunk and each token; True ends the
+                generation with finish_reason "cancelled" (a server's client went away).
         Raises:
             ModelLoadError: the prompt does not fit the context window.
         """
@@ -172,12 +175,12 @@ class LoadedModel:
         self.check_prompt(len(prompt_ids), n_cached)
         sid = eng.add_sequence() if own else seq_id
         try:
-            return self._generate(sid, prompt_ids, params, stream)
+            return self._generate(sid, prompt_ids, params, stream, should_stop or (lambda: False))
         finally:
             if own:
                 eng.remove_sequence(sid)
 
-    def _generate(self, sid, prompt_ids, params, stream) -> GenerationResult:
+    def _generate(self, sid, prompt_ids, params, stream, should_stop) -> GenerationResult:
         eng = self.engine
         sampler = Sampler(params)
         eos = set() if params.ignore_eos else set(self.tokenizer.eos_ids)
@@ -185,44 +188,54 @@ class LoadedModel:
         p0 = eng.stats.prefill_seconds
         logits = None
         for a in range(0, len(prompt_ids), self.prefill_chunk):
+            if should_stop():
+                return GenerationResult(text="", token_ids=[], prompt_tokens=len(prompt_ids),
+                                        finish_reason="cancelled", prefill_seconds=0.0, decode_seconds=0.0,
+                                        prefill_tokens=a, decode_tokens=0, first_token_seconds=0.0)
             logits = eng.prefill([sid], [prompt_ids[a:a + self.prefill_chunk]])
         prefill_s = eng.stats.prefill_seconds - p0
         context = eng.tokens(sid)
         out: list[int] = []
         dec = self.tokenizer.stream_decoder(skip_special=True)
         text, emitted = "", 0
-        hold = max((len(s) for s in params.stop), default=1) - 1
         finish = "length"
         cut_by_stop_string = False
         d0, n_dec = eng.stats.decode_seconds, 0
         first_tok = 0.0
-        while True:
-            t = sampler(logits[0], context)
-            if not out:
-                first_tok = time.perf_counter() - t_start
-            if t in eos:
-                finish = "stop"
-                break
-            out.append(t)
-            context.append(t)
-            text += dec.feed(t)
-            cut = min((i for i in (text.find(s) for s in params.stop) if i >= 0), default=-1)
-            if cut >= 0:
-                text = text[:cut]
-                finish, cut_by_stop_string = "stop", True
-                break
-            if stream is not None and len(text) - hold > emitted:
-                stream(text[emitted:len(text) - hold])
-                emitted = len(text) - hold
-            if len(out) >= params.max_tokens or eng.length(sid) + 1 > eng.max_context:
-                break
-            logits = eng.decode([sid], [t])
-            n_dec += 1
+        try:
+            while True:
+                if should_stop():
+                    finish = "cancelled"
+                    break
+                t = sampler(logits[0], context)
+                if not out:
+                    first_tok = time.perf_counter() - t_start
+                if t in eos:
+                    finish = "stop"
+                    break
+                out.append(t)
+                context.append(t)
+                text += dec.feed(t)
+                cut = min((i for i in (text.find(s) for s in params.stop) if i >= 0), default=-1)
+                if cut >= 0:
+                    text = text[:cut]
+                    finish, cut_by_stop_string = "stop", True
+                    break
+                # the tail that could still grow into a stop string is held back
+                ready = len(text) - _stop_prefix_tail(text, params.stop)
+                if stream is not None and ready > emitted:
+                    stream(text[emitted:ready])
+                    emitted = ready
+                if len(out) >= params.max_tokens or eng.length(sid) + 1 > eng.max_context:
+                    break
+                logits = eng.decode([sid], [t])
+                n_dec += 1
+        finally:
+            self.generated_tokens += len(out)  # also when interrupted (chat Ctrl-C)
         if not cut_by_stop_string:  # a stop string cut the text: what follows it is dropped
             text += dec.flush()
         if stream is not None and len(text) > emitted:
             stream(text[emitted:])
-        self.generated_tokens += len(out)
         return GenerationResult(text=text, token_ids=out, prompt_tokens=len(prompt_ids), finish_reason=finish,
                                 prefill_seconds=prefill_s, decode_seconds=eng.stats.decode_seconds - d0,
                                 prefill_tokens=len(prompt_ids), decode_tokens=n_dec,
@@ -237,6 +250,17 @@ class LoadedModel:
         return {"prefill_tokens": s.prefill_tokens, "prefill_tokens_per_s": round(s.prefill_tokens_per_s, 2),
                 "generated_tokens": self.generated_tokens, "decode_tokens": s.decode_tokens, "decode_tokens_per_s": round(s.decode_tokens_per_s, 2),
                 **self.engine.cache_usage(), "context_window": self.engine.max_context}
+
+
+def _stop_prefix_tail(text: str, stops) -> int:
+    """Length of the longest end of ``text`` that is a proper prefix of a stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
 
 
 class ChatSession:
@@ -444,9 +468,12 @@ def load_model(model_dir: str | Path, lib: str | Path | None = None, device: str
     lib = Path(lib)
     if not lib.is_file():
         raise ModelLoadError(f"library {lib} does not exist (build one with `k3 compile`)")
-    if lib.suffix not in (".so", ".dylib", ".dll"):
-        raise ModelLoadError(f"library {lib}: expected a shared library (.so) written by `k3 compile`, "
-                             f"not a {lib.suffix or 'suffix-less'} file")
+    with open(lib, "rb") as f:
+        head = f.read(262)
+    if not (head.startswith((b"\x7fELF", b"MZ", b"\xcf\xfa\xed\xfe", b"\xce\xfa\xed\xfe", b"\xca\xfe\xba\xbe"))
+            or head[257:262] == b"ustar"):
+        raise ModelLoadError(f"library {lib}: not a shared library (ELF, Mach-O, PE) or a library archive; "
+                             "give the file `k3 compile` wrote")
 
     import tvm
     from tvm.runtime.vm import VirtualMachine

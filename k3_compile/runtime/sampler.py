@@ -12,12 +12,16 @@ from dataclasses import dataclass
 import numpy as np
 
 
+GREEDY_BELOW = 1e-5
+"""Temperatures below this sample greedily (dividing by them only overflows)."""
+
+
 @dataclass
 class SamplingParams:
     """Generation settings of one request.
 
     Attributes:
-        temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+        temperature: 0 (or below 1e-5) means greedy (argmax); otherwise logits are divided by it.
         top_p: nucleus mass in (0, 1]; 1 disables.
         top_k: keep the k most likely tokens; 0 disables.
         repetition_penalty: > 1 discourages tokens already in the context (CTRL); 1 disables.
@@ -62,15 +66,20 @@ class Sampler:
     def __call__(self, logits: np.ndarray, context: list[int] | None = None) -> int:
         """Pick a token id from ``logits`` (float32 ``[vocab]``); ``context`` for the penalty."""
         p = self.params
-        x = np.asarray(logits, dtype=np.float32).copy()
+        x = np.asarray(logits, dtype=np.float64).copy()
         if p.repetition_penalty != 1.0 and context:
             ids = np.unique(np.asarray(context, dtype=np.int64))
             ids = ids[(ids >= 0) & (ids < x.shape[0])]
             v = x[ids]
-            x[ids] = np.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
-        if p.temperature == 0.0:
+            with np.errstate(over="ignore", under="ignore"):
+                x[ids] = np.clip(np.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty),
+                                 -1e300, 1e300)
+        if p.temperature < GREEDY_BELOW:
             return int(np.argmax(x))
-        x = x / p.temperature
+        # float64 and clipped: extreme temperatures or penalties give huge but finite logits
+        # (never inf - inf = NaN), and a tiny top_p still keeps the most likely token
+        with np.errstate(over="ignore"):
+            x = np.clip(x / p.temperature, -1e300, 1e300)
         if p.top_k and p.top_k < x.shape[0]:
             kth = np.partition(x, -p.top_k)[-p.top_k]
             x = np.where(x < kth, -np.inf, x)
@@ -80,7 +89,8 @@ class Sampler:
         if p.top_p < 1.0:
             order = np.argsort(-probs, kind="stable")
             cum = np.cumsum(probs[order])
-            keep = cum - probs[order] < p.top_p  # always keeps the most likely token
+            keep = cum - probs[order] < p.top_p
+            keep[0] = True  # the most likely token, whatever the rounding
             mask = np.zeros_like(probs, dtype=bool)
             mask[order[keep]] = True
             probs = np.where(mask, probs, 0.0)

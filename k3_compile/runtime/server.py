@@ -3,30 +3,36 @@
 Endpoints (the OpenAI API's shapes, as vLLM and MLC-LLM serve them):
 
 - ``GET /v1/models`` — the one served model.
-- ``POST /v1/completions`` — ``prompt`` (a string, or a list holding one string) → text.
-- ``POST /v1/chat/completions`` — ``messages`` rendered with the model's chat template.
+- ``POST /v1/completions`` — ``prompt``: a string or token ids (or a list holding one of them).
+- ``POST /v1/chat/completions`` — ``messages`` (roles system / developer / user / assistant;
+  content a string or text parts) rendered with the model's chat template.
 - ``GET /health`` — 200 once the model is loaded.
 
-Both generation endpoints take ``max_tokens`` (chat also ``max_completion_tokens``),
+Both generation endpoints take ``max_tokens`` (chat: ``max_completion_tokens`` first),
 ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``, ``seed``, ``stop`` (string or
-list), ``ignore_eos`` and ``stream`` (server-sent events ending with ``data: [DONE]``); other
-OpenAI fields are accepted and ignored, except ``n`` > 1 (refused). Unset sampling fields take
-the model's ``generation_config.json`` values, as ``k3 generate`` does (greedy when it does not
-ask for sampling); ``max_tokens`` defaults to 16 for completions (the OpenAI default) and 512
-for chat.
+list), ``ignore_eos`` and ``stream`` (server-sent events ending with ``data: [DONE]``; the last
+chunk carries ``finish_reason`` and ``usage``). Unset sampling fields take the model's
+``generation_config.json`` values, as ``k3 generate`` does (greedy when it does not ask for
+sampling); ``max_tokens`` defaults to 16 for completions (the OpenAI default) and 512 for
+chat. Fields that would change a response's meaning and are not implemented (``n`` > 1,
+``echo``, ``logprobs``, ``best_of``, ``suffix``, tools, ``logit_bias``, presence / frequency
+penalties, non-text ``response_format``) are refused; other unknown fields are ignored.
 
 Errors are OpenAI-style JSON ``{"error": {"message", "type", "param", "code"}}``: 400 for a
-malformed body, a bad field or a prompt that does not fit the context window, 404 for an
-unknown model, 500 (logged) for a failure inside the runtime; the server stays up.
+malformed body, a bad field, input the tokenizer or chat template cannot take, or a prompt
+that does not fit the context window (``code: context_length_exceeded``); 404 for an unknown
+model or route; 500 (logged) for a failure inside the runtime. The server stays up.
 
 Requests are served one at a time (a lock around the engine; the others wait), each on its own
-engine sequence. A streaming request whose client goes away stops at its next token.
+engine sequence. A client that disconnects — streaming or not — stops its generation before
+the next token (``finish_reason: "cancelled"``), freeing the engine for the next request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 import time
 import uuid
@@ -36,16 +42,14 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .model_runner import LoadedModel, ModelLoadError
 from .sampler import SamplingParams
 
+log = logging.getLogger("k3_compile.server")
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 CHAT_DEFAULT_MAX_TOKENS = 512
-
-
-class _Cancelled(Exception):
-    """Raised from the stream callback when the client of a streaming request went away."""
 
 
 class APIError(Exception):
@@ -61,32 +65,45 @@ class APIError(Exception):
 
 
 class _Sampling(BaseModel):
-    """Fields common to both generation endpoints (unknown OpenAI fields are ignored)."""
+    """Fields common to both generation endpoints. Unknown OpenAI fields are ignored; known
+    ones this server cannot honour are refused (:func:`_refuse_unsupported`)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=0)
     repetition_penalty: float | None = Field(default=None, gt=0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, lt=2 ** 63)
     stop: str | list[str] | None = None
-    ignore_eos: bool = False
-    stream: bool = False
-    n: int = Field(default=1, ge=1, le=1)
+    ignore_eos: bool | None = None
+    stream: bool | None = None
+    n: int | None = Field(default=None, ge=1, le=1)
 
 
 class CompletionRequest(_Sampling):
-    """``POST /v1/completions``."""
+    """``POST /v1/completions``: a text prompt, or token ids (one prompt per request)."""
 
-    prompt: str | list[str]
+    prompt: str | list[str] | list[int] | list[list[int]]
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(BaseModel):
+    """A message; ``developer`` is taken as ``system``; content may be text parts."""
+
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart]
+
+    def as_template_message(self) -> dict:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
 
 class ChatRequest(_Sampling):
@@ -94,6 +111,27 @@ class ChatRequest(_Sampling):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+# OpenAI fields that change what a response means; refused unless at their neutral value
+_UNSUPPORTED = {"echo": (False,), "logprobs": (None, False), "top_logprobs": (None, 0),
+                "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []), "functions": (None, []),
+                "tool_choice": (None, "none"), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
+                "frequency_penalty": (None, 0, 0.0)}
+
+
+def _refuse_unsupported(req) -> None:
+    """Raises APIError(400) for a field in ``_UNSUPPORTED`` set to something else, or a
+    ``response_format`` other than text."""
+    extra = req.model_extra or {}
+    for name, neutral in _UNSUPPORTED.items():
+        if name in extra and extra[name] not in neutral:
+            raise APIError(400, f"{name}: not supported by this server", name)
+    fmt = extra.get("response_format")
+    if fmt not in (None, {}) and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise APIError(400, "response_format: only text is supported", "response_format")
+    if isinstance(req.stop, list) and any(not x for x in req.stop) or req.stop == "":
+        raise APIError(400, "stop: empty stop strings are not allowed", "stop")
 
 
 def sampling_params(req, defaults: dict, default_max: int) -> SamplingParams:
@@ -107,7 +145,7 @@ def sampling_params(req, defaults: dict, default_max: int) -> SamplingParams:
     temperature = req.temperature
     if temperature is None:
         temperature = float(defaults.get("temperature", 1.0)) if defaults.get("do_sample") else 0.0
-    max_tokens = req.max_tokens or getattr(req, "max_completion_tokens", None) or default_max
+    max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens or default_max
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     try:
         return SamplingParams(
@@ -116,7 +154,7 @@ def sampling_params(req, defaults: dict, default_max: int) -> SamplingParams:
             top_k=req.top_k if req.top_k is not None else int(defaults.get("top_k", 0)),
             repetition_penalty=(req.repetition_penalty if req.repetition_penalty is not None
                                 else float(defaults.get("repetition_penalty", 1.0))),
-            seed=req.seed, max_tokens=max_tokens, stop=tuple(stop), ignore_eos=req.ignore_eos)
+            seed=req.seed, max_tokens=max_tokens, stop=tuple(stop), ignore_eos=bool(req.ignore_eos))
     except ValueError as e:
         raise APIError(400, str(e)) from None
 
@@ -142,26 +180,55 @@ def create_app(model: LoadedModel, model_name: str = "k3"):
         return JSONResponse(APIError(400, f"{where}: {msg}" if where else msg, where or None).body(),
                             status_code=400)
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name != model_name:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
-                           "model", code="model_not_found")
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException):  # unknown route, method
+        return JSONResponse(APIError(exc.status_code, str(exc.detail), code=str(exc.status_code)).body(),
+                            status_code=exc.status_code)
 
-    def precheck(prompt_ids: list[int]) -> None:
-        """400 before anything runs (a stream has already answered 200 when it starts)."""
-        if not prompt_ids:
+    @app.exception_handler(Exception)
+    async def _internal(_request: Request, exc: Exception):
+        log.exception("request failed")
+        return JSONResponse(APIError(500, f"internal error: {type(exc).__name__}: {exc}",
+                                     err_type="server_error").body(), status_code=500)
+
+    def check(req) -> None:
+        if req.model is not None and req.model != model_name:
+            raise APIError(404, f"the model {req.model!r} does not exist; this server serves {model_name!r}",
+                           "model", code="model_not_found")
+        _refuse_unsupported(req)
+
+    def encode(fn, *a) -> list[int]:
+        """Tokenize (text or a chat) with errors as 400, then check the prompt fits."""
+        try:
+            ids = fn(*a)
+        except (ValueError, TypeError, UnicodeError) as e:
+            raise APIError(400, f"cannot tokenize the input: {e}", "prompt") from None
+        except Exception as e:  # noqa: BLE001 - e.g. a chat template error (jinja2)
+            raise APIError(400, f"cannot render the input: {type(e).__name__}: {e}", "messages") from None
+        if not ids:
             raise APIError(400, "the prompt is empty: nothing to condition on", "prompt")
         try:
-            model.check_prompt(len(prompt_ids))
+            model.check_prompt(len(ids))
         except ModelLoadError as e:
-            raise APIError(400, str(e), "prompt") from None
+            raise APIError(400, str(e), "prompt", code="context_length_exceeded") from None
+        return ids
 
-    def run(prompt_ids: list[int], params: SamplingParams, stream=None):
+    def run(prompt_ids: list[int], params: SamplingParams, stream=None, should_stop=None):
         with lock:
             try:
-                return model.generate(prompt_ids, params, stream)
-            except ModelLoadError as e:  # prompt empty or too long for the context window
+                return model.generate(prompt_ids, params, stream, should_stop=should_stop)
+            except ModelLoadError as e:
                 raise APIError(400, str(e), "prompt") from None
+
+    async def run_watched(request: Request, prompt_ids, params):
+        """Generation in a worker thread; stopped if the client disconnects while it waits."""
+        gone = threading.Event()
+        task = asyncio.ensure_future(asyncio.to_thread(run, prompt_ids, params, None, gone.is_set))
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.25)
+            if not task.done() and await request.is_disconnected():
+                gone.set()
+        return task.result()
 
     def usage(res) -> dict:
         return {"prompt_tokens": res.prompt_tokens, "completion_tokens": len(res.token_ids),
@@ -170,28 +237,26 @@ def create_app(model: LoadedModel, model_name: str = "k3"):
     def sse(obj) -> str:
         return f"data: {json.dumps(obj)}\n\n"
 
-    def stream_response(prompt_ids: list[int], params: SamplingParams, chunk):
-        """Run the generation in a worker thread; its text pieces become SSE events."""
+    def stream_response(request: Request, prompt_ids: list[int], params: SamplingParams, chunk):
+        """Run the generation in a worker thread; its text pieces become SSE events. A client
+        that goes away stops it (checked before every token)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         gone = threading.Event()
 
         def piece(text: str) -> None:
-            if gone.is_set():
-                raise _Cancelled()
             loop.call_soon_threadsafe(queue.put_nowait, ("piece", text))
 
         def work():
             try:
-                res = run(prompt_ids, params, piece)
+                res = run(prompt_ids, params, piece, gone.is_set)
                 loop.call_soon_threadsafe(queue.put_nowait, ("done", res))
-            except _Cancelled:
-                loop.call_soon_threadsafe(queue.put_nowait, ("cancelled", None))
             except APIError as e:
                 loop.call_soon_threadsafe(queue.put_nowait, ("error", e))
             except Exception as e:  # noqa: BLE001 - reported to the client, the server stays up
-                loop.call_soon_threadsafe(queue.put_nowait, ("error", APIError(500, f"generation failed: {e}",
-                                                                                   err_type="server_error")))
+                log.exception("streaming generation failed")
+                loop.call_soon_threadsafe(queue.put_nowait, ("error", APIError(
+                    500, f"generation failed: {type(e).__name__}: {e}", err_type="server_error")))
 
         async def events():
             threading.Thread(target=work, daemon=True).start()
@@ -200,16 +265,19 @@ def create_app(model: LoadedModel, model_name: str = "k3"):
                 yield sse(head)
             try:
                 while True:
-                    kind, val = await queue.get()
+                    try:
+                        kind, val = await asyncio.wait_for(queue.get(), timeout=0.25)
+                    except asyncio.TimeoutError:
+                        if await request.is_disconnected():
+                            return
+                        continue
                     if kind == "piece":
                         yield sse(chunk(val, None))
                     elif kind == "done":
                         yield sse(chunk(None, val.finish_reason, res=val))
                         break
-                    elif kind == "error":
-                        yield sse(val.body())
-                        break
                     else:
+                        yield sse(val.body())
                         break
                 yield "data: [DONE]\n\n"
             finally:
@@ -227,16 +295,21 @@ def create_app(model: LoadedModel, model_name: str = "k3"):
                                             "owned_by": "k3-compile"}]}
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
-        check_model(req.model)
+    async def completions(req: CompletionRequest, request: Request):
+        check(req)
         prompt = req.prompt
-        if isinstance(prompt, list):
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
                 raise APIError(400, f"prompt: one prompt per request is supported, got {len(prompt)}", "prompt")
             prompt = prompt[0]
         params = sampling_params(req, model.generation_defaults, COMPLETION_DEFAULT_MAX_TOKENS)
-        ids = model.encode_prompt(prompt)
-        precheck(ids)
+        if isinstance(prompt, list):  # token ids
+            vocab = model.cfg.vocab_size
+            if any(not 0 <= t < vocab for t in prompt):
+                raise APIError(400, f"prompt: token ids must be in [0, {vocab})", "prompt")
+            ids = encode(lambda: list(prompt))
+        else:
+            ids = encode(model.encode_prompt, prompt)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         def chunk(text, finish, first=False, res=None) -> dict[str, Any] | None:
@@ -249,17 +322,15 @@ def create_app(model: LoadedModel, model_name: str = "k3"):
             return out
 
         if req.stream:
-            return stream_response(ids, params, chunk)
-        res = await asyncio.to_thread(run, ids, params)
-        body = chunk(res.text, res.finish_reason, res=res)
-        return body
+            return stream_response(request, ids, params, chunk)
+        res = await run_watched(request, ids, params)
+        return chunk(res.text, res.finish_reason, res=res)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatRequest):
-        check_model(req.model)
+    async def chat_completions(req: ChatRequest, request: Request):
+        check(req)
         params = sampling_params(req, model.generation_defaults, CHAT_DEFAULT_MAX_TOKENS)
-        ids = model.tokenizer.encode_chat([m.model_dump() for m in req.messages])
-        precheck(ids)
+        ids = encode(model.tokenizer.encode_chat, [m.as_template_message() for m in req.messages])
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def chunk(text, finish, first=False, res=None) -> dict[str, Any]:
@@ -271,8 +342,8 @@ def create_app(model: LoadedModel, model_name: str = "k3"):
             return out
 
         if req.stream:
-            return stream_response(ids, params, chunk)
-        res = await asyncio.to_thread(run, ids, params)
+            return stream_response(request, ids, params, chunk)
+        res = await run_watched(request, ids, params)
         return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": res.text},
                              "finish_reason": res.finish_reason}],
