@@ -182,8 +182,6 @@ class LoadedModel:
 
     def _generate(self, sid, prompt_ids, params, stream, should_stop) -> GenerationResult:
         eng = self.engine
-        sampler = Sampler(params)
-        eos = set() if params.ignore_eos else set(self.tokenizer.eos_ids)
         t_start = time.perf_counter()
         p0 = eng.stats.prefill_seconds
         logits = None
@@ -194,52 +192,23 @@ class LoadedModel:
                                         prefill_tokens=a, decode_tokens=0, first_token_seconds=0.0)
             logits = eng.prefill([sid], [prompt_ids[a:a + self.prefill_chunk]])
         prefill_s = eng.stats.prefill_seconds - p0
-        context = eng.tokens(sid)
-        out: list[int] = []
-        dec = self.tokenizer.stream_decoder(skip_special=True)
-        text, emitted = "", 0
-        finish = "length"
-        cut_by_stop_string = False
-        d0, n_dec = eng.stats.decode_seconds, 0
-        first_tok = 0.0
+        d0 = eng.stats.decode_seconds
+        state = Decoding(self, sid, len(prompt_ids), params, stream, t_start)
         try:
-            while True:
+            tok = None
+            if should_stop():
+                state.cancel()
+            else:
+                tok = state.step(logits[0])
+            while tok is not None:
                 if should_stop():
-                    finish = "cancelled"
+                    state.cancel()
                     break
-                t = sampler(logits[0], context)
-                if not out:
-                    first_tok = time.perf_counter() - t_start
-                if t in eos:
-                    finish = "stop"
-                    break
-                out.append(t)
-                context.append(t)
-                text += dec.feed(t)
-                cut = min((i for i in (text.find(s) for s in params.stop) if i >= 0), default=-1)
-                if cut >= 0:
-                    text = text[:cut]
-                    finish, cut_by_stop_string = "stop", True
-                    break
-                # the tail that could still grow into a stop string is held back
-                ready = len(text) - _stop_prefix_tail(text, params.stop)
-                if stream is not None and ready > emitted:
-                    stream(text[emitted:ready])
-                    emitted = ready
-                if len(out) >= params.max_tokens or eng.length(sid) + 1 > eng.max_context:
-                    break
-                logits = eng.decode([sid], [t])
-                n_dec += 1
+                logits = eng.decode([sid], [tok])
+                tok = state.step(logits[0])
         finally:
-            self.generated_tokens += len(out)  # also when interrupted (chat Ctrl-C)
-        if not cut_by_stop_string:  # a stop string cut the text: what follows it is dropped
-            text += dec.flush()
-        if stream is not None and len(text) > emitted:
-            stream(text[emitted:])
-        return GenerationResult(text=text, token_ids=out, prompt_tokens=len(prompt_ids), finish_reason=finish,
-                                prefill_seconds=prefill_s, decode_seconds=eng.stats.decode_seconds - d0,
-                                prefill_tokens=len(prompt_ids), decode_tokens=n_dec,
-                                first_token_seconds=first_tok)
+            self.generated_tokens += len(state.out)  # also when interrupted (chat Ctrl-C)
+        return state.result(prefill_s, eng.stats.decode_seconds - d0)
 
     def stats(self) -> dict:
         """Session totals: ``prefill_tokens``, ``decode_tokens`` (decode steps: a request's first
@@ -250,6 +219,71 @@ class LoadedModel:
         return {"prefill_tokens": s.prefill_tokens, "prefill_tokens_per_s": round(s.prefill_tokens_per_s, 2),
                 "generated_tokens": self.generated_tokens, "decode_tokens": s.decode_tokens, "decode_tokens_per_s": round(s.decode_tokens_per_s, 2),
                 **self.engine.cache_usage(), "context_window": self.engine.max_context}
+
+
+class Decoding:
+    """One request's decoding bookkeeping, shared by :meth:`LoadedModel.generate` and the
+    server's batch scheduler: sampling, EOS, stop strings (the text is cut before the first
+    match; the tail that could still grow into one is held back from ``stream``), the
+    ``max_tokens`` and context limits. The caller runs the engine: it passes each logits row
+    to :meth:`step` and decodes the token it returns, until :meth:`step` returns None."""
+
+    def __init__(self, model: "LoadedModel", sid: int, prompt_tokens: int, params: SamplingParams,
+                 stream: Callable[[str], None] | None, t_start: float):
+        self.model, self.sid, self.prompt_tokens, self.params, self.stream = model, sid, prompt_tokens, params, stream
+        self.eng = model.engine
+        self.sampler = Sampler(params)
+        self.eos = set() if params.ignore_eos else set(model.tokenizer.eos_ids)
+        self.context = self.eng.tokens(sid)
+        self.out: list[int] = []
+        self.dec = model.tokenizer.stream_decoder(skip_special=True)
+        self.text, self.emitted = "", 0
+        self.finish = "length"
+        self.cut_by_stop_string = False
+        self.n_dec = 0
+        self.t_start, self.first_tok = t_start, 0.0
+
+    def step(self, logits_row) -> int | None:
+        """Sample from ``logits_row`` (float32 ``[vocab]``); returns the token the caller must
+        decode next, or None when the request is finished (EOS, stop string, limits)."""
+        p = self.params
+        t = self.sampler(logits_row, self.context)
+        if not self.out:
+            self.first_tok = time.perf_counter() - self.t_start
+        if t in self.eos:
+            self.finish = "stop"
+            return None
+        self.out.append(t)
+        self.context.append(t)
+        self.text += self.dec.feed(t)
+        cut = min((i for i in (self.text.find(s) for s in p.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.text = self.text[:cut]
+            self.finish, self.cut_by_stop_string = "stop", True
+            return None
+        ready = len(self.text) - _stop_prefix_tail(self.text, p.stop)
+        if self.stream is not None and ready > self.emitted:
+            self.stream(self.text[self.emitted:ready])
+            self.emitted = ready
+        if len(self.out) >= p.max_tokens or self.eng.length(self.sid) + 1 > self.eng.max_context:
+            return None
+        self.n_dec += 1
+        return t
+
+    def cancel(self) -> None:
+        self.finish = "cancelled"
+
+    def result(self, prefill_seconds: float, decode_seconds: float) -> GenerationResult:
+        """Flush the decoder and the held-back text; the request's GenerationResult."""
+        if not self.cut_by_stop_string:  # a stop string cut the text: what follows it is dropped
+            self.text += self.dec.flush()
+        if self.stream is not None and len(self.text) > self.emitted:
+            self.stream(self.text[self.emitted:])
+            self.emitted = len(self.text)
+        return GenerationResult(text=self.text, token_ids=self.out, prompt_tokens=self.prompt_tokens,
+                                finish_reason=self.finish, prefill_seconds=prefill_seconds,
+                                decode_seconds=decode_seconds, prefill_tokens=self.prompt_tokens,
+                                decode_tokens=self.n_dec, first_token_seconds=self.first_tok)
 
 
 def _stop_prefix_tail(text: str, stops) -> int:
