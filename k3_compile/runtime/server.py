@@ -23,16 +23,20 @@ malformed body, a bad field, input the tokenizer or chat template cannot take, o
 that does not fit the context window (``code: context_length_exceeded``); 404 for an unknown
 model or route; 500 (logged) for a failure inside the runtime. The server stays up.
 
-Requests are served one at a time (a lock around the engine; the others wait), each on its own
-engine sequence. A client that disconnects — streaming or not — stops its generation before
-the next token (``finish_reason: "cancelled"``), freeing the engine for the next request.
+Requests are batched continuously (:class:`BatchScheduler`): up to the engine's batch size
+(``--max-batch-size``) sequences decode together, one token per ``decode`` call, and a
+request joins or leaves the batch between steps. A client that disconnects — streaming or not
+— stops its generation before the next token (``finish_reason: "cancelled"``), freeing its
+slot.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
+import queue
 import threading
 import time
 import uuid
@@ -159,11 +163,129 @@ def sampling_params(req, defaults: dict, default_max: int) -> SamplingParams:
         raise APIError(400, str(e)) from None
 
 
+class _Job:
+    """A request waiting for or in the batch."""
+
+    def __init__(self, prompt_ids, params, stream, should_stop):
+        self.prompt_ids, self.params, self.stream, self.should_stop = prompt_ids, params, stream, should_stop
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+        self.sid = None
+        self.state = None
+        self.tok = None
+        self.prefill_seconds = 0.0
+        self.decode_s0 = 0.0
+
+
+class BatchScheduler:
+    """Continuous batching over one engine: a thread owns it; each step admits waiting requests
+    (prefilled one at a time) while the batch has room, then one ``decode`` call advances every
+    active sequence by a token (model_runner.Decoding keeps each one's sampling and stop
+    state). Finished or cancelled requests leave the batch at once, freeing their slot.
+
+    ``max_batch``: sequences decoded together (the engine's KDA slots hold one more, spare)."""
+
+    def __init__(self, model: LoadedModel, max_batch: int):
+        self.model, self.max_batch = model, max(1, max_batch)
+        self.waiting: queue.Queue = queue.Queue()
+        self.largest_batch = 0  # the most sequences one decode call has advanced
+        threading.Thread(target=self._loop, name="k3-batch", daemon=True).start()
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, stream=None,
+               should_stop=None) -> concurrent.futures.Future:
+        """Queue a request; the future gets its GenerationResult (or the exception)."""
+        job = _Job(prompt_ids, params, stream, should_stop or (lambda: False))
+        self.waiting.put(job)
+        return job.future
+
+    def _finish(self, job: _Job, exc: BaseException | None = None) -> None:
+        eng = self.model.engine
+        try:
+            if exc is None:
+                res = job.state.result(job.prefill_seconds, eng.stats.decode_seconds - job.decode_s0)
+                self.model.generated_tokens += len(job.state.out)
+        except BaseException as e:  # noqa: BLE001 - a stream callback may fail
+            exc = e
+        if job.sid is not None:
+            eng.remove_sequence(job.sid)
+            job.sid = None
+        if exc is not None:
+            job.future.set_exception(exc)
+        else:
+            job.future.set_result(res)
+
+    def _admit(self, job: _Job) -> bool:
+        """Prefill a new request; True if it joins the batch (False: finished or failed)."""
+        from .model_runner import Decoding
+
+        m, eng = self.model, self.model.engine
+        t0, p0 = time.perf_counter(), eng.stats.prefill_seconds
+        try:
+            job.sid = eng.add_sequence()
+            logits = None
+            for a in range(0, len(job.prompt_ids), m.prefill_chunk):
+                if job.should_stop():
+                    break
+                logits = eng.prefill([job.sid], [job.prompt_ids[a:a + m.prefill_chunk]])
+            job.prefill_seconds = eng.stats.prefill_seconds - p0
+            job.decode_s0 = eng.stats.decode_seconds
+            job.state = Decoding(m, job.sid, len(job.prompt_ids), job.params, job.stream, t0)
+            if logits is None or job.should_stop():
+                job.state.cancel()
+                job.tok = None
+            else:
+                job.tok = job.state.step(logits[0])
+        except BaseException as e:  # noqa: BLE001 - reported to the request, the loop goes on
+            self._finish(job, e)
+            return False
+        if job.tok is None:
+            self._finish(job)
+            return False
+        return True
+
+    def _loop(self) -> None:
+        active: list[_Job] = []
+        while True:
+            while len(active) < self.max_batch:
+                try:
+                    job = self.waiting.get(block=not active)
+                except queue.Empty:
+                    break
+                if self._admit(job):
+                    active.append(job)
+            for job in [j for j in active if j.should_stop()]:
+                job.state.cancel()
+                active.remove(job)
+                self._finish(job)
+            if not active:
+                continue
+            self.largest_batch = max(self.largest_batch, len(active))
+            try:
+                logits = self.model.engine.decode([j.sid for j in active], [j.tok for j in active])
+            except BaseException as e:  # noqa: BLE001 - every request of the step gets the error
+                for job in active:
+                    self._finish(job, e)
+                active = []
+                continue
+            still = []
+            for row, job in zip(logits, active):
+                try:
+                    job.tok = job.state.step(row)
+                except BaseException as e:  # noqa: BLE001
+                    self._finish(job, e)
+                    continue
+                if job.tok is None:
+                    self._finish(job)
+                else:
+                    still.append(job)
+            active = still
+
+
 def create_app(model: LoadedModel, model_name: str = "k3"):
     """The FastAPI application serving ``model`` under the name ``model_name``."""
 
     app = FastAPI(title="k3-compile", description=f"OpenAI-compatible server for {model.model_dir}")
-    lock = threading.Lock()  # the engine serves one request at a time
+    scheduler = BatchScheduler(model, model.engine.max_slots - 1)  # one slot stays spare
+    app.state.scheduler = scheduler
 
     @app.exception_handler(APIError)
     async def _api_error(_request: Request, exc: APIError):
@@ -213,22 +335,15 @@ def create_app(model: LoadedModel, model_name: str = "k3"):
             raise APIError(400, str(e), "prompt", code="context_length_exceeded") from None
         return ids
 
-    def run(prompt_ids: list[int], params: SamplingParams, stream=None, should_stop=None):
-        with lock:
-            try:
-                return model.generate(prompt_ids, params, stream, should_stop=should_stop)
-            except ModelLoadError as e:
-                raise APIError(400, str(e), "prompt") from None
-
     async def run_watched(request: Request, prompt_ids, params):
-        """Generation in a worker thread; stopped if the client disconnects while it waits."""
+        """Generation in the batch; stopped if the client disconnects while it waits."""
         gone = threading.Event()
-        task = asyncio.ensure_future(asyncio.to_thread(run, prompt_ids, params, None, gone.is_set))
-        while not task.done():
-            await asyncio.wait({task}, timeout=0.25)
-            if not task.done() and await request.is_disconnected():
+        fut = asyncio.wrap_future(scheduler.submit(prompt_ids, params, None, gone.is_set))
+        while not fut.done():
+            await asyncio.wait({fut}, timeout=0.25)
+            if not fut.done() and await request.is_disconnected():
                 gone.set()
-        return task.result()
+        return fut.result()
 
     def usage(res) -> dict:
         return {"prompt_tokens": res.prompt_tokens, "completion_tokens": len(res.token_ids),
@@ -247,19 +362,18 @@ def create_app(model: LoadedModel, model_name: str = "k3"):
         def piece(text: str) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, ("piece", text))
 
-        def work():
-            try:
-                res = run(prompt_ids, params, piece, gone.is_set)
-                loop.call_soon_threadsafe(queue.put_nowait, ("done", res))
-            except APIError as e:
-                loop.call_soon_threadsafe(queue.put_nowait, ("error", e))
-            except Exception as e:  # noqa: BLE001 - reported to the client, the server stays up
-                log.exception("streaming generation failed")
-                loop.call_soon_threadsafe(queue.put_nowait, ("error", APIError(
-                    500, f"generation failed: {type(e).__name__}: {e}", err_type="server_error")))
+        def done(fut: concurrent.futures.Future) -> None:
+            exc = fut.exception()
+            if exc is None:
+                item = ("done", fut.result())
+            else:
+                log.error("streaming generation failed: %s: %s", type(exc).__name__, exc)
+                item = ("error", APIError(500, f"generation failed: {type(exc).__name__}: {exc}",
+                                          err_type="server_error"))
+            loop.call_soon_threadsafe(queue.put_nowait, item)
 
         async def events():
-            threading.Thread(target=work, daemon=True).start()
+            scheduler.submit(prompt_ids, params, piece, gone.is_set).add_done_callback(done)
             head = chunk(None, None, first=True)
             if head is not None:  # chat: the role comes first
                 yield sse(head)
