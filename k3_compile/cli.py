@@ -172,7 +172,7 @@ def _load(args: argparse.Namespace):
 def _sampling(args: argparse.Namespace, default_max: int):
     """Sampling settings from the flags, defaults from the model's generation_config.json
     (checked before anything is loaded)."""
-    from .runtime.sampler import SamplingParams
+    from .runtime.sampler import sampling_with_defaults
 
     gen = {}
     gpath = Path(args.model) / "generation_config.json"
@@ -181,18 +181,12 @@ def _sampling(args: argparse.Namespace, default_max: int):
             gen = json.loads(gpath.read_text())
         except json.JSONDecodeError as e:
             raise UserError(f"{gpath}: not valid JSON ({e})") from None
-    temp = args.temperature
-    if temp is None:
-        temp = float(gen.get("temperature", 1.0)) if gen.get("do_sample") else 0.0
     try:
-        return SamplingParams(
-            temperature=temp,
-            top_p=args.top_p if args.top_p is not None else float(gen.get("top_p", 1.0)),
-            top_k=args.top_k if args.top_k is not None else int(gen.get("top_k", 0)),
-            repetition_penalty=(args.repetition_penalty if args.repetition_penalty is not None
-                                else float(gen.get("repetition_penalty", 1.0))),
-            seed=args.seed, max_tokens=args.max_tokens if args.max_tokens is not None else default_max, stop=tuple(args.stop or ()),
-            ignore_eos=getattr(args, "ignore_eos", False))
+        return sampling_with_defaults(
+            gen, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            repetition_penalty=args.repetition_penalty, seed=args.seed,
+            max_tokens=args.max_tokens if args.max_tokens is not None else default_max,
+            stop=args.stop or (), ignore_eos=getattr(args, "ignore_eos", False))
     except ValueError as e:
         raise UserError(str(e)) from None
 

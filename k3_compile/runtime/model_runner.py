@@ -180,17 +180,26 @@ class LoadedModel:
             if own:
                 eng.remove_sequence(sid)
 
+    def prefill(self, sid: int, prompt_ids: list[int], should_stop: Callable[[], bool]):
+        """Prefill ``prompt_ids`` on sequence ``sid`` in chunks of ``prefill_chunk``, polling
+        ``should_stop`` before each. Returns ``(logits [1, vocab] of the last token, tokens
+        prefilled)``; logits None if stopped before the end."""
+        logits = None
+        for a in range(0, len(prompt_ids), self.prefill_chunk):
+            if should_stop():
+                return None, a
+            logits = self.engine.prefill([sid], [prompt_ids[a:a + self.prefill_chunk]])
+        return logits, len(prompt_ids)
+
     def _generate(self, sid, prompt_ids, params, stream, should_stop) -> GenerationResult:
         eng = self.engine
         t_start = time.perf_counter()
         p0 = eng.stats.prefill_seconds
-        logits = None
-        for a in range(0, len(prompt_ids), self.prefill_chunk):
-            if should_stop():
-                return GenerationResult(text="", token_ids=[], prompt_tokens=len(prompt_ids),
-                                        finish_reason="cancelled", prefill_seconds=0.0, decode_seconds=0.0,
-                                        prefill_tokens=a, decode_tokens=0, first_token_seconds=0.0)
-            logits = eng.prefill([sid], [prompt_ids[a:a + self.prefill_chunk]])
+        logits, done = self.prefill(sid, prompt_ids, should_stop)
+        if logits is None:
+            return GenerationResult(text="", token_ids=[], prompt_tokens=len(prompt_ids),
+                                    finish_reason="cancelled", prefill_seconds=0.0, decode_seconds=0.0,
+                                    prefill_tokens=done, decode_tokens=0, first_token_seconds=0.0)
         prefill_s = eng.stats.prefill_seconds - p0
         d0 = eng.stats.decode_seconds
         state = Decoding(self, sid, len(prompt_ids), params, stream, t_start)
@@ -261,10 +270,11 @@ class Decoding:
             self.text = self.text[:cut]
             self.finish, self.cut_by_stop_string = "stop", True
             return None
-        ready = len(self.text) - _stop_prefix_tail(self.text, p.stop)
-        if self.stream is not None and ready > self.emitted:
-            self.stream(self.text[self.emitted:ready])
-            self.emitted = ready
+        if self.stream is not None:
+            ready = len(self.text) - _stop_prefix_tail(self.text, p.stop)
+            if ready > self.emitted:
+                self.stream(self.text[self.emitted:ready])
+                self.emitted = ready
         if len(self.out) >= p.max_tokens or self.eng.length(self.sid) + 1 > self.eng.max_context:
             return None
         self.n_dec += 1

@@ -56,6 +56,29 @@ class SamplingParams:
         self.stop = tuple(self.stop or ())
 
 
+def sampling_with_defaults(defaults: dict, *, temperature: float | None = None, top_p: float | None = None,
+                           top_k: int | None = None, repetition_penalty: float | None = None,
+                           seed: int | None = None, max_tokens: int, stop=(), ignore_eos: bool = False
+                           ) -> SamplingParams:
+    """SamplingParams from a request's settings, each ``None`` one taken from the model's
+    ``generation_config.json`` (``defaults``): temperature only where it sets ``do_sample``
+    (else greedy), ``top_p`` / ``top_k`` / ``repetition_penalty`` where present, else neutral.
+    Used by ``k3 generate`` / ``k3 chat`` and the server alike.
+
+    Raises:
+        ValueError: an out-of-range value (SamplingParams).
+    """
+    if temperature is None:
+        temperature = float(defaults.get("temperature", 1.0)) if defaults.get("do_sample") else 0.0
+    return SamplingParams(
+        temperature=temperature,
+        top_p=top_p if top_p is not None else float(defaults.get("top_p", 1.0)),
+        top_k=top_k if top_k is not None else int(defaults.get("top_k", 0)),
+        repetition_penalty=(repetition_penalty if repetition_penalty is not None
+                            else float(defaults.get("repetition_penalty", 1.0))),
+        seed=seed, max_tokens=max_tokens, stop=tuple(stop), ignore_eos=ignore_eos)
+
+
 class Sampler:
     """Samples one token from a logits row; holds the request's RNG."""
 

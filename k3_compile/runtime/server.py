@@ -49,7 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .model_runner import LoadedModel, ModelLoadError
-from .sampler import SamplingParams
+from .sampler import SamplingParams, sampling_with_defaults
 
 log = logging.getLogger("k3_compile.server")
 COMPLETION_DEFAULT_MAX_TOKENS = 16
@@ -139,26 +139,20 @@ def _refuse_unsupported(req) -> None:
 
 
 def sampling_params(req, defaults: dict, default_max: int) -> SamplingParams:
-    """SamplingParams of a request: its fields, else the model's generation_config.json values
-    (``defaults``), else greedy; ``max_tokens`` (or chat's ``max_completion_tokens``) else
-    ``default_max``.
+    """SamplingParams of a request (:func:`k3_compile.runtime.sampler.sampling_with_defaults`:
+    unset fields from the model's generation_config.json); ``max_completion_tokens`` (chat),
+    else ``max_tokens``, else ``default_max``.
 
     Raises:
         APIError(400): a value SamplingParams rejects.
     """
-    temperature = req.temperature
-    if temperature is None:
-        temperature = float(defaults.get("temperature", 1.0)) if defaults.get("do_sample") else 0.0
-    max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens or default_max
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     try:
-        return SamplingParams(
-            temperature=temperature,
-            top_p=req.top_p if req.top_p is not None else float(defaults.get("top_p", 1.0)),
-            top_k=req.top_k if req.top_k is not None else int(defaults.get("top_k", 0)),
-            repetition_penalty=(req.repetition_penalty if req.repetition_penalty is not None
-                                else float(defaults.get("repetition_penalty", 1.0))),
-            seed=req.seed, max_tokens=max_tokens, stop=tuple(stop), ignore_eos=bool(req.ignore_eos))
+        return sampling_with_defaults(
+            defaults, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+            repetition_penalty=req.repetition_penalty, seed=req.seed,
+            max_tokens=getattr(req, "max_completion_tokens", None) or req.max_tokens or default_max,
+            stop=stop, ignore_eos=bool(req.ignore_eos))
     except ValueError as e:
         raise APIError(400, str(e)) from None
 
@@ -221,11 +215,7 @@ class BatchScheduler:
         t0, p0 = time.perf_counter(), eng.stats.prefill_seconds
         try:
             job.sid = eng.add_sequence()
-            logits = None
-            for a in range(0, len(job.prompt_ids), m.prefill_chunk):
-                if job.should_stop():
-                    break
-                logits = eng.prefill([job.sid], [job.prompt_ids[a:a + m.prefill_chunk]])
+            logits, _ = m.prefill(job.sid, job.prompt_ids, job.should_stop)
             job.prefill_seconds = eng.stats.prefill_seconds - p0
             job.decode_s0 = eng.stats.decode_seconds
             job.state = Decoding(m, job.sid, len(job.prompt_ids), job.params, job.stream, t0)
