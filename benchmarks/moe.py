@@ -54,9 +54,8 @@ FUNCS = ("moe_expert_chain", "moe_mxfp4_gate_up", "moe_mxfp4_down")
 # moe_mxfp4.so) is what the model dispatches, "tensor_cores" the tensor-core GEMVs
 # (schedules/moe_mxfp4_decode_tc.py), "cuda_cores" the CUDA-core ones (moe_mxfp4_cuda.py).
 DECODE_VARIANTS = {"": ("tensor_cores", {}, {}), "cuda_cores": ("cuda_cores", {}, {}),
-                   # the defaults: chains=2, unroll=True, stages 4, tiles 1; skip_x for W2 only
-                   "d_pair": ("tensor_cores", {}, {"pair": True}),
-                   "d_pair_s3": ("tensor_cores", {}, {"pair": True, "stages": 3}),
+                   # the defaults: chains=2, unroll=True; W1/W3 stages 4; W2 pair, skip_x, stages 3
+                   "d_unpaired": ("tensor_cores", {}, {"pair": False, "stages": 4}),
                    "no_skipx": ("tensor_cores", {}, {"skip_x": False})}
 # A library folder holding this file reads the codes in the checkpoint layout ("ocp"); the
 # others (the tensor-core kernels) in the tc layout (schedules/mxfp4_tc_layout.py), which the

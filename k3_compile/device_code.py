@@ -241,8 +241,7 @@ def precompiled_cuda(
     keep_dir: Optional[Union[str, Path]] = None,
 ) -> Iterator[List[int]]:
     """Within this context, ``tvm.compile`` for a CUDA target stores an nvcc fatbin for
-    ``arch`` instead of CUDA source (kernels' minimum-blocks requests applied first,
-    :func:`schedules.launch_bounds.apply_min_blocks`). Yields a list that receives the size of each fatbin
+    ``arch`` instead of CUDA source. Yields a list that receives the size of each fatbin
     compiled (one per device module). Restores the previous compile callback on exit."""
     import tvm_ffi  # pylint: disable=import-outside-toplevel
 
@@ -251,10 +250,8 @@ def precompiled_cuda(
     previous = tvm_ffi.get_global_func(name, allow_missing=True)
     sizes: List[int] = []
 
-    from schedules.launch_bounds import apply_min_blocks  # pylint: disable=import-outside-toplevel
-
     def _compile(code):  # called by CUDAModuleNode with the CUDA source
-        data = nvcc_fatbin(apply_min_blocks(str(code)), arch, options=options, embed_ptx=embed_ptx, keep_dir=keep_dir)
+        data = nvcc_fatbin(str(code), arch, options=options, embed_ptx=embed_ptx, keep_dir=keep_dir)
         sizes.append(len(data))
         return bytearray(data)
 

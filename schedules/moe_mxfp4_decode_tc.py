@@ -43,9 +43,10 @@ latency-bound (8 dependent mmas per K block) into overlapped work. Per kernel at
 L1/TEX pipe (84%), where each lane's 64-byte activation read weighs twice what it does in W1/W3
 (one matrix instead of two); ``skip_x`` (only the lanes of real columns load) brings W2 to 65%
 (slower for W1/W3, so off there); ``pair`` (two row tiles as the two matrices) helps W2 at 8
-and 64 tokens (1.27 -> 1.15 ms at 64). Tried and not faster: ``tiles`` 2–8 per block (the ramp and
-the partial last wave are not what limits), ``min_blocks=5`` for W1/W3 (spills), a register
-ring instead of cp.async stages, 2 or 8 warps per block, deeper stages.
+and 64 tokens (1.27 -> 1.15 ms at 64). Tried and not faster (options since removed): 2–8 row
+tiles per block through one pipeline (the ramp and the partial last wave are not what
+limits), capping W1/W3 at 5 blocks per SM with ``__launch_bounds__`` (spills), a register ring
+instead of cp.async stages, 2 or 8 warps per block, deeper stages.
 
 Reference: ``schedules.moe_mxfp4_cuda.moe_experts_reference``; the fragment mapping is
 checked on the CPU (tests/test_moe_prefill_cuda.py), the kernels on the H200 by
@@ -59,7 +60,6 @@ import functools
 from tvm.script import tirx as T
 
 from schedules.barriers import mark
-from schedules.launch_bounds import min_blocks_per_sm
 from schedules.moe_mxfp4_prefill_cuda import situ_expr
 from schedules.mxfp4_ptx import commit, cp_async4, cp_async16, dequant8, factor_bf16x2, mma_bf16, wait
 
@@ -85,21 +85,18 @@ def _check(kd: int, n: int, rows_per_block: int, E: int):
 
 def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
              beta_lin: float | None = None, out_dtype: str = "bfloat16", warps: int = 4,
-             stages: int = 4, chains: int = 1, unroll: bool = False, min_blocks: int | None = None,
-             tiles: int = 1, skip_x: bool = False, pair: bool = False):
+             stages: int = 4, chains: int = 1, unroll: bool = False, skip_x: bool = False,
+             pair: bool = False):
     """Builder of both kernels (``kind`` "gate_up": two weight matrices + SiTU; "down": one).
     ``chains``: accumulators per matrix, mma step ``s`` adding into chain ``s % chains`` (shorter
-    dependency chains of mmas); ``unroll``: unroll the K loop; ``min_blocks``: resident blocks
-    per SM asked of ptxas (schedules/launch_bounds.py), capping the registers; ``tiles``: block
-    tiles per block, streamed through one pipeline; ``skip_x``: lanes of columns past the pass's
-    entries do not load activations; ``pair`` (down): a block tile is two row tiles of 16, the
+    dependency chains of mmas); ``unroll``: unroll the K loop; ``skip_x``: lanes of columns past
+    the pass's entries do not load activations; ``pair`` (down): a block is two row tiles of 16, the
     second taken as the mma's second matrix (as W3 in gate_up), so the activations each lane
     loads feed twice the rows."""
     K = top_k
     if chains not in (1, 2, 4, 8):
         raise ValueError(f"chains must be 1, 2, 4 or 8, got {chains}")
     CH = chains
-    ask_blocks = min_blocks is not None
     if warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"warps must be 1, 2, 4, 8 or 16, got {warps}")
     if stages < 2:
@@ -109,15 +106,11 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
     RB = 16                      # weight rows per matrix tile (the mma's m16); the warps split K
     if pair and kind == "gate_up":
         raise ValueError("pair is for the down kernel (gate_up already pairs W1 with W3)")
-    NP = 2 if pair else 1        # row tiles of 16 per block tile
+    NP = 2 if pair else 1        # row tiles of 16 per block
     ROW1 = RB if pair else 0     # rows from the first matrix to the second (W3: same rows)
-    BR = RB * NP                 # weight rows per block tile
+    BR = RB * NP                 # weight rows per block
     _check(KD, N, BR, E)
-    NTILE = N // BR
-    if tiles < 1 or NTILE % tiles:
-        raise ValueError(f"tiles={tiles} must divide the {NTILE} block tiles of {BR} rows")
-    TPB = tiles
-    NG = NTILE // TPB            # tile groups = blocks per entry
+    NTILE = N // BR              # blocks per entry
     NKB = KD // KB
     if NKB % NW:
         raise ValueError(f"the {NKB} K blocks of 128 inputs must split evenly over {NW} warps")
@@ -164,17 +157,13 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
                 dst[i * 4 + v] = xq[xr * XW + kb * 64 + q * 16 + i * 4 + v]
 
     @T.macro
-    def kstep(j, kb, w_s, s_s, wq0, wq1, sw0, sw1, xq, xcur, wcur, s2, bf, acc, rr, tx):
-        """Step ``j`` of the block's ``tiles · KPW`` (K block ``kb`` of the warp in tile
-        ``j // KPW``): refill the stage ``NS - 1`` steps ahead (the next tile's rows once this
-        tile's K blocks are all in flight), then dequantize and multiply the one that has
-        landed."""
-        if j + NS - 1 < TPB * KPW:
-            issue(rr[3] + (j + NS - 1) % KPW, j + NS - 1, w_s, s_s, wq0, sw0, 0,
-                  rr[0] + (j + NS - 1) // KPW * BR, tx)
+    def kstep(kb, w_s, s_s, wq0, wq1, sw0, sw1, xq, xcur, wcur, s2, bf, acc, rr, tx):
+        """K block ``kb`` of the warp: refill the stage ``NS - 1`` ahead, then dequantize and
+        multiply the one that has landed."""
+        if kb + NS - 1 < KPW:
+            issue(rr[3] + kb + NS - 1, kb + NS - 1, w_s, s_s, wq0, sw0, 0, rr[0], tx)
             if NM == 2:
-                issue(rr[3] + (j + NS - 1) % KPW, j + NS - 1, w_s, s_s, wq1, sw1, 2,
-                      rr[0] + (j + NS - 1) // KPW * BR + ROW1, tx)
+                issue(rr[3] + kb + NS - 1, kb + NS - 1, w_s, s_s, wq1, sw1, 2, rr[0] + ROW1, tx)
         T.evaluate(commit())
         # activations from L1 (every block of the pass reads the same rows)
         if skip_x:
@@ -187,8 +176,8 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
         T.evaluate(wait(NS - 1))  # K block kb has landed
         for sl in T.unroll(SLOTS):
             for v in T.vectorized(4):
-                wcur[sl * 4 + v] = w_s[((j % NS * SLOTS + sl) * NT + tx) * 4 + v]
-            s2[sl] = factor_bf16x2(s_s[(j % NS * SLOTS + sl) * NT + tx], tx % 4)
+                wcur[sl * 4 + v] = w_s[((kb % NS * SLOTS + sl) * NT + tx) * 4 + v]
+            s2[sl] = factor_bf16x2(s_s[(kb % NS * SLOTS + sl) * NT + tx], tx % 4)
         for s in T.unroll(8):
             if s % 2 == 0:
                 for sl in T.unroll(SLOTS):
@@ -202,19 +191,16 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
                                     xcur[b_word(s, 0)], xcur[b_word(s, 1)]))
 
     @T.macro
-    def tile(t, w_s, s_s, red_s, wq0, wq1, sw0, sw1, xq, xcur, wcur, s2, bf, acc, rr, ent_s, cnt_s, y, blk, tx):
-        """Tile ``t`` of the block's ``tiles`` (rows ``t·16 ..`` of its group) for the pass's
-        entries: K loop, split-K reduction, outputs."""
+    def one_pass(w_s, s_s, red_s, wq0, wq1, sw0, sw1, xq, xcur, wcur, s2, bf, acc, rr, ent_s, cnt_s, y, blk, tx):
+        """The block's rows for the pass's entries: K loop, split-K reduction, outputs."""
         for i in T.unroll(CH * NM * 4):
             acc[i] = T.float32(0)
         if unroll:
             for kb in T.unroll(KPW):
-                kstep(t * KPW + kb, kb, w_s, s_s, wq0, wq1, sw0, sw1, xq, xcur, wcur, s2, bf,
-                      acc, rr, tx)
+                kstep(kb, w_s, s_s, wq0, wq1, sw0, sw1, xq, xcur, wcur, s2, bf, acc, rr, tx)
         else:
             for kb in range(KPW):
-                kstep(t * KPW + kb, kb, w_s, s_s, wq0, wq1, sw0, sw1, xq, xcur, wcur, s2, bf,
-                      acc, rr, tx)
+                kstep(kb, w_s, s_s, wq0, wq1, sw0, sw1, xq, xcur, wcur, s2, bf, acc, rr, tx)
         # ---- the accumulator chains of each matrix summed into chain 0
         for c in T.unroll(1, CH):
             for i in T.unroll(NM * 4):
@@ -233,23 +219,21 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
                 for h in T.unroll(2):
                     if gate_up:
                         y[ent_s[tx % 4 * 2 + c] // K, ent_s[tx % 4 * 2 + c] % K,
-                          (T.Cast("int32", blk % NG) * TPB + t) * BR + tx % 32 // 4 + h * 8] = T.Cast(
+                          T.Cast("int32", blk % NTILE) * BR + tx % 32 // 4 + h * 8] = T.Cast(
                             out_dtype, situ_expr(_round(acc[h * 2 + c], rnd, out_dtype),
                                                  _round(acc[4 + h * 2 + c], rnd, out_dtype),
                                                  B, BL, use_bl))
                     else:
                         for m in T.unroll(NM):
                             y[ent_s[tx % 4 * 2 + c] // K, ent_s[tx % 4 * 2 + c] % K,
-                              (T.Cast("int32", blk % NG) * TPB + t) * BR + m * RB + tx % 32 // 4 + h * 8] = \
+                              T.Cast("int32", blk % NTILE) * BR + m * RB + tx % 32 // 4 + h * 8] = \
                                 T.Cast(out_dtype, acc[m * 4 + h * 2 + c])
         T.tvm_storage_sync("shared")
 
     @T.macro
     def body(nt, xq, wq0, wq1, sw0, sw1, chain, ids, y):
-        for blk in T.thread_binding(nt * K * NG, thread="blockIdx.x"):
+        for blk in T.thread_binding(nt * K * NTILE, thread="blockIdx.x"):
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                if ask_blocks:
-                    T.evaluate(min_blocks_per_sm(min_blocks))
                 ent_s = T.alloc_buffer((COLS + 1,), "int32", scope="shared")  # entries; [COLS] = next
                 cnt_s = T.alloc_buffer((1,), "int32", scope="shared")
                 w_s = T.alloc_buffer((NS * SLOTS * NT * 4,), "uint32", scope="shared")
@@ -265,20 +249,19 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
                 # [2] chain cursor, [3] first K block of this warp, [4] column g holds an entry
                 rr = T.alloc_buffer((5,), "int32", scope="local")
                 # (the row is read before the chain test so that both loads are in flight at once)
-                rr[0] = ids[T.Cast("int32", blk // NG) // K, T.Cast("int32", blk // NG) % K] * N \
-                    + T.Cast("int32", blk % NG) * (TPB * BR) + tx % 32 // 4
+                rr[0] = ids[T.Cast("int32", blk // NTILE) // K, T.Cast("int32", blk // NTILE) % K] * N \
+                    + T.Cast("int32", blk % NTILE) * BR + tx % 32 // 4
                 rr[3] = tx // 32 * KPW
-                if chain[T.Cast("int32", blk // NG) // K, T.Cast("int32", blk // NG) % K, 0] == 1:
-                    rr[2] = T.Cast("int32", blk // NG)
+                if chain[T.Cast("int32", blk // NTILE) // K, T.Cast("int32", blk // NTILE) % K, 0] == 1:
+                    rr[2] = T.Cast("int32", blk // NTILE)
                     while rr[2] >= 0:
                         # the first stages of weights: they do not depend on the chain (a later
                         # pass re-reads them, from L2)
                         for r in T.unroll(NS - 1):
-                            if r < TPB * KPW:
-                                issue(rr[3] + r % KPW, r, w_s, s_s, wq0, sw0, 0, rr[0] + r // KPW * BR, tx)
+                            if r < KPW:
+                                issue(rr[3] + r, r, w_s, s_s, wq0, sw0, 0, rr[0], tx)
                                 if NM == 2:
-                                    issue(rr[3] + r % KPW, r, w_s, s_s, wq1, sw1, 2,
-                                          rr[0] + r // KPW * BR + ROW1, tx)
+                                    issue(rr[3] + r, r, w_s, s_s, wq1, sw1, 2, rr[0] + ROW1, tx)
                             T.evaluate(commit())
                         # ---- up to 8 entries of the chain = the mma's columns
                         if tx == 0:
@@ -295,8 +278,7 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
                         rr[1] = xrow(ent_s[T.min(tx % 32 // 4, cnt_s[0] - 1)])
                         rr[4] = T.Cast("int32", tx % 32 // 4 < cnt_s[0])  # column g holds an entry
                         rr[2] = ent_s[COLS]
-                        for t in range(TPB):  # rolled: unrolling it let ptxas hoist loads across tiles (160-221 registers)
-                            tile(t, w_s, s_s, red_s, wq0, wq1, sw0, sw1, xq, xcur, wcur, s2, bf, acc, rr,
+                        one_pass(w_s, s_s, red_s, wq0, wq1, sw0, sw1, xq, xcur, wcur, s2, bf, acc, rr,
                                  ent_s, cnt_s, y, blk, tx)
 
     if gate_up:
@@ -370,7 +352,7 @@ def split_k_warps(in_width: int) -> int:
 def moe_mxfp4_gate_up_tc_kernel(num_experts: int, latent: int, inter: int, top_k: int,
                                 beta: float, beta_lin: float | None, out_dtype: str = "bfloat16",
                                 warps: int = 4, stages: int = 4, chains: int = 2, unroll: bool = True,
-                                min_blocks: int | None = None, tiles: int = 1, skip_x: bool = False):
+                                skip_x: bool = False):
     """Fused W1/W3 GEMV + SiTU on tensor cores. Arguments as
     :func:`schedules.moe_mxfp4_cuda.moe_mxfp4_gate_up_kernel`, codes in the tc layout
     (:mod:`schedules.mxfp4_tc_layout`): ``z [T, L] bf16, w1_packed,
@@ -382,14 +364,14 @@ def moe_mxfp4_gate_up_tc_kernel(num_experts: int, latent: int, inter: int, top_k
             and the other buffers over 48 KiB of shared memory; the codes over 2^31 words.
     """
     return _gemv_tc("gate_up", num_experts, inter, latent, top_k, beta, beta_lin, out_dtype, warps, stages,
-                    chains, unroll, min_blocks, tiles, skip_x)
+                    chains, unroll, skip_x)
 
 
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def moe_mxfp4_down_tc_kernel(num_experts: int, latent: int, inter: int, top_k: int,
                              out_dtype: str = "bfloat16", warps: int = 4, stages: int = 3,
-                             chains: int = 2, unroll: bool = True, min_blocks: int | None = None,
-                             tiles: int = 1, skip_x: bool = True, pair: bool = True):
+                             chains: int = 2, unroll: bool = True, skip_x: bool = True,
+                             pair: bool = True):
     """W2 GEMV on tensor cores. Arguments as :func:`schedules.moe_mxfp4_cuda.
     moe_mxfp4_down_kernel`, codes in the tc layout: ``a [T, k, I] bf16, w2_packed, w2_scale, chain, expert_ids, o [T, k, L]``.
 
@@ -400,5 +382,4 @@ def moe_mxfp4_down_tc_kernel(num_experts: int, latent: int, inter: int, top_k: i
             memory; the codes over 2^31 words.
     """
     return _gemv_tc("down", num_experts, latent, inter, top_k, out_dtype=out_dtype, warps=warps,
-                    stages=stages, chains=chains, unroll=unroll, min_blocks=min_blocks, tiles=tiles,
-                    skip_x=skip_x, pair=pair)
+                    stages=stages, chains=chains, unroll=unroll, skip_x=skip_x, pair=pair)
