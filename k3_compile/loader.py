@@ -99,6 +99,20 @@ def load_parameters(
         yield name, np.ascontiguousarray(arr)
 
 
+def upload_parameters(get: Callable[[str], np.ndarray], params, num_experts: int, device,
+                      check: Callable[[str, np.ndarray], None], progress: bool = False) -> list:
+    """:func:`load_parameters`, each host array passed to ``check(name, array)`` (e.g.
+    :func:`check_expert_scales`) and then uploaded to ``device``; returns the device tensors in
+    the order of ``params``. Raises what ``load_parameters`` and ``check`` raise."""
+    import tvm
+
+    out = []
+    for name, arr in load_parameters(get, params, num_experts, progress=progress):
+        check(name, arr)
+        out.append(tvm.runtime.tensor(arr, device))
+    return out
+
+
 def check_expert_scales(name: str, arr: np.ndarray, layout: str) -> None:
     """With the tc layout, a routed-expert ``weight_scale`` must hold E8M0 bytes its kernels
     can scale by (:func:`schedules.mxfp4_tc_layout.check_scales`); other tensors and the

@@ -93,9 +93,7 @@ def load_checkpoint_params(model_dir: str | Path, exported: ExportedModel, devic
         k3_compile.loader.ParameterError: a tensor cannot become its parameter.
         ValueError: a tc-layout export without ``vm``; an expert scale out of the layout's range.
     """
-    import tvm
-
-    from .loader import check_expert_scales, load_parameters, repack_expert_codes
+    from .loader import check_expert_scales, repack_expert_codes, upload_parameters
     from .weights import CheckpointReader
 
     layout = exported.code_layout
@@ -104,8 +102,6 @@ def load_checkpoint_params(model_dir: str | Path, exported: ExportedModel, devic
                          f"compiled library's VirtualMachine) so that {REPACK_FN} can permute them")
     reader = CheckpointReader(model_dir, exported.cfg)
     reader.validate()
-    out = []
-    for name, a in load_parameters(reader.get, exported.params, exported.cfg.num_experts, progress=progress):
-        check_expert_scales(name, a, layout)
-        out.append(tvm.runtime.tensor(a, device))
+    out = upload_parameters(reader.get, exported.params, exported.cfg.num_experts, device,
+                            lambda name, a: check_expert_scales(name, a, layout), progress)
     return repack_expert_codes(vm, layout, [n for n, _, _ in exported.params], out)

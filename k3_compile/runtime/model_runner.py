@@ -422,19 +422,13 @@ def _load_converted(model_dir: Path, meta_params: list, device, progress: bool,
 
 def _load_checkpoint(model_dir: Path, cfg: K3Config, meta_params: list, device, progress: bool,
                      check: Callable[[str, np.ndarray], None]) -> list:
-    import tvm
-
-    from ..loader import load_parameters
+    from ..loader import upload_parameters
     from ..weights import CheckpointReader
 
     reader = CheckpointReader(model_dir, cfg)
     reader.validate()
-    out = []
-    for name, a in load_parameters(reader.get, [(n, tuple(s), d) for n, s, d in meta_params],
-                                   cfg.num_experts, progress=progress):
-        check(name, a)
-        out.append(tvm.runtime.tensor(a, device))
-    return out
+    return upload_parameters(reader.get, [(n, tuple(s), d) for n, s, d in meta_params], cfg.num_experts,
+                             device, check, progress)
 
 
 def _code_layout(meta: dict, lib: Path) -> str:

@@ -301,7 +301,7 @@ def run(out: Path, json_path: Path | None) -> dict:
 
     from k3_compile.config import K3Config
     from k3_compile.device_code import load_cuda_runtime
-    from k3_compile.loader import check_expert_scales, load_parameters, repack_expert_codes
+    from k3_compile.loader import check_expert_scales, repack_expert_codes, upload_parameters
     from k3_compile.runtime.engine import Engine
     from k3_compile.weights import CheckpointReader
 
@@ -331,10 +331,8 @@ def run(out: Path, json_path: Path | None) -> dict:
         vm = VirtualMachine(lib, dev)
         plist = [(nm, tuple(s), d) for nm, s, d in meta["params"][dtype]]
         layout = meta.get("code_layout", {}).get(dtype, "ocp")
-        params = []
-        for nm, a in load_parameters(reader.get, plist, cfg.num_experts):
-            check_expert_scales(nm, a, layout)
-            params.append(tvm.runtime.tensor(a, dev))
+        params = upload_parameters(reader.get, plist, cfg.num_experts, dev,
+                                   lambda nm, a: check_expert_scales(nm, a, layout))
         params = repack_expert_codes(vm, layout, [nm for nm, _, _ in plist], params)
         r["load_seconds"] = round(time.perf_counter() - t0, 2)
         eng = Engine(vm, params, cfg, dev, dtype, **ENGINE_KW)
