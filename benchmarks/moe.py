@@ -34,6 +34,7 @@ peak measured with an 8192³ ``torch.matmul``. Results: JSON + PNG under ``--out
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -47,7 +48,9 @@ from k3_compile.device_code import PTXAS_OPTIONS as PTXAS_REGISTER_LEVEL  # noqa
 E, L, I, TOPK = 896, 3584, 3072, 16
 BETA, BETA_LIN = 4.0, 25.0
 CHECK_T = (1, 7, 8, 20)
+CHAIN_T = (1, 64, 300)  # 300 tokens: 4800 entries, 5 shared-memory tiles of the chain kernel
 TIME_T = (1, 8, 64)
+AB_ROUNDS = 5
 FUNCS = ("moe_expert_chain", "moe_mxfp4_gate_up", "moe_mxfp4_down")
 
 # decode builds: name -> (kernels, gate_up kwargs, down kwargs); "" (the top-level
@@ -105,7 +108,9 @@ def build(out_dir: Path) -> None:
 
 PREFILL_FUNCS = ("moe_sort", "moe_grouped_gate_up", "moe_grouped_down")
 # besides the defaults of schedules.moe_mxfp4_prefill_cuda (STAGES = 3, WARPS_M = 2)
-PREFILL_VARIANTS = {"stages2": {"stages": 2}, "stages4": {"stages": 4}, "warps_m4": {"warps_m": 4}}
+PREFILL_VARIANTS = {}
+WGMMA_VARIANTS = {"s3": {"stages": 3}}
+WGMMA = "wgmma"  # prefill libraries whose name holds this read z and a_sorted in the permuted k order
 SMALL = (3, 512, 512, 2)  # E, L, I, top_k of tests/gpu/check_moe_dispatch.py's model
 
 
@@ -121,6 +126,18 @@ def build_prefill(out_dir: Path) -> None:
                 "moe_grouped_down": mp.moe_grouped_down_kernel(e, l_, i_, k, **kw)}
 
     _compile(kernels(E, L, I, TOPK), out_dir / "moe_prefill.so")
+    from schedules import moe_mxfp4_prefill_wgmma as mw
+
+    # Hopper wgmma kernels (activations in the permuted k order; the run permutes z)
+    _compile({"moe_sort": mp.moe_sort_kernel(E, TOPK),
+              "moe_grouped_gate_up": mw.moe_grouped_gate_up_wgmma_kernel(E, L, I, TOPK, BETA, BETA_LIN),
+              "moe_grouped_down": mw.moe_grouped_down_wgmma_kernel(E, L, I, TOPK)},
+             out_dir / f"moe_prefill_{WGMMA}.so")
+    for name, kw in WGMMA_VARIANTS.items():
+        _compile({"moe_sort": mp.moe_sort_kernel(E, TOPK),
+                  "moe_grouped_gate_up": mw.moe_grouped_gate_up_wgmma_kernel(E, L, I, TOPK, BETA, BETA_LIN, **kw),
+                  "moe_grouped_down": mw.moe_grouped_down_wgmma_kernel(E, L, I, TOPK, **kw)},
+                 out_dir / f"moe_prefill_{WGMMA}_{name}.so")
     for name, kw in PREFILL_VARIANTS.items():  # timed in the same run
         _compile(kernels(E, L, I, TOPK, **kw), out_dir / f"moe_prefill_{name}.so")
     _compile(kernels(*SMALL), out_dir / "moe_prefill_small.so")
@@ -195,13 +212,18 @@ def run(lib_dir: Path, decode: bool = True, prefill: bool = True) -> dict:
     expert_bytes = sum(p[0].numel() + p[1].numel() for p in W.values()) // E
     results = {"copy_bandwidth_GBps": bw / 1e9, "expert_bytes": expert_bytes, "check": [], "timing": []}
 
-    def make(T, fns=None, tw=tw):
+    def make(T, fns=None, tw=tw, like=None):
+        """Inputs and outputs for ``T`` tokens (those of ``like``, an earlier ``make``'s
+        ``ours``, when given) and the calls of one build (``fns``) on them."""
         c_f, g_f, d_f = fns or (chain_f, gu_f, down_f)
-        z = torch.randn(T, L, device=dev, generator=g).to(torch.bfloat16)
-        ids = torch.stack([torch.randperm(E, device=dev, generator=g)[:TOPK] for _ in range(T)]).int()
-        chain = torch.empty(T, TOPK, 2, dtype=torch.int32, device=dev)
-        a = torch.empty(T, TOPK, I, dtype=torch.bfloat16, device=dev)
-        o = torch.empty(T, TOPK, L, dtype=torch.bfloat16, device=dev)
+        if like is not None:
+            z, ids, chain, a, o = like.tensors
+        else:
+            z = torch.randn(T, L, device=dev, generator=g).to(torch.bfloat16)
+            ids = torch.stack([torch.randperm(E, device=dev, generator=g)[:TOPK] for _ in range(T)]).int()
+            chain = torch.empty(T, TOPK, 2, dtype=torch.int32, device=dev)
+            a = torch.empty(T, TOPK, I, dtype=torch.bfloat16, device=dev)
+            o = torch.empty(T, TOPK, L, dtype=torch.bfloat16, device=dev)
         tv = [tvm.runtime.from_dlpack(t) for t in (z, ids, chain, a, o)]
 
         parts = {"chain": lambda: c_f(tv[1], tv[2]),
@@ -213,6 +235,8 @@ def run(lib_dir: Path, decode: bool = True, prefill: bool = True) -> dict:
                 f()
 
         ours.parts = parts
+        ours.chain = chain
+        ours.tensors = (z, ids, chain, a, o)
         return z, ids, a, o, ours
 
     def check(T, fns=None, tw=tw):
@@ -242,29 +266,64 @@ def run(lib_dir: Path, decode: bool = True, prefill: bool = True) -> dict:
         return {"T": T, "max_abs_err_a": ea, "max_abs_a": ma, "rel_err_a": ea / ma,
                 "max_abs_err_o": eo, "max_abs_o": mo, "rel_err_o": eo / mo}
 
+    def check_chain(T):
+        """The chain kernel against its definition in torch (first entry of each expert; the
+        next entry with the same expert, or -1), at token counts that span several of its
+        shared-memory tiles."""
+        z, ids, a, o, ours = make(T)
+        ids[T // 2:, :] = ids[:T - T // 2, :]  # repeats: chains across the tiles
+        ours.parts["chain"]()
+        torch.cuda.synchronize()
+        flat = ids.reshape(-1).long()
+        n = flat.numel()
+        eq = flat[:, None] == flat[None, :]
+        j = torch.arange(n, device=dev)
+        first = ~(eq & (j[None, :] < j[:, None])).any(1)
+        nxt = torch.where(eq & (j[None, :] > j[:, None]), j[None, :], n).min(1).values
+        nxt = torch.where(nxt == n, -1, nxt)
+        got = ours.chain.reshape(n, 2).long()
+        return {"T": T, "entries": n, "first_mismatches": int((got[:, 0] != first.long()).sum()),
+                "next_mismatches": int((got[:, 1] != nxt).sum())}
+
+    for T in (CHAIN_T if decode else ()):
+        row = check_chain(T)
+        results.setdefault("chain_check", []).append(row)
+        print(json.dumps(row), flush=True)
     for T in (CHECK_T if decode else ()):
         row = check(T)
         results["check"].append(row)
         print(json.dumps(row), flush=True)
 
-    # other schedule variants (subfolders of lib_dir): one check (T = 7) and our timings only
+    # other schedule variants (subfolders of lib_dir): checks, then timings interleaved with
+    # the default's on the same inputs (AB_ROUNDS rounds in rotating order, medians): runs
+    # differ by a few percent from one another, a variant and the default in one round do not
     results["variants"] = {}
+    variants = {}
     for d in sorted(p for p in lib_dir.iterdir() if decode and (p / "moe_mxfp4.so").exists()):
         fns = load(d)
         tw_d = tw_ocp if (d / OCP_MARKER).exists() else tw_tc
-        rows = {"check_T7": check(7, fns, tw_d), "check_T20": check(20, fns, tw_d), "timing": []}
-        for T in TIME_T:
-            z, ids, a, o, ours = make(T, fns, tw_d)
-            distinct = torch.unique(ids).numel()
-            ms = time_cuda(ours, iters=20, warmup=3)
-            ms_g = time_cuda_graph(ours)
-            parts_ms = {n: time_cuda_graph(f) for n, f in ours.parts.items()}
-            rows["timing"].append({"T": T, "ours_ms": ms, "ours_pct_roofline":
-                                   100 * distinct * expert_bytes / bw * 1e3 / ms, "ours_graph_ms": ms_g,
-                                   "ours_pct_roofline_graph": 100 * distinct * expert_bytes / bw * 1e3 / ms_g,
-                                   "parts_graph_ms": parts_ms})
-        results["variants"][d.name] = rows
-        print(d.name, json.dumps(rows), flush=True)
+        variants[d.name] = (fns, tw_d)
+        results["variants"][d.name] = {"check_T7": check(7, fns, tw_d), "check_T20": check(20, fns, tw_d),
+                                       "timing": []}
+    for T in (TIME_T if variants else ()):
+        z, ids, a, o, base = make(T)
+        calls = {"default": base, **{n: make(T, f, t, like=base)[-1] for n, (f, t) in variants.items()}}
+        roof = torch.unique(ids).numel() * expert_bytes / bw * 1e3
+        samples = {n: [] for n in calls}
+        names = list(calls)
+        for r in range(AB_ROUNDS):
+            for n in names[r % len(names):] + names[:r % len(names)]:
+                samples[n].append(time_cuda_graph(calls[n]))
+        med = {n: sorted(v)[len(v) // 2] for n, v in samples.items()}
+        for n in variants:
+            results["variants"][n]["timing"].append({
+                "T": T, "ours_graph_ms": med[n], "ours_pct_roofline_graph": 100 * roof / med[n],
+                "default_graph_ms": med["default"], "speed_vs_default": med["default"] / med[n],
+                "parts_graph_ms": {k: time_cuda_graph(f) for k, f in calls[n].parts.items()}})
+        print(f"T={T} graph ms (median of {AB_ROUNDS} interleaved rounds):",
+              json.dumps({n: round(v, 5) for n, v in med.items()}), flush=True)
+    for n, rows in results["variants"].items():
+        print(n, json.dumps(rows), flush=True)
 
     # dequantized bf16 copies of all experts for the torch loop
     Wb = {}
@@ -384,7 +443,12 @@ def run_prefill(lib_dir: Path, W, Wb, tw, g, repack) -> dict:
     from schedules.moe_plan import max_tiles, moe_prefill_plan_reference
 
     lib = tvm.runtime.load_module(str(lib_dir / "moe_prefill.so"))
-    f_sort, f_gu, f_down = (lib[n] for n in PREFILL_FUNCS)
+    f_sort0, f_gu0, f_down0 = (lib[n] for n in PREFILL_FUNCS)
+    wg_path = lib_dir / f"moe_prefill_{WGMMA}.so"
+    flavors = {"mma_sync": (None, False)}
+    if wg_path.exists():
+        wl = tvm.runtime.load_module(str(wg_path))
+        flavors[WGMMA] = (tuple(wl[n] for n in PREFILL_FUNCS), True)
     dev = torch.device("cuda")
     res = {"check": [], "timing": []}
     if (lib_dir / "moe_prefill_small.so").exists():
@@ -403,7 +467,13 @@ def run_prefill(lib_dir: Path, W, Wb, tw, g, repack) -> dict:
             ids[:, 1:] = torch.where(ids[:, 1:] == 6, torch.full_like(ids[:, 1:], 7), ids[:, 1:])
         return ids
 
-    def pipeline(T, ids, z):
+    def permute_k(x):
+        """x [rows, K] in the wgmma kernels' permuted k order (schedules/moe_mxfp4_prefill_wgmma.py
+        permuted_position: in each 32 inputs, the 4x4 matrix of input pairs transposed)."""
+        return x.view(x.shape[0], -1, 4, 4, 2).transpose(2, 3).reshape(x.shape)
+
+    def pipeline(T, ids, z, fns=None, permuted=False):
+        f_sort, f_gu, f_down = fns or (f_sort0, f_gu0, f_down0)
         P = T * TOPK
         mt = max_tiles(P, E)  # as relax_modules/moe.py sizes the tile table
         bufs = dict(
@@ -420,16 +490,21 @@ def run_prefill(lib_dir: Path, W, Wb, tw, g, repack) -> dict:
         def route():
             f_sort(tids, tv["sorted"], tv["tiles"], tv["num_tiles"], tv["counts"])
 
+        zp = torch.empty_like(z)
+        tzp = tvm.runtime.from_dlpack(zp)
+
         def gemms():
-            f_gu(tz, *tw["w1"], *tw["w3"], tv["sorted"], tv["tiles"], tv["num_tiles"], tv["a"])
+            if permuted:
+                zp.copy_(permute_k(z))
+            f_gu(tzp if permuted else tz, *tw["w1"], *tw["w3"], tv["sorted"], tv["tiles"], tv["num_tiles"], tv["a"])
             f_down(tv["a"], *tw["w2"], *tw["w2"], tv["sorted"], tv["tiles"], tv["num_tiles"], tv["o"])
 
         return bufs, route, gemms
 
-    for T, kind in PREFILL_CHECK:
+    for (T, kind), (flavor, (fns, permuted)) in itertools.product(PREFILL_CHECK, flavors.items()):
         ids = routing(T, kind)
         z = torch.randn(T, L, device=dev, generator=g).to(torch.bfloat16)
-        bufs, route, gemms = pipeline(T, ids, z)
+        bufs, route, gemms = pipeline(T, ids, z, fns, permuted)
         route()
         gemms()
         torch.cuda.synchronize()
@@ -453,10 +528,12 @@ def run_prefill(lib_dir: Path, W, Wb, tw, g, repack) -> dict:
             ar = _situ(gg, uu).bfloat16().float()
             orf = (ar @ w2.T).bfloat16().float()
             got_a = bufs["a"][inv[tt * TOPK + jj]].float()
+            if permuted:  # back to the natural k order (the permutation is an involution)
+                got_a = permute_k(got_a)
             ea = max(ea, (got_a - ar).abs().max().item())
             eo = max(eo, (bufs["o"][tt, jj].float() - orf).abs().max().item())
             ma, mo = max(ma, ar.abs().max().item()), max(mo, orf.abs().max().item())
-        row = {"T": T, "routing": kind, "plan_ok": plan_ok, "permutation_ok": perm_ok,
+        row = {"T": T, "routing": kind, "kernels": flavor, "plan_ok": plan_ok, "permutation_ok": perm_ok,
                "max_tokens_per_expert": int(counts.max()), "experts_with_one_token": int((counts == 1).sum()),
                "rel_err_a": ea / ma, "rel_err_o": eo / mo, "max_abs_err_o": eo, "max_abs_o": mo}
         res["check"].append(row)
@@ -481,7 +558,7 @@ def run_prefill(lib_dir: Path, W, Wb, tw, g, repack) -> dict:
         flop = 2 * P * (2 * I * L + L * I)
         t_route = time_cuda(route, iters=10, per_sample=3)
         t_gemm = time_cuda(gemms, iters=5, per_sample=2, warmup=1)
-        t_gu = time_cuda(lambda: f_gu(tvm.runtime.from_dlpack(z), *tw["w1"], *tw["w3"],
+        t_gu = time_cuda(lambda: f_gu0(tvm.runtime.from_dlpack(z), *tw["w1"], *tw["w3"],
                                       *(tvm.runtime.from_dlpack(bufs[k]) for k in ("sorted", "tiles", "num_tiles", "a"))),
                          iters=5, per_sample=2, warmup=1)
         row = {"T": T, "pairs": P, "gflop": flop / 1e9, "ours_route_ms": t_route, "ours_gemms_ms": t_gemm,
@@ -492,9 +569,13 @@ def run_prefill(lib_dir: Path, W, Wb, tw, g, repack) -> dict:
             vl = tvm.runtime.load_module(str(vp))
             v_gu, v_down = vl["moe_grouped_gate_up"], vl["moe_grouped_down"]
             tv = {k: tvm.runtime.from_dlpack(bufs[k]) for k in ("sorted", "tiles", "num_tiles", "a", "o")}
-            tz = tvm.runtime.from_dlpack(z)
+            permuted = WGMMA in vp.stem
+            zp = torch.empty_like(z)
+            tz = tvm.runtime.from_dlpack(zp if permuted else z)
 
             def v_gemms():
+                if permuted:  # timed with the permutation of z (in the model: a fused reshape)
+                    zp.copy_(permute_k(z))
                 v_gu(tz, *tw["w1"], *tw["w3"], tv["sorted"], tv["tiles"], tv["num_tiles"], tv["a"])
                 v_down(tv["a"], *tw["w2"], *tw["w2"], tv["sorted"], tv["tiles"], tv["num_tiles"], tv["o"])
 
@@ -612,6 +693,9 @@ def failures(res: dict) -> list[str]:
     decode_rows = [("decode", r) for r in res.get("check", [])]
     decode_rows += [(f"decode variant {n}", v[c]) for n, v in res.get("variants", {}).items()
                     for c in ("check_T7", "check_T20") if c in v]
+    for r in res.get("chain_check", []):
+        if r["first_mismatches"] or r["next_mismatches"]:
+            out.append(f"chain T={r['T']}: {r['first_mismatches']} first / {r['next_mismatches']} next mismatches")
     for what, r in decode_rows:
         if not (r["rel_err_a"] <= REL_TOL and r["rel_err_o"] <= REL_TOL):
             out.append(f"{what} T={r['T']}: rel_err_a {r['rel_err_a']:.3g}, rel_err_o {r['rel_err_o']:.3g}")

@@ -1,0 +1,302 @@
+"""MXFP4 MoE prefill grouped GEMMs on Hopper warpgroup MMA (``wgmma``, sm_90a): the tile
+table, math and outputs of :mod:`schedules.moe_mxfp4_prefill_cuda` (the ``mma.sync`` kernels,
+kept for other CUDA targets), with the tokens read by the tensor cores from shared memory.
+
+Why: the ``mma.sync`` kernels issue one instruction per 16×8×16 product and read every token
+fragment into registers; at 8192 tokens they are issue-bound at ~26% of the bf16 peak. One
+``wgmma.m64n128k16`` covers 64 weight rows × 128 tokens for a warpgroup, with the tokens
+(operand B) taken from shared memory through a matrix descriptor.
+
+Mapping. A block (256 threads = 2 warpgroups) computes the tile's 128 token rows (``BM``, the
+wgmma's N) × 128 weight rows (gate_up: warpgroup 0 the 64 W1 rows, warpgroup 1 the same 64 W3
+rows, exchanged through shared memory for SiTU; down: 64 W2 rows each). The weights are the
+wgmma's A operand from registers: each warp dequantizes its 16 rows straight into the A
+fragment (the tc code layout, :mod:`schedules.mxfp4_tc_layout`; a lane holds inputs
+``8q .. 8q+7`` of each 32, as in the ``mma.sync`` kernels). The tokens are B in shared memory:
+128-byte rows (64 inputs per K step) with the 128-byte swizzle that the descriptor names
+(:mod:`schedules.wgmma_ptx`), staged by ``cp.async`` in a ``STAGES``-deep pipeline.
+
+The k order. The A fragment of a lane holds inputs ``8q + {0,1}`` as ``k = 2q, 2q+1`` and
+``8q + {2,3}`` as ``k = 2q+8, 2q+9`` (first k16 slice of 32 inputs; the second: ``8q + 4..7``);
+a descriptor reads B in its natural k order. So the kernels read activations whose inputs are
+permuted: in every group of 32, the 16 pairs of inputs are a 4×4 matrix transposed
+(:func:`permuted_position`; an involution). gate_up reads ``z`` permuted (the model permutes it
+with a reshape-transpose-reshape, :func:`permute_inputs_reference`) and writes ``a_sorted`` in
+the permuted order that down reads. Sums over k do not depend on the order of k.
+
+Per K step a warpgroup dequantizes (4 ``dequant8`` per thread), fences, issues four wgmmas
+(one per k16 slice) and waits for them before the next step; the two warpgroups of a block and
+the two blocks of an SM overlap one another's dequant and MMAs.
+
+Reference: :func:`schedules.moe_mxfp4_cuda.moe_experts_reference` (values) and the ``mma.sync``
+kernels (benchmarks/moe.py compares the outputs and times both in one run).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from tvm.script import tirx as T
+
+from schedules.barriers import mark
+from schedules.moe_mxfp4_prefill_cuda import B_ROW_WORDS, BK, BN, MMA_A_REGS, SMEM_LIMIT, situ_expr
+from schedules.moe_plan import BM
+from schedules.mxfp4_ptx import commit, cp_async16, dequant8, factor_bf16x2, wait
+from schedules.wgmma_ptx import (fence_proxy_async, smem_address, swizzle128_word, wgmma_bf16_rs,
+                                 wgmma_commit, wgmma_fence, wgmma_wait)
+
+NT = 256          # threads per block: two warpgroups
+STAGES = 4        # shared-memory stages: loads run STAGES - 2 K steps ahead, one step of wgmmas in flight
+TOK_WORDS = BM * 32   # uint32 words of one stage's token tile (BM rows of 128 bytes)
+
+
+def permuted_position(i):
+    """Position of input ``i`` in the permuted k order (module doc): in each group of 32, pair
+    ``p = (i % 32) // 2`` moves to slot ``4·(p % 4) + p // 4``. An involution. Python ints,
+    NumPy arrays or TIR expressions."""
+    p = i % 32 // 2
+    return i - i % 32 + (p % 4 * 4 + p // 4) * 2 + i % 2
+
+
+def permute_inputs_reference(x: np.ndarray) -> np.ndarray:
+    """``x [..., K]`` with its last axis in the permuted k order (K a multiple of 32):
+    ``out[..., permuted_position(i)] = x[..., i]``."""
+    x = np.asarray(x)
+    k = x.shape[-1]
+    if k % 32:
+        raise ValueError(f"input width {k} must be a multiple of 32")
+    out = np.empty_like(x)
+    out[..., permuted_position(np.arange(k))] = x
+    return out
+
+
+def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
+                   beta_lin: float | None = None, out_dtype: str = "bfloat16", stages: int = STAGES):
+    """Builder of both kernels; arguments as :func:`schedules.moe_mxfp4_prefill_cuda.
+    _grouped_gemm`, with the activations (gate_up's ``z``, down's ``a_sorted``) and gate_up's
+    output in the permuted k order."""
+    K = top_k
+    NS = stages
+    if NS < 3:
+        raise ValueError(f"stages must be at least 3, got {NS}")
+    gate_up = kind == "gate_up"
+    if KD % 128:
+        raise ValueError(f"input width {KD} must be a multiple of 128")
+    cols = BN // 2 if gate_up else BN
+    if N % cols:
+        raise ValueError(f"output width {N} must be a multiple of {cols}")
+    if gate_up and N % 32:
+        raise ValueError(f"expert width {N} must be a multiple of 32 (the permuted k order)")
+    NTN = N // cols
+    NK = KD // BK
+    KG = KD // 32
+    KGW = KG // 4
+    RW = KD // 8
+    if E * N * RW >= 2 ** 31:
+        raise ValueError("weights too large for int32 word indexing")
+    SM_WORDS = 256 + NS * TOK_WORDS + NS * BN * B_ROW_WORDS  # + up to 1 KiB to align the token tiles
+    smem = SM_WORDS * 4 + BN * KGW * 4 + BM * 8
+    if smem > SMEM_LIMIT:
+        raise ValueError(f"input width {KD} needs {smem} bytes of shared memory per block (limit {SMEM_LIMIT})")
+    if gate_up and NS * TOK_WORDS < 64 * NT // 2:
+        raise ValueError("the SiTU exchange needs at least two stages of token tiles")
+    CODES = NS * TOK_WORDS       # word offset (from the aligned base) of the code stages
+    A_CH = BM * (BK // 8) // NT  # 16-byte token chunks per thread per step
+    ND = BM // 2                 # fp32 accumulators per thread (64 rows × BM tokens / 128)
+    B = float(beta)
+    BL = float(beta_lin) if beta_lin is not None else 0.0
+    use_bl = beta_lin is not None
+    A0, A1 = MMA_A_REGS  # dequant8 words of the A fragment of the two k16 slices of 32 inputs
+
+    @T.macro
+    def issue(step, sm, al, row_s, xf, wq0, wq1, tiles, blk, tx):
+        """cp.async of K step ``step`` (token chunks, swizzled; packed codes) into stage step % NS."""
+        for c in T.unroll(A_CH):
+            T.evaluate(cp_async16(
+                T.address_of(sm[al[0] + step % NS * TOK_WORDS + swizzle128_word((c * NT + tx) // 8, (c * NT + tx) % 8)]),
+                T.address_of(xf[T.max(row_s[(c * NT + tx) // 8], T.int64(0)) + step * BK + (c * NT + tx) % 8 * 8]),
+                row_s[(c * NT + tx) // 8] >= T.int64(0)))
+        if gate_up:
+            if tx // 2 < 64:
+                T.evaluate(cp_async16(
+                    T.address_of(sm[al[0] + CODES + (step % NS * BN + tx // 2) * B_ROW_WORDS + tx % 2 * 4]),
+                    T.address_of(wq0[(tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * 64
+                                      + tx // 2) * RW + step * (BK // 8) + tx % 2 * 4]), 1))
+            else:
+                T.evaluate(cp_async16(
+                    T.address_of(sm[al[0] + CODES + (step % NS * BN + tx // 2) * B_ROW_WORDS + tx % 2 * 4]),
+                    T.address_of(wq1[(tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * 64
+                                      + tx // 2 - 64) * RW + step * (BK // 8) + tx % 2 * 4]), 1))
+        else:
+            T.evaluate(cp_async16(
+                T.address_of(sm[al[0] + CODES + (step % NS * BN + tx // 2) * B_ROW_WORDS + tx % 2 * 4]),
+                T.address_of(wq0[(tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * BN
+                                  + tx // 2) * RW + step * (BK // 8) + tx % 2 * 4]), 1))
+
+    @T.macro
+    def kstep(ks, buf, sm, al, sc_s, row_s, xf, wq0, wq1, tiles, bf, acc, blk, tx):
+        """K step ``ks`` (``buf`` = ks % 2, a Python int: the A registers' half): its stage has
+        landed; refill the stage of step ks - 2 (its wgmmas are done: every warpgroup waited
+        for them before this barrier); dequantize into half ``buf`` of ``bf`` while step
+        ks - 1's wgmmas run; issue this step's four and wait for step ks - 1's."""
+        T.evaluate(wait(NS - 3))
+        T.evaluate(fence_proxy_async())  # the copies, visible to the wgmma's reads
+        T.tvm_storage_sync("shared.dyn")
+        if ks + NS - 2 < NK:
+            issue(ks + NS - 2, sm, al, row_s, xf, wq0, wq1, tiles, blk, tx)
+        T.evaluate(commit())
+        # A: rows g, g+8 of the warp's 16 (warpgroup tx // 128: its 64 rows of the block's
+        # 128), inputs 8q .. 8q+7 of each 32 of the step's 64 (scale groups 2ks + hk)
+        for hk in T.unroll(2):
+            for h in T.unroll(2):
+                T.evaluate(dequant8(
+                    T.address_of(bf[buf * 16 + (hk * 2 + h) * 4]),
+                    sm[al[0] + CODES + (ks % NS * BN + tx // 32 * 16 + tx % 32 // 4 + h * 8) * B_ROW_WORDS
+                       + hk * 4 + tx % 4],
+                    factor_bf16x2(sc_s[(tx // 32 * 16 + tx % 32 // 4 + h * 8) * KGW + ks // 2], buf * 2 + hk)))
+        T.evaluate(wgmma_fence())
+        for hk in T.unroll(2):  # k16 slices 2hk (registers A0) and 2hk + 1 (A1)
+            T.evaluate(wgmma_bf16_rs(
+                BM, T.address_of(acc[0]), bf[buf * 16 + hk * 8 + A0[0]], bf[buf * 16 + hk * 8 + A0[1]],
+                bf[buf * 16 + hk * 8 + A0[2]], bf[buf * 16 + hk * 8 + A0[3]],
+                T.address_of(sm[al[0] + ks % NS * TOK_WORDS + hk * 16])))
+            T.evaluate(wgmma_bf16_rs(
+                BM, T.address_of(acc[0]), bf[buf * 16 + hk * 8 + A1[0]], bf[buf * 16 + hk * 8 + A1[1]],
+                bf[buf * 16 + hk * 8 + A1[2]], bf[buf * 16 + hk * 8 + A1[3]],
+                T.address_of(sm[al[0] + ks % NS * TOK_WORDS + hk * 16 + 8])))
+        T.evaluate(wgmma_commit())
+        T.evaluate(wgmma_wait(1))
+
+    @T.prim_func(private=True)
+    def grouped(x_h: T.handle, wp0_h: T.handle, ws0_h: T.handle, wp1_h: T.handle, ws1_h: T.handle,
+                sorted_h: T.handle, tiles_h: T.handle, num_tiles: T.Buffer((1,), "int32"),
+                y_h: T.handle):
+        T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
+        nt = T.int64()
+        mt = T.int64()
+        if gate_up:
+            x = T.match_buffer(x_h, (nt, KD), "bfloat16")
+            y = T.match_buffer(y_h, (nt * K, N), out_dtype)
+        else:
+            y = T.match_buffer(y_h, (nt, K, N), out_dtype)
+            x = T.match_buffer(x_h, (nt * K, KD), "bfloat16")
+        wp0 = T.match_buffer(wp0_h, (E, N, KD // 2), "uint8")
+        ws0 = T.match_buffer(ws0_h, (E, N, KG), "uint8")
+        wp1 = T.match_buffer(wp1_h, (E, N, KD // 2), "uint8")
+        ws1 = T.match_buffer(ws1_h, (E, N, KG), "uint8")
+        sorted_pair = T.match_buffer(sorted_h, (nt * K,), "int32")
+        tiles = T.match_buffer(tiles_h, (mt, 3), "int32")
+        xf = T.decl_buffer((x.shape[0] * KD,), "bfloat16", data=x.data)
+        wq0 = T.decl_buffer((E * N * RW,), "uint32", data=wp0.data)
+        wq1 = T.decl_buffer((E * N * RW,), "uint32", data=wp1.data)
+        sq0 = T.decl_buffer((E * N * KGW,), "uint32", data=ws0.data)
+        sq1 = T.decl_buffer((E * N * KGW,), "uint32", data=ws1.data)
+        for blk in T.thread_binding(mt * NTN, thread="blockIdx.x"):
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                # two blocks per SM: ptxas keeps the registers at 128 (65536 / 512 threads)
+                with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", 2):
+                    sm = T.alloc_buffer((SM_WORDS,), "uint32", scope="shared.dyn")
+                    sc_s = T.alloc_buffer((BN * KGW,), "uint32", scope="shared.dyn")  # E8M0 bytes, whole K
+                    row_s = T.alloc_buffer((BM,), "int64", scope="shared.dyn")  # element offset of the row in x, or -1
+                    al = T.alloc_buffer((1,), "int32", scope="local")   # words to the 1024-byte-aligned base
+                    acc = T.alloc_buffer((ND,), "float32", scope="local")
+                    bf = T.alloc_buffer((32,), "uint32", scope="local")  # A fragments of two K steps
+                    ok = T.alloc_buffer((1,), "int64", scope="local")
+                    if T.Cast("int32", blk // NTN) < num_tiles[0]:
+                        al[0] = T.Cast("int32", (T.uint32(1024) - smem_address(T.address_of(sm[0])) % T.uint32(1024))
+                                       % T.uint32(1024) // T.uint32(4))
+                        # ---- tile metadata: gathered rows, scales of the block's weight rows
+                        if tx < BM:
+                            if gate_up:
+                                row_s[tx] = T.if_then_else(
+                                    tiles[blk // NTN, 1] + tx < tiles[blk // NTN, 2],
+                                    T.Cast("int64", sorted_pair[T.min(tiles[blk // NTN, 1] + tx, T.Cast("int32", nt * K) - 1)] // K) * KD,
+                                    T.int64(-1))
+                            else:
+                                row_s[tx] = T.if_then_else(
+                                    tiles[blk // NTN, 1] + tx < tiles[blk // NTN, 2],
+                                    T.Cast("int64", tiles[blk // NTN, 1] + tx) * KD, T.int64(-1))
+                        for it in range((BN * KGW + NT - 1) // NT):
+                            if it * NT + tx < BN * KGW:
+                                if gate_up:
+                                    sc_s[it * NT + tx] = T.if_then_else(
+                                        (it * NT + tx) // KGW < 64,
+                                        sq0[(tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * 64
+                                             + (it * NT + tx) // KGW) * KGW + (it * NT + tx) % KGW],
+                                        sq1[(tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * 64
+                                             + (it * NT + tx) // KGW - 64) * KGW + (it * NT + tx) % KGW])
+                                else:
+                                    sc_s[it * NT + tx] = sq0[(tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * BN
+                                                              + (it * NT + tx) // KGW) * KGW + (it * NT + tx) % KGW]
+                        for i in T.unroll(ND):
+                            acc[i] = T.float32(0)
+                        T.tvm_storage_sync("shared.dyn")
+                        # ---- K loop (NK is even: KD % 128 == 0)
+                        for st in T.unroll(NS - 2):
+                            if st < NK:
+                                issue(st, sm, al, row_s, xf, wq0, wq1, tiles, blk, tx)
+                            T.evaluate(commit())
+                        for k2 in range(NK // 2):
+                            kstep(k2 * 2, 0, sm, al, sc_s, row_s, xf, wq0, wq1, tiles, bf, acc, blk, tx)
+                            kstep(k2 * 2 + 1, 1, sm, al, sc_s, row_s, xf, wq0, wq1, tiles, bf, acc, blk, tx)
+                        T.evaluate(wgmma_wait(0))
+                        T.evaluate(wait(0))
+                        T.tvm_storage_sync("shared.dyn")
+                        # ---- epilogue: acc[4j + c] = weight row 16w + g + 8(c // 2) of the warpgroup's 64,
+                        # token 8j + 2q + c % 2 of the tile
+                        if gate_up:
+                            # warpgroup 1 (W3 rows) hands its rounded sums to warpgroup 0 (W1 rows)
+                            if tx >= 128:
+                                for i in T.unroll(ND):
+                                    sm[al[0] + i * 128 + tx - 128] = T.reinterpret(
+                                        "uint32", T.Cast("float32", T.Cast("bfloat16", acc[i])))
+                            T.tvm_storage_sync("shared.dyn")
+                            if tx < 128:
+                                for i in T.unroll(ND):
+                                    ok[0] = row_s[i // 4 * 8 + tx % 4 * 2 + i % 2]
+                                    if ok[0] >= T.int64(0):
+                                        y[tiles[blk // NTN, 1] + i // 4 * 8 + tx % 4 * 2 + i % 2,
+                                          permuted_position(T.Cast("int32", blk % NTN) * 64 + tx // 32 * 16
+                                                            + tx % 32 // 4 + i % 4 // 2 * 8)] = T.Cast(out_dtype, situ_expr(
+                                              T.Cast("float32", T.Cast("bfloat16", acc[i])),
+                                              T.reinterpret("float32", sm[al[0] + i * 128 + tx]), B, BL, use_bl))
+                        else:
+                            for i in T.unroll(ND):
+                                ok[0] = row_s[i // 4 * 8 + tx % 4 * 2 + i % 2]
+                                if ok[0] >= T.int64(0):
+                                    y[sorted_pair[tiles[blk // NTN, 1] + i // 4 * 8 + tx % 4 * 2 + i % 2] // K,
+                                      sorted_pair[tiles[blk // NTN, 1] + i // 4 * 8 + tx % 4 * 2 + i % 2] % K,
+                                      T.Cast("int32", blk % NTN) * BN + tx // 32 * 16 + tx % 32 // 4
+                                      + i % 4 // 2 * 8] = T.Cast(out_dtype, acc[i])
+
+    # barriers placed by hand: compile inside schedules.barriers.respect_manual_barriers()
+    return mark(grouped)
+
+
+@functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
+def moe_grouped_gate_up_wgmma_kernel(num_experts: int, latent: int, inter: int, top_k: int,
+                                     beta: float, beta_lin: float | None, out_dtype: str = "bfloat16",
+                                     stages: int = STAGES):
+    """Grouped MXFP4 GEMM for W1/W3 with SiTU fused, on wgmma (cuda-sm90a). Arguments as
+    :func:`schedules.moe_mxfp4_prefill_cuda.moe_grouped_gate_up_kernel`, except: ``z [T, L]``
+    in the permuted k order, ``a_sorted [T·k, I]`` written in the permuted k order.
+
+    Raises:
+        ValueError: L not a multiple of 128, I not a multiple of 64; ``stages < 2``; shared
+            memory over the limit (the scale table grows with L).
+    """
+    return _grouped_wgmma("gate_up", num_experts, inter, latent, top_k, beta, beta_lin, out_dtype, stages)
+
+
+@functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
+def moe_grouped_down_wgmma_kernel(num_experts: int, latent: int, inter: int, top_k: int,
+                                  out_dtype: str = "bfloat16", stages: int = STAGES):
+    """Grouped MXFP4 GEMM for W2 on wgmma (cuda-sm90a). Arguments as :func:`schedules.
+    moe_mxfp4_prefill_cuda.moe_grouped_down_kernel`, with ``a_sorted`` in the permuted k order.
+
+    Raises:
+        ValueError: I not a multiple of 128, L not a multiple of 128; ``stages < 2``; shared
+            memory over the limit.
+    """
+    return _grouped_wgmma("down", num_experts, latent, inter, top_k, out_dtype=out_dtype, stages=stages)
