@@ -109,7 +109,7 @@ def build(out_dir: Path) -> None:
 PREFILL_FUNCS = ("moe_sort", "moe_grouped_gate_up", "moe_grouped_down")
 # besides the defaults of schedules.moe_mxfp4_prefill_cuda (STAGES = 3, WARPS_M = 2)
 PREFILL_VARIANTS = {}
-WGMMA_VARIANTS = {"s3": {"stages": 3}}
+WGMMA_VARIANTS = {"s3": {"stages": 3}, "n128": {"short_tiles": False}}
 WGMMA = "wgmma"  # prefill libraries whose name holds this read z and a_sorted in the permuted k order
 SMALL = (3, 512, 512, 2)  # E, L, I, top_k of tests/gpu/check_moe_dispatch.py's model
 

@@ -217,7 +217,7 @@ def compile_model(model: str | Path, target: str, out: str | Path, *, dtype: str
     # the tuned kernels (inline PTX, mma.sync, cp.async, dynamic shared memory) are CUDA-only:
     # Metal and ROCm builds take the generic GPU kernels
     tuned = spec.is_cuda and not generic_kernels
-    exported = export_model(cfg, dtype, gpu=spec.is_gpu, tuned=tuned)
+    exported = export_model(cfg, dtype, gpu=spec.is_gpu, tuned=tuned, wgmma=spec.features.wgmma)
     meta = build_metadata(exported, spec, max_batch_size=mbs, context_window=ctx,
                           prefill_chunk=chunk, generic_kernels=not tuned)
     mod = attach_metadata(exported.mod, meta)

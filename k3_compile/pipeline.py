@@ -33,15 +33,16 @@ class ExportedModel:
 
 
 def export_model(cfg: K3Config, dtype: str = "float32", page_size: int = 16,
-                 gpu: bool = False, tuned: bool = True) -> ExportedModel:
+                 gpu: bool = False, tuned: bool = True, wgmma: bool = False) -> ExportedModel:
     """Build ``K3ForCausalLM`` for ``cfg`` and export it with symbolic batch/sequence sizes.
 
     ``gpu``: use the thread-bound variants of the hand-written kernels (GPU targets; see
     :func:`k3_compile.build.build_module`); ``tuned``: on GPU, the tuned hand-written kernels
-    where they exist (False: the generic ones, ``k3 compile --generic-kernels``)."""
+    where they exist (False: the generic ones, ``k3 compile --generic-kernels``); ``wgmma``:
+    the tuned kernels may use Hopper's warpgroup MMA (the target's ``Features.wgmma``)."""
     from relax_modules.model import K3ForCausalLM
 
-    model = K3ForCausalLM(cfg, dtype=dtype, page_size=page_size, gpu=gpu, tuned=tuned)
+    model = K3ForCausalLM(cfg, dtype=dtype, page_size=page_size, gpu=gpu, tuned=tuned, wgmma=wgmma)
     mod, params = model.export()
     plist = [(n, tuple(int(s) for s in p.shape), p.dtype) for n, p in params]
     layout = model.expert_code_layout()

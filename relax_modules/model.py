@@ -40,7 +40,7 @@ class K3DecoderLayer(nn.Module):
     wired through Block Attention Residuals (spec §3, steps 1–4)."""
 
     def __init__(self, cfg: K3Config, layer_idx: int, page_size: int, dtype: str,
-                 gpu: bool = False, tuned: bool = True):
+                 gpu: bool = False, tuned: bool = True, wgmma: bool = False):
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.layer_idx = layer_idx
         self.block_size = cfg.attn_res_block_size
@@ -57,7 +57,7 @@ class K3DecoderLayer(nn.Module):
         else:
             self.self_attn = GatedMLA(cfg, page_size, dtype, gpu)
         if self.is_moe:
-            self.block_sparse_moe = LatentMoE(cfg, dtype, gpu, tuned)
+            self.block_sparse_moe = LatentMoE(cfg, dtype, gpu, tuned, wgmma)
         else:
             self.mlp = SiTUMLP(h, cfg.intermediate_size, cfg.activation_situ_beta,
                                cfg.activation_situ_linear_beta, dtype)
@@ -87,11 +87,11 @@ class K3Model(nn.Module):
     """``model.``: embeddings, the decoder layers, the AttnRes output mix and the final norm."""
 
     def __init__(self, cfg: K3Config, page_size: int, dtype: str, gpu: bool = False,
-                 tuned: bool = True):
+                 tuned: bool = True, wgmma: bool = False):
         h = cfg.hidden_size
         self.embed_tokens = Embedding(cfg.vocab_size, h, dtype)
         self.layers = nn.ModuleList(
-            [K3DecoderLayer(cfg, i, page_size, dtype, gpu, tuned) for i in range(cfg.num_hidden_layers)])
+            [K3DecoderLayer(cfg, i, page_size, dtype, gpu, tuned, wgmma) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
         self.output_attn_res_norm = AttnResNorm(h, dtype)
         self.output_attn_res_proj = AttnResProj(h, dtype)
@@ -121,14 +121,16 @@ class K3ForCausalLM(nn.Module):
         gpu: use the thread-bound (GPU) variants of the hand-written TIR kernels.
         tuned: on GPU, dispatch the tuned hand-written kernels where they exist (KDA decode:
             schedules/kda_decode_cuda.py); False keeps the generic kernels (the fallback).
+        wgmma: the tuned kernels may use Hopper's warpgroup MMA (cuda-sm90a only: the MoE
+            prefill grouped GEMMs of schedules/moe_mxfp4_prefill_wgmma.py).
     """
 
     def __init__(self, cfg: K3Config, dtype: str = "float32", page_size: int = DEFAULT_PAGE_SIZE,
-                 gpu: bool = False, tuned: bool = True):
+                 gpu: bool = False, tuned: bool = True, wgmma: bool = False):
         if dtype not in ("float32", "bfloat16"):
             raise ValueError(f"model dtype must be 'float32' or 'bfloat16', got {dtype!r}")
         self.cfg, self.dtype, self.page_size, self.gpu = cfg, dtype, page_size, gpu
-        self.model = K3Model(cfg, page_size, dtype, gpu, tuned)
+        self.model = K3Model(cfg, page_size, dtype, gpu, tuned, wgmma)
         self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, dtype)
         self.state_ops = KDAStateOps(cfg, gpu)
 

@@ -46,6 +46,7 @@ from schedules import moe_generic as mg
 from schedules import moe_mxfp4_cuda as mc
 from schedules import moe_mxfp4_decode_tc as dt
 from schedules import moe_mxfp4_prefill_cuda as mp
+from schedules import moe_mxfp4_prefill_wgmma as mw
 from schedules import mxfp4_tc_layout as tcl
 
 
@@ -138,7 +139,8 @@ class RoutedExperts(nn.Module):
     """
 
     def __init__(self, num_experts: int, latent: int, inter: int, top_k: int, mxfp4: bool,
-                 beta: float, beta_lin: float, dtype: str, gpu: bool = False, tuned: bool = True):
+                 beta: float, beta_lin: float, dtype: str, gpu: bool = False, tuned: bool = True,
+                 wgmma: bool = False):
         self.dtype = dtype
         self.beta, self.beta_lin = beta, beta_lin
         self.sizes = (num_experts, latent, inter, top_k)
@@ -153,6 +155,8 @@ class RoutedExperts(nn.Module):
                       and num_experts * inter * latent // 8 < 2 ** 31
                       and num_experts <= mp.PLAN_THREADS)
         self.code_layout = tcl.LAYOUT if self.tuned else "ocp"
+        # Hopper: the prefill grouped GEMMs on warpgroup MMA (schedules/moe_mxfp4_prefill_wgmma.py)
+        self.wgmma = self.tuned and wgmma
         if mxfp4:
             self.w1 = MXFP4StackedLinear(num_experts, latent, inter, top_k, gpu)
             self.w3 = MXFP4StackedLinear(num_experts, latent, inter, top_k, gpu)
@@ -173,19 +177,28 @@ class RoutedExperts(nn.Module):
     def _prefill_tuned(self, z: Tensor, ids: Tensor) -> Tensor:
         """Prefill (many tokens): pairs sorted into expert order with a tile table (one
         kernel), then the grouped MXFP4 GEMMs (W1/W3 + SiTU into expert order, W2 back
-        into pair order) on tensor cores; only experts that received tokens are read."""
+        into pair order) on tensor cores (``mma.sync``; on Hopper ``wgmma``); only experts that
+        received tokens are read."""
         E, L, I, k = self.sizes
         n = z.shape[0]
         pairs = n * k
+        if self.wgmma:
+            gu_kernel = mw.moe_grouped_gate_up_wgmma_kernel(E, L, I, k, self.beta, self.beta_lin)
+            down_kernel = mw.moe_grouped_down_wgmma_kernel(E, L, I, k)
+            # the wgmma kernels read the inputs of each 32 in their permuted order (a 4 x 4
+            # transpose of the input pairs, mw.permuted_position) and write a_sorted so
+            z = op.reshape(op.permute_dims(op.reshape(z, [n, L // 32, 4, 4, 2]), [0, 1, 3, 2, 4]), [n, L])
+        else:
+            gu_kernel = mp.moe_grouped_gate_up_kernel(E, L, I, k, self.beta, self.beta_lin)
+            down_kernel = mp.moe_grouped_down_kernel(E, L, I, k)
         sorted_pair, tiles, num_tiles, _ = _fill(
             mp.moe_sort_kernel(E, k), "moe_sort", [ids],
             [([pairs], "int32"), ([mp.max_tiles(pairs, E), 3], "int32"), ([1], "int32"), ([E], "int32")])
-        a = _fill(mp.moe_grouped_gate_up_kernel(E, L, I, k, self.beta, self.beta_lin),
-                  "moe_grouped_gate_up",
+        a = _fill(gu_kernel, "moe_grouped_gate_up",
                   [z, self.w1.weight_packed, self.w1.weight_scale, self.w3.weight_packed,
                    self.w3.weight_scale, sorted_pair, tiles, num_tiles], [([pairs, I], self.dtype)])
         w2p, w2s = self.w2.weight_packed, self.w2.weight_scale
-        return _fill(mp.moe_grouped_down_kernel(E, L, I, k), "moe_grouped_down",
+        return _fill(down_kernel, "moe_grouped_down",
                      [a, w2p, w2s, w2p, w2s, sorted_pair, tiles, num_tiles], [([n, k, L], self.dtype)])
 
     def _decode_tuned(self, z: Tensor, ids: Tensor) -> Tensor:
@@ -226,7 +239,8 @@ class LatentMoE(nn.Module):
     Built from a :class:`k3_compile.config.K3Config`.
     """
 
-    def __init__(self, config, dtype: str = "float32", gpu: bool = False, tuned: bool = True):
+    def __init__(self, config, dtype: str = "float32", gpu: bool = False, tuned: bool = True,
+                 wgmma: bool = False):
         c = config
         self.dtype = dtype
         self.hidden = c.hidden_size
@@ -244,7 +258,7 @@ class LatentMoE(nn.Module):
         self.experts = RoutedExperts(
             c.num_experts, L, c.moe_intermediate_size, c.num_experts_per_token,
             c.quantization.experts_mxfp4, c.activation_situ_beta, c.activation_situ_linear_beta,
-            dtype, gpu, tuned,
+            dtype, gpu, tuned, wgmma,
         )
         self.shared_experts = (
             SiTUMLP(c.hidden_size, c.shared_expert_intermediate_size,

@@ -72,10 +72,12 @@ def permute_inputs_reference(x: np.ndarray) -> np.ndarray:
 
 
 def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
-                   beta_lin: float | None = None, out_dtype: str = "bfloat16", stages: int = STAGES):
+                   beta_lin: float | None = None, out_dtype: str = "bfloat16", stages: int = STAGES,
+                   short_tiles: bool = True):
     """Builder of both kernels; arguments as :func:`schedules.moe_mxfp4_prefill_cuda.
     _grouped_gemm`, with the activations (gate_up's ``z``, down's ``a_sorted``) and gate_up's
-    output in the permuted k order."""
+    output in the permuted k order. ``short_tiles``: tiles of at most 64 (32) rows use a
+    wgmma of N = 64 (32) instead of 128."""
     K = top_k
     NS = stages
     if NS < 3:
@@ -135,8 +137,22 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
                                   + tx // 2) * RW + step * (BK // 8) + tx % 2 * 4]), 1))
 
     @T.macro
-    def kstep(ks, buf, sm, al, sc_s, row_s, xf, wq0, wq1, tiles, bf, acc, blk, tx):
-        """K step ``ks`` (``buf`` = ks % 2, a Python int: the A registers' half): its stage has
+    def slice_mma(n, buf, hk, sm, al, bf, acc, ks):
+        """The two wgmmas (k16 slices 2hk, 2hk + 1) of K step ``ks`` over the first ``n``
+        token rows (a Python int); the very first overwrites the accumulators."""
+        T.evaluate(wgmma_bf16_rs(
+            n, T.address_of(acc[0]), bf[buf * 16 + hk * 8 + A0[0]], bf[buf * 16 + hk * 8 + A0[1]],
+            bf[buf * 16 + hk * 8 + A0[2]], bf[buf * 16 + hk * 8 + A0[3]],
+            T.address_of(sm[al[0] + ks % NS * TOK_WORDS + hk * 16]), T.Cast("int32", ks + hk > 0)))
+        T.evaluate(wgmma_bf16_rs(
+            n, T.address_of(acc[0]), bf[buf * 16 + hk * 8 + A1[0]], bf[buf * 16 + hk * 8 + A1[1]],
+            bf[buf * 16 + hk * 8 + A1[2]], bf[buf * 16 + hk * 8 + A1[3]],
+            T.address_of(sm[al[0] + ks % NS * TOK_WORDS + hk * 16 + 8])))
+
+    @T.macro
+    def kstep(n, ks, buf, sm, al, sc_s, row_s, xf, wq0, wq1, tiles, bf, acc, blk, tx):
+        """K step ``ks`` over ``n`` token rows (``buf`` = ks % 2, a Python int: the A registers'
+        half): its stage has
         landed; refill the stage of step ks - 2 (its wgmmas are done: every warpgroup waited
         for them before this barrier); dequantize into half ``buf`` of ``bf`` while step
         ks - 1's wgmmas run; issue this step's four and wait for step ks - 1's."""
@@ -157,16 +173,15 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
                     factor_bf16x2(sc_s[(tx // 32 * 16 + tx % 32 // 4 + h * 8) * KGW + ks // 2], buf * 2 + hk)))
         T.evaluate(wgmma_fence())
         for hk in T.unroll(2):  # k16 slices 2hk (registers A0) and 2hk + 1 (A1)
-            T.evaluate(wgmma_bf16_rs(
-                BM, T.address_of(acc[0]), bf[buf * 16 + hk * 8 + A0[0]], bf[buf * 16 + hk * 8 + A0[1]],
-                bf[buf * 16 + hk * 8 + A0[2]], bf[buf * 16 + hk * 8 + A0[3]],
-                T.address_of(sm[al[0] + ks % NS * TOK_WORDS + hk * 16])))
-            T.evaluate(wgmma_bf16_rs(
-                BM, T.address_of(acc[0]), bf[buf * 16 + hk * 8 + A1[0]], bf[buf * 16 + hk * 8 + A1[1]],
-                bf[buf * 16 + hk * 8 + A1[2]], bf[buf * 16 + hk * 8 + A1[3]],
-                T.address_of(sm[al[0] + ks % NS * TOK_WORDS + hk * 16 + 8])))
+            slice_mma(n, buf, hk, sm, al, bf, acc, ks)
         T.evaluate(wgmma_commit())
         T.evaluate(wgmma_wait(1))
+
+    @T.macro
+    def kloop(n, sm, al, sc_s, row_s, xf, wq0, wq1, tiles, bf, acc, blk, tx):
+        for k2 in range(NK // 2):
+            kstep(n, k2 * 2, 0, sm, al, sc_s, row_s, xf, wq0, wq1, tiles, bf, acc, blk, tx)
+            kstep(n, k2 * 2 + 1, 1, sm, al, sc_s, row_s, xf, wq0, wq1, tiles, bf, acc, blk, tx)
 
     @T.prim_func(private=True)
     def grouped(x_h: T.handle, wp0_h: T.handle, ws0_h: T.handle, wp1_h: T.handle, ws1_h: T.handle,
@@ -203,7 +218,9 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
                     acc = T.alloc_buffer((ND,), "float32", scope="local")
                     bf = T.alloc_buffer((32,), "uint32", scope="local")  # A fragments of two K steps
                     ok = T.alloc_buffer((1,), "int64", scope="local")
+                    ncols = T.alloc_buffer((1,), "int32", scope="local")  # ⌈tile rows / 32⌉
                     if T.Cast("int32", blk // NTN) < num_tiles[0]:
+                        ncols[0] = (T.min(tiles[blk // NTN, 2] - tiles[blk // NTN, 1], BM) + 31) // 32
                         al[0] = T.Cast("int32", (T.uint32(1024) - smem_address(T.address_of(sm[0])) % T.uint32(1024))
                                        % T.uint32(1024) // T.uint32(4))
                         # ---- tile metadata: gathered rows, scales of the block's weight rows
@@ -229,17 +246,21 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
                                 else:
                                     sc_s[it * NT + tx] = sq0[(tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * BN
                                                               + (it * NT + tx) // KGW) * KGW + (it * NT + tx) % KGW]
-                        for i in T.unroll(ND):
-                            acc[i] = T.float32(0)
                         T.tvm_storage_sync("shared.dyn")
                         # ---- K loop (NK is even: KD % 128 == 0)
                         for st in T.unroll(NS - 2):
                             if st < NK:
                                 issue(st, sm, al, row_s, xf, wq0, wq1, tiles, blk, tx)
                             T.evaluate(commit())
-                        for k2 in range(NK // 2):
-                            kstep(k2 * 2, 0, sm, al, sc_s, row_s, xf, wq0, wq1, tiles, bf, acc, blk, tx)
-                            kstep(k2 * 2 + 1, 1, sm, al, sc_s, row_s, xf, wq0, wq1, tiles, bf, acc, blk, tx)
+                        # wgmma N: 32, 64 or 128, the least that covers the tile's rows (an
+                        # expert's last tile is mostly short); one copy of the K loop per N
+                        # (more copies cost ptxas the registers to pipeline the wgmmas)
+                        if not short_tiles or ncols[0] >= 3:
+                            kloop(128, sm, al, sc_s, row_s, xf, wq0, wq1, tiles, bf, acc, blk, tx)
+                        elif ncols[0] == 2:
+                            kloop(64, sm, al, sc_s, row_s, xf, wq0, wq1, tiles, bf, acc, blk, tx)
+                        else:
+                            kloop(32, sm, al, sc_s, row_s, xf, wq0, wq1, tiles, bf, acc, blk, tx)
                         T.evaluate(wgmma_wait(0))
                         T.evaluate(wait(0))
                         T.tvm_storage_sync("shared.dyn")
@@ -277,7 +298,7 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def moe_grouped_gate_up_wgmma_kernel(num_experts: int, latent: int, inter: int, top_k: int,
                                      beta: float, beta_lin: float | None, out_dtype: str = "bfloat16",
-                                     stages: int = STAGES):
+                                     stages: int = STAGES, short_tiles: bool = True):
     """Grouped MXFP4 GEMM for W1/W3 with SiTU fused, on wgmma (cuda-sm90a). Arguments as
     :func:`schedules.moe_mxfp4_prefill_cuda.moe_grouped_gate_up_kernel`, except: ``z [T, L]``
     in the permuted k order, ``a_sorted [T·k, I]`` written in the permuted k order.
@@ -286,12 +307,14 @@ def moe_grouped_gate_up_wgmma_kernel(num_experts: int, latent: int, inter: int, 
         ValueError: L not a multiple of 128, I not a multiple of 64; ``stages < 2``; shared
             memory over the limit (the scale table grows with L).
     """
-    return _grouped_wgmma("gate_up", num_experts, inter, latent, top_k, beta, beta_lin, out_dtype, stages)
+    return _grouped_wgmma("gate_up", num_experts, inter, latent, top_k, beta, beta_lin, out_dtype, stages,
+                          short_tiles)
 
 
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def moe_grouped_down_wgmma_kernel(num_experts: int, latent: int, inter: int, top_k: int,
-                                  out_dtype: str = "bfloat16", stages: int = STAGES):
+                                  out_dtype: str = "bfloat16", stages: int = STAGES,
+                                  short_tiles: bool = True):
     """Grouped MXFP4 GEMM for W2 on wgmma (cuda-sm90a). Arguments as :func:`schedules.
     moe_mxfp4_prefill_cuda.moe_grouped_down_kernel`, with ``a_sorted`` in the permuted k order.
 
@@ -299,4 +322,5 @@ def moe_grouped_down_wgmma_kernel(num_experts: int, latent: int, inter: int, top
         ValueError: I not a multiple of 128, L not a multiple of 128; ``stages < 2``; shared
             memory over the limit.
     """
-    return _grouped_wgmma("down", num_experts, latent, inter, top_k, out_dtype=out_dtype, stages=stages)
+    return _grouped_wgmma("down", num_experts, latent, inter, top_k, out_dtype=out_dtype, stages=stages,
+                          short_tiles=short_tiles)

@@ -45,25 +45,28 @@ def _wgmma_src(n: int) -> str:
     outs = ", ".join(f'"+f"(d[{i}])' for i in range(nd))
     return (
         f"__forceinline__ __device__ void k3_wgmma_m64n{n}k16_bf16_rs(float* d, unsigned a0, unsigned a1,\n"
-        f"    unsigned a2, unsigned a3, const void* b) {{\n"
+        f"    unsigned a2, unsigned a3, const void* b, int accumulate) {{\n"
         f"  unsigned addr = (unsigned)__cvta_generic_to_shared(b);\n"
         f"  unsigned long long desc = (unsigned long long)((addr & 0x3FFFF) >> 4)\n"
         f"      | (1ull << 16) | (64ull << 32) | (1ull << 62);\n"
-        f"  asm volatile(\"{{\\n.reg .pred p;\\nsetp.ne.b32 p, 1, 0;\\n\"\n"
+        f"  asm volatile(\"{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{nd + 5}, 0;\\n\"\n"
         f"      \"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 \"\n"
         f"      \"{{{dregs}}}, {{%{nd}, %{nd + 1}, %{nd + 2}, %{nd + 3}}}, %{nd + 4}, p, 1, 1, 0;\\n}}\\n\"\n"
         f"      : {outs}\n"
-        f"      : \"r\"(a0), \"r\"(a1), \"r\"(a2), \"r\"(a3), \"l\"(desc));\n"
+        f"      : \"r\"(a0), \"r\"(a1), \"r\"(a2), \"r\"(a3), \"l\"(desc), \"r\"(accumulate));\n"
         f"}}\n")
 
 
-def wgmma_bf16_rs(n: int, d, a0, a1, a2, a3, b):
-    """``d[0 : n/2] += A · B`` for the warpgroup (module doc): ``d`` the address of the
+def wgmma_bf16_rs(n: int, d, a0, a1, a2, a3, b, accumulate=1):
+    """``d[0 : n/2] (+)= A · B`` for the warpgroup (module doc): ``d`` the address of the
     thread's fp32 accumulators, ``a0..a3`` its A fragment words (bf16x2), ``b`` the address of
-    the B tile's k16 slice in shared memory. ``n``: 8..256, a multiple of 8."""
+    the B tile's k16 slice in shared memory; ``accumulate`` 0 (an int32 expression) overwrites
+    ``d`` instead of adding to it (the first product: no instruction outside the wgmmas defines
+    the accumulators, which would make ptxas serialize them). ``n``: 8..256, a multiple of 8."""
     if n % 8 or not 8 <= n <= 256:
         raise ValueError(f"wgmma N must be a multiple of 8 in 8..256, got {n}")
-    return cuda_func_call(f"k3_wgmma_m64n{n}k16_bf16_rs", d, a0, a1, a2, a3, b, source_code=_wgmma_src(n))
+    return cuda_func_call(f"k3_wgmma_m64n{n}k16_bf16_rs", d, a0, a1, a2, a3, b, accumulate,
+                          source_code=_wgmma_src(n))
 
 
 def wgmma_fence():

@@ -19,6 +19,8 @@ class Features:
     max_shared_memory_per_block: int
     # Threads per warp / wavefront / SIMD group; 1 on CPUs.
     warp_size: int
+    # Hopper warpgroup MMA (wgmma.mma_async: sm_90a only; Blackwell has tcgen05 instead).
+    wgmma: bool = False
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ TARGET = TargetSpec(
         fp4_block_scaled_mma=False,  # Hopper has no fp4 MMA: dequantize MXFP4 to bf16
         max_shared_memory_per_block=232448,  # 227 KiB opt-in
         warp_size=32,
+        wgmma=True,
     ),
     schedule_set="dlight-gpu",
     verified="runs on the H200",

@@ -1,0 +1,141 @@
+"""The Hopper wgmma MoE prefill kernels (schedules/moe_mxfp4_prefill_wgmma.py), on the CPU:
+the k order they rely on, emulated lane by lane against a plain matmul; the permutation of
+the activations against the reshape-transpose the model applies; the 128-byte swizzle against
+the hardware rule; size checks; that they compile (CUDA source always, fatbin where nvcc
+exists) and that a cuda-sm90a bf16 export dispatches them. They run on the H200 in
+benchmarks/moe.py (outputs equal to the mma.sync kernels') and tests/gpu/check_moe_dispatch.py."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from helpers_tvm import build_sm90a_fatbin, needs_nvcc
+from schedules import moe_mxfp4_prefill_cuda as mp
+from schedules import moe_mxfp4_prefill_wgmma as mw
+from schedules import wgmma_ptx
+
+
+def _wgmma_m64nk16(a_regs, b_tile: np.ndarray) -> np.ndarray:
+    """What one ``wgmma.m64nNk16`` with A from registers computes (PTX ISA, "Register
+    fragment of matrix A for wgmma .m64nNk16": warp w holds rows 16w..16w+15 as the
+    mma.m16n8k16 A fragment — a0 row g k 2q..2q+1, a1 row g+8, a2 row g k 2q+8.., a3 row
+    g+8); ``a_regs(w, g, q) -> (a0, a1, a2, a3)`` (pairs of values); ``b_tile [N, 16]``: the
+    slice's B rows in shared memory, k contiguous (K-major). Returns the 64 × N product."""
+    A = np.zeros((64, 16))
+    for w in range(4):
+        for lane in range(32):
+            g, q = lane // 4, lane % 4
+            a0, a1, a2, a3 = a_regs(w, g, q)
+            r = 16 * w + g
+            A[r, 2 * q:2 * q + 2], A[r + 8, 2 * q:2 * q + 2] = a0, a1
+            A[r, 2 * q + 8:2 * q + 10], A[r + 8, 2 * q + 8:2 * q + 10] = a2, a3
+    return A @ b_tile.T
+
+
+def test_wgmma_k_order_computes_the_matmul():
+    """A K step of 64 inputs as the kernel runs it: thread (g, q) of warp w dequantizes inputs
+    8q..8q+7 of each 32 of its rows 16w+g, 16w+g+8 (``aw``, the kernel's ``bf``) and passes the
+    words ``MMA_A_REGS[m]`` to the wgmma of k16 slice 2hk + m, whose B is the tokens' row in
+    the permuted k order at inputs 16(2hk + m) ..; the four slices must give W @ X^T."""
+    rng = np.random.default_rng(3)
+    W = rng.standard_normal((64, 64))          # weight rows × the step's inputs
+    X = rng.standard_normal((40, 64))          # tokens × inputs (N = 40)
+    Xp = mw.permute_inputs_reference(X)        # what the kernel's shared memory holds (unswizzled)
+    D = np.zeros((64, 40))
+    for hk in range(2):
+        for m in range(2):
+            def regs(w, g, q, hk=hk, m=m):
+                aw = ([W[16 * w + g, 32 * hk + 8 * q + 2 * i: 32 * hk + 8 * q + 2 * i + 2] for i in range(4)]
+                      + [W[16 * w + g + 8, 32 * hk + 8 * q + 2 * i: 32 * hk + 8 * q + 2 * i + 2] for i in range(4)])
+                return tuple(aw[r] for r in mp.MMA_A_REGS[m])
+
+            s = 2 * hk + m
+            D += _wgmma_m64nk16(regs, Xp[:, 16 * s:16 * s + 16])
+    np.testing.assert_allclose(D, W @ X.T, rtol=1e-12, atol=1e-12)
+
+
+def test_permutation_is_the_models_reshape_transpose():
+    """relax_modules/moe.py permutes z by reshape [n, L/32, 4, 4, 2] -> transpose of the two
+    4-axes -> reshape; the kernels' ``permuted_position`` (an involution) must say the same."""
+    x = np.arange(3 * 128).reshape(3, 128)
+    by_reshape = x.reshape(3, 4, 4, 4, 2).transpose(0, 1, 3, 2, 4).reshape(3, 128)
+    np.testing.assert_array_equal(mw.permute_inputs_reference(x), by_reshape)
+    i = np.arange(256)
+    np.testing.assert_array_equal(mw.permuted_position(mw.permuted_position(i)), i)
+    assert sorted(mw.permuted_position(i).tolist()) == i.tolist()
+    assert mw.permuted_position(8) == 2 and mw.permuted_position(2) == 8  # pair 4 <-> slot 1
+
+
+def test_swizzle128_is_the_hardware_rule():
+    """128-byte swizzle (the descriptor's layout type 1): byte address bits 4-6 XOR bits 7-9
+    of a 1024-byte-aligned tile; a bijection onto the tile."""
+    seen = set()
+    for r in range(128):
+        for c in range(8):
+            byte = 4 * wgmma_ptx.swizzle128_word(r, c)
+            assert byte == (r * 128 + c * 16) ^ ((r * 128 >> 7) % 8 << 4)
+            seen.add(byte)
+    assert seen == {16 * i for i in range(1024)}
+
+
+def test_bad_sizes_rejected():
+    with pytest.raises(ValueError, match="multiple of 128"):
+        mw.moe_grouped_gate_up_wgmma_kernel(4, 192, 128, 2, 4.0, None)
+    with pytest.raises(ValueError, match="stages must be at least 3"):
+        mw.moe_grouped_down_wgmma_kernel(4, 256, 256, 2, stages=2)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        mw.moe_grouped_down_wgmma_kernel(4, 192, 256, 2)  # L: 128 output columns per block
+    with pytest.raises(ValueError, match="N must be"):
+        wgmma_ptx.wgmma_bf16_rs(100, 0, 0, 0, 0, 0, 0)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        mw.permute_inputs_reference(np.zeros((2, 48)))
+
+
+def _module():
+    import tvm
+
+    fs = {"gu": mw.moe_grouped_gate_up_wgmma_kernel(5, 256, 128, 3, 4.0, 25.0),
+          "d": mw.moe_grouped_down_wgmma_kernel(5, 256, 128, 3, stages=3)}
+    return tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in fs.items()})
+
+
+def test_cuda_source_has_the_three_wgmma_widths():
+    import tvm
+
+    from schedules.barriers import respect_manual_barriers
+    from targets import get_target
+
+    with respect_manual_barriers():
+        lib = tvm.tirx.build(_module(), target=get_target("cuda-sm90a").tvm_target())
+    src = lib.imports[0].inspect_source()
+    assert {int(n) for n in re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", src)} == {32, 64, 128}
+    assert "__launch_bounds__(256, 2)" in src and "fence.proxy.async.shared::cta" in src
+
+
+@needs_nvcc
+def test_kernels_compile_to_fatbin_for_sm90a(tmp_path):
+    out = build_sm90a_fatbin(
+        "from tests.test_moe_prefill_wgmma import _module\n"
+        "from schedules.barriers import respect_manual_barriers\n"
+        "mod = _module()", tmp_path, contexts="respect_manual_barriers()")
+    assert "fatbin" in out
+
+
+def test_only_hopper_builds_use_wgmma():
+    """The target's ``Features.wgmma`` decides (k3_compile/compile.py passes it to the export):
+    sm_90a only — Blackwell has no wgmma."""
+    from k3_compile.config import K3Config
+    from k3_compile.pipeline import export_model
+    from targets import get_target
+
+    assert get_target("cuda-sm90a").features.wgmma
+    assert not any(get_target(t).features.wgmma for t in ("cuda-sm100a", "cuda-sm120a", "llvm"))
+    from oracle_mlx import tiny_config
+
+    cfg = K3Config.from_dict(tiny_config(routed_expert_hidden_size=128, moe_intermediate_size=128))
+    on = export_model(cfg, "bfloat16", gpu=True, tuned=True, wgmma=True).mod.script()
+    off = export_model(cfg, "bfloat16", gpu=True, tuned=True, wgmma=False).mod.script()
+    assert "k3_wgmma_m64n128k16" in on and "k3_wgmma_m64n128k16" not in off
