@@ -43,8 +43,8 @@ from schedules.barriers import mark
 from schedules.moe_mxfp4_prefill_cuda import B_ROW_WORDS, BK, BN, MMA_A_REGS, SMEM_LIMIT, situ_expr
 from schedules.moe_plan import BM
 from schedules.mxfp4_ptx import commit, cp_async16, dequant8, factor_bf16x2, wait
-from schedules.wgmma_ptx import (fence_proxy_async, smem_address, swizzle128_word, wgmma_bf16_rs,
-                                 wgmma_commit, wgmma_fence, wgmma_wait)
+from schedules.wgmma_ptx import (fence_proxy_async, smem_address, sw128_desc, swizzle128_word,
+                                 wgmma_bf16_rs, wgmma_commit, wgmma_fence, wgmma_wait)
 
 NT = 256          # threads per block: two warpgroups
 STAGES = 4        # shared-memory stages: loads run STAGES - 2 K steps ahead, one step of wgmmas in flight
@@ -112,45 +112,37 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
     A0, A1 = MMA_A_REGS  # dequant8 words of the A fragment of the two k16 slices of 32 inputs
 
     @T.macro
-    def issue(step, sm, al, row_s, xf, wq0, wq1, tiles, blk, tx):
-        """cp.async of K step ``step`` (token chunks, swizzled; packed codes) into stage step % NS."""
+    def issue(step, sm, pre, tsrc, xf, wq0, wq1, tx):
+        """cp.async of K step ``step`` into stage step % NS: the thread's A_CH token chunks
+        (rows tx/8 + 32c, swizzled; source rows ``tsrc``, validity bits ``pre[1]``) and its
+        16 bytes of packed codes (``pre[2]``: word offset of its chunk at step 0)."""
         for c in T.unroll(A_CH):
             T.evaluate(cp_async16(
-                T.address_of(sm[al[0] + step % NS * TOK_WORDS + swizzle128_word((c * NT + tx) // 8, (c * NT + tx) % 8)]),
-                T.address_of(xf[T.max(row_s[(c * NT + tx) // 8], T.int64(0)) + step * BK + (c * NT + tx) % 8 * 8]),
-                row_s[(c * NT + tx) // 8] >= T.int64(0)))
-        if gate_up:
-            if tx // 2 < 64:
-                T.evaluate(cp_async16(
-                    T.address_of(sm[al[0] + CODES + (step % NS * BN + tx // 2) * B_ROW_WORDS + tx % 2 * 4]),
-                    T.address_of(wq0[(tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * 64
-                                      + tx // 2) * RW + step * (BK // 8) + tx % 2 * 4]), 1))
-            else:
-                T.evaluate(cp_async16(
-                    T.address_of(sm[al[0] + CODES + (step % NS * BN + tx // 2) * B_ROW_WORDS + tx % 2 * 4]),
-                    T.address_of(wq1[(tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * 64
-                                      + tx // 2 - 64) * RW + step * (BK // 8) + tx % 2 * 4]), 1))
+                T.address_of(sm[pre[0] + step % NS * TOK_WORDS + c * (NT // 8) * 32]),
+                T.address_of(xf[T.Cast("int64", tsrc[c]) * KD + (step * BK + tx % 8 * 8)]), (pre[1] >> c) & 1))
+        if gate_up and tx // 2 >= 64:
+            T.evaluate(cp_async16(T.address_of(sm[pre[3] + step % NS * BN * B_ROW_WORDS]),
+                                  T.address_of(wq1[pre[2] + step * (BK // 8)]), 1))
         else:
-            T.evaluate(cp_async16(
-                T.address_of(sm[al[0] + CODES + (step % NS * BN + tx // 2) * B_ROW_WORDS + tx % 2 * 4]),
-                T.address_of(wq0[(tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * BN
-                                  + tx // 2) * RW + step * (BK // 8) + tx % 2 * 4]), 1))
+            T.evaluate(cp_async16(T.address_of(sm[pre[3] + step % NS * BN * B_ROW_WORDS]),
+                                  T.address_of(wq0[pre[2] + step * (BK // 8)]), 1))
 
     @T.macro
-    def slice_mma(n, buf, hk, sm, al, bf, acc, ks):
+    def slice_mma(n, buf, hk, desc, bf, acc, ks):
         """The two wgmmas (k16 slices 2hk, 2hk + 1) of K step ``ks`` over the first ``n``
-        token rows (a Python int); the very first overwrites the accumulators."""
+        token rows (a Python int); ``desc[0]``: the descriptor of stage 0's tile (a k16 slice
+        is 32 bytes = 2 descriptor units on); the very first overwrites the accumulators."""
         T.evaluate(wgmma_bf16_rs(
             n, T.address_of(acc[0]), bf[buf * 16 + hk * 8 + A0[0]], bf[buf * 16 + hk * 8 + A0[1]],
             bf[buf * 16 + hk * 8 + A0[2]], bf[buf * 16 + hk * 8 + A0[3]],
-            T.address_of(sm[al[0] + ks % NS * TOK_WORDS + hk * 16]), T.Cast("int32", ks + hk > 0)))
+            desc[0] + T.Cast("uint64", ks % NS * (TOK_WORDS // 4) + hk * 4), T.Cast("int32", ks + hk > 0)))
         T.evaluate(wgmma_bf16_rs(
             n, T.address_of(acc[0]), bf[buf * 16 + hk * 8 + A1[0]], bf[buf * 16 + hk * 8 + A1[1]],
             bf[buf * 16 + hk * 8 + A1[2]], bf[buf * 16 + hk * 8 + A1[3]],
-            T.address_of(sm[al[0] + ks % NS * TOK_WORDS + hk * 16 + 8])))
+            desc[0] + T.Cast("uint64", ks % NS * (TOK_WORDS // 4) + hk * 4 + 2)))
 
     @T.macro
-    def kstep(n, ks, buf, sm, al, sc_s, row_s, xf, wq0, wq1, tiles, bf, acc, blk, tx):
+    def kstep(n, ks, buf, sm, al, pre, tsrc, desc, sc_s, xf, wq0, wq1, bf, acc, tx):
         """K step ``ks`` over ``n`` token rows (``buf`` = ks % 2, a Python int: the A registers'
         half): its stage has
         landed; refill the stage of step ks - 2 (its wgmmas are done: every warpgroup waited
@@ -160,7 +152,7 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
         T.evaluate(fence_proxy_async())  # the copies, visible to the wgmma's reads
         T.tvm_storage_sync("shared.dyn")
         if ks + NS - 2 < NK:
-            issue(ks + NS - 2, sm, al, row_s, xf, wq0, wq1, tiles, blk, tx)
+            issue(ks + NS - 2, sm, pre, tsrc, xf, wq0, wq1, tx)
         T.evaluate(commit())
         # A: rows g, g+8 of the warp's 16 (warpgroup tx // 128: its 64 rows of the block's
         # 128), inputs 8q .. 8q+7 of each 32 of the step's 64 (scale groups 2ks + hk)
@@ -173,15 +165,15 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
                     factor_bf16x2(sc_s[(tx // 32 * 16 + tx % 32 // 4 + h * 8) * KGW + ks // 2], buf * 2 + hk)))
         T.evaluate(wgmma_fence())
         for hk in T.unroll(2):  # k16 slices 2hk (registers A0) and 2hk + 1 (A1)
-            slice_mma(n, buf, hk, sm, al, bf, acc, ks)
+            slice_mma(n, buf, hk, desc, bf, acc, ks)
         T.evaluate(wgmma_commit())
         T.evaluate(wgmma_wait(1))
 
     @T.macro
-    def kloop(n, sm, al, sc_s, row_s, xf, wq0, wq1, tiles, bf, acc, blk, tx):
+    def kloop(n, sm, al, pre, tsrc, desc, sc_s, xf, wq0, wq1, bf, acc, tx):
         for k2 in range(NK // 2):
-            kstep(n, k2 * 2, 0, sm, al, sc_s, row_s, xf, wq0, wq1, tiles, bf, acc, blk, tx)
-            kstep(n, k2 * 2 + 1, 1, sm, al, sc_s, row_s, xf, wq0, wq1, tiles, bf, acc, blk, tx)
+            kstep(n, k2 * 2, 0, sm, al, pre, tsrc, desc, sc_s, xf, wq0, wq1, bf, acc, tx)
+            kstep(n, k2 * 2 + 1, 1, sm, al, pre, tsrc, desc, sc_s, xf, wq0, wq1, bf, acc, tx)
 
     @T.prim_func(private=True)
     def grouped(x_h: T.handle, wp0_h: T.handle, ws0_h: T.handle, wp1_h: T.handle, ws1_h: T.handle,
@@ -219,6 +211,11 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
                     bf = T.alloc_buffer((32,), "uint32", scope="local")  # A fragments of two K steps
                     ok = T.alloc_buffer((1,), "int64", scope="local")
                     ncols = T.alloc_buffer((1,), "int32", scope="local")  # ⌈tile rows / 32⌉
+                    # [0] token chunk 0's stage-0 word, [1] validity bits of the token chunks,
+                    # [2] the code chunk's source word at step 0, [3] its stage-0 word
+                    pre = T.alloc_buffer((4,), "int32", scope="local")
+                    tsrc = T.alloc_buffer((A_CH,), "int32", scope="local")  # token chunks' source rows
+                    desc = T.alloc_buffer((1,), "uint64", scope="local")  # stage 0's token tile
                     if T.Cast("int32", blk // NTN) < num_tiles[0]:
                         ncols[0] = (T.min(tiles[blk // NTN, 2] - tiles[blk // NTN, 1], BM) + 31) // 32
                         al[0] = T.Cast("int32", (T.uint32(1024) - smem_address(T.address_of(sm[0])) % T.uint32(1024))
@@ -248,19 +245,33 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
                                                               + (it * NT + tx) // KGW) * KGW + (it * NT + tx) % KGW]
                         T.tvm_storage_sync("shared.dyn")
                         # ---- K loop (NK is even: KD % 128 == 0)
+                        # per-thread copy addresses, fixed for the whole K loop
+                        pre[0] = al[0] + swizzle128_word(tx // 8, tx % 8)
+                        pre[1] = 0
+                        for c in T.unroll(A_CH):
+                            ok[0] = row_s[c * (NT // 8) + tx // 8]
+                            tsrc[c] = T.Cast("int32", T.max(ok[0], T.int64(0)) // KD)
+                            pre[1] = pre[1] | T.Cast("int32", ok[0] >= T.int64(0)) << c
+                        if gate_up:
+                            pre[2] = (tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * 64 + tx // 2 % 64) * RW \
+                                + tx % 2 * 4
+                        else:
+                            pre[2] = (tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * BN + tx // 2) * RW + tx % 2 * 4
+                        pre[3] = al[0] + CODES + tx // 2 * B_ROW_WORDS + tx % 2 * 4
+                        desc[0] = sw128_desc(smem_address(T.address_of(sm[al[0]])))
                         for st in T.unroll(NS - 2):
                             if st < NK:
-                                issue(st, sm, al, row_s, xf, wq0, wq1, tiles, blk, tx)
+                                issue(st, sm, pre, tsrc, xf, wq0, wq1, tx)
                             T.evaluate(commit())
                         # wgmma N: 32, 64 or 128, the least that covers the tile's rows (an
                         # expert's last tile is mostly short); one copy of the K loop per N
                         # (more copies cost ptxas the registers to pipeline the wgmmas)
                         if not short_tiles or ncols[0] >= 3:
-                            kloop(128, sm, al, sc_s, row_s, xf, wq0, wq1, tiles, bf, acc, blk, tx)
+                            kloop(128, sm, al, pre, tsrc, desc, sc_s, xf, wq0, wq1, bf, acc, tx)
                         elif ncols[0] == 2:
-                            kloop(64, sm, al, sc_s, row_s, xf, wq0, wq1, tiles, bf, acc, blk, tx)
+                            kloop(64, sm, al, pre, tsrc, desc, sc_s, xf, wq0, wq1, bf, acc, tx)
                         else:
-                            kloop(32, sm, al, sc_s, row_s, xf, wq0, wq1, tiles, bf, acc, blk, tx)
+                            kloop(32, sm, al, pre, tsrc, desc, sc_s, xf, wq0, wq1, bf, acc, tx)
                         T.evaluate(wgmma_wait(0))
                         T.evaluate(wait(0))
                         T.tvm_storage_sync("shared.dyn")

@@ -10,8 +10,9 @@ TIR through ``cuda_func_call``, with the shared-memory layout their descriptors 
   D) of 64 bf16 each, K-major, 128 bytes per row with the 128-byte swizzle — the 16-byte chunk
   ``c`` of row ``r`` at byte ``128·r + 16·(c XOR r % 8)`` of a 1024-byte-aligned tile
   (:func:`swizzle128_word`); the k16 slice ``s`` (0..3) starts ``32·s`` bytes into the tile.
-  Descriptor (PTX "Matrix Descriptor Format"): start address >> 4, leading byte offset 1
-  (unused with swizzling), stride byte offset 1024 >> 4 (8 rows), layout type 1 (128B swizzle).
+  Descriptor (PTX "Matrix Descriptor Format", :func:`sw128_desc`): start address >> 4,
+  leading byte offset 1 (unused with swizzling), stride byte offset 1024 >> 4 (8 rows),
+  layout type 1 (128B swizzle).
 - :func:`wgmma_fence`, :func:`wgmma_commit`, :func:`wgmma_wait` — ordering of register
   operands before the MMAs, and their completion.
 - :func:`fence_proxy_async` — makes ``cp.async`` writes to shared memory visible to ``wgmma``
@@ -45,10 +46,7 @@ def _wgmma_src(n: int) -> str:
     outs = ", ".join(f'"+f"(d[{i}])' for i in range(nd))
     return (
         f"__forceinline__ __device__ void k3_wgmma_m64n{n}k16_bf16_rs(float* d, unsigned a0, unsigned a1,\n"
-        f"    unsigned a2, unsigned a3, const void* b, int accumulate) {{\n"
-        f"  unsigned addr = (unsigned)__cvta_generic_to_shared(b);\n"
-        f"  unsigned long long desc = (unsigned long long)((addr & 0x3FFFF) >> 4)\n"
-        f"      | (1ull << 16) | (64ull << 32) | (1ull << 62);\n"
+        f"    unsigned a2, unsigned a3, unsigned long long desc, int accumulate) {{\n"
         f"  asm volatile(\"{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{nd + 5}, 0;\\n\"\n"
         f"      \"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 \"\n"
         f"      \"{{{dregs}}}, {{%{nd}, %{nd + 1}, %{nd + 2}, %{nd + 3}}}, %{nd + 4}, p, 1, 1, 0;\\n}}\\n\"\n"
@@ -57,16 +55,32 @@ def _wgmma_src(n: int) -> str:
         f"}}\n")
 
 
-def wgmma_bf16_rs(n: int, d, a0, a1, a2, a3, b, accumulate=1):
+def wgmma_bf16_rs(n: int, d, a0, a1, a2, a3, desc, accumulate=1):
     """``d[0 : n/2] (+)= A · B`` for the warpgroup (module doc): ``d`` the address of the
-    thread's fp32 accumulators, ``a0..a3`` its A fragment words (bf16x2), ``b`` the address of
-    the B tile's k16 slice in shared memory; ``accumulate`` 0 (an int32 expression) overwrites
-    ``d`` instead of adding to it (the first product: no instruction outside the wgmmas defines
-    the accumulators, which would make ptxas serialize them). ``n``: 8..256, a multiple of 8."""
+    thread's fp32 accumulators, ``a0..a3`` its A fragment words (bf16x2), ``desc`` the uint64
+    descriptor of the B tile's k16 slice (:func:`sw128_desc`); ``accumulate`` 0 (an int32
+    expression) overwrites ``d`` instead of adding to it (the first product: no instruction
+    outside the wgmmas defines the accumulators, which would make ptxas serialize them).
+    ``n``: 8..256, a multiple of 8."""
     if n % 8 or not 8 <= n <= 256:
         raise ValueError(f"wgmma N must be a multiple of 8 in 8..256, got {n}")
-    return cuda_func_call(f"k3_wgmma_m64n{n}k16_bf16_rs", d, a0, a1, a2, a3, b, accumulate,
+    return cuda_func_call(f"k3_wgmma_m64n{n}k16_bf16_rs", d, a0, a1, a2, a3, desc, accumulate,
                           source_code=_wgmma_src(n))
+
+
+def sw128_desc(smem_addr):
+    """uint64 matrix descriptor (128-byte swizzle, K-major, 8-row groups 1024 bytes apart) of
+    the tile at the 32-bit shared-window address ``smem_addr`` (a TIR uint32 expression, a
+    multiple of 16): the start address sits in bits 0-13 as address / 16, so a tile or k16
+    slice ``b`` bytes further is the descriptor plus ``b / 16`` (shared memory < 256 KiB)."""
+    from tvm.script import tirx as T
+
+    return (T.Cast("uint64", (smem_addr & T.uint32(0x3FFFF)) >> T.uint32(4))
+            | T.uint64(DESC_SW128_BITS))
+
+
+# leading byte offset 1 (unused with swizzling), stride byte offset 1024 / 16, layout 128B swizzle
+DESC_SW128_BITS = (1 << 16) | (64 << 32) | (1 << 62)
 
 
 def wgmma_fence():
