@@ -57,6 +57,10 @@ scale group (32 inputs) is the same for all. The kernels place their own barrier
 E8M0 scale bytes: ``s = 255`` (NaN) gives NaN weights, as the reference; bytes 129..254 are
 outside the tc layout's range (the loader rejects them, mxfp4_tc_layout.check_scales).
 
+On cuda-sm90a the model runs the grouped GEMMs of :mod:`schedules.moe_mxfp4_prefill_wgmma`
+instead (Hopper warpgroup MMA, same tile table and outputs, 1.66× faster at 8192 tokens); the
+ones here serve the other CUDA targets.
+
 Reference: :func:`moe_prefill_plan_reference` (counts, offsets, tiles) and
 ``schedules.moe_mxfp4_cuda.moe_experts_reference`` (values).
 """

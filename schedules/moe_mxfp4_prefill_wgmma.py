@@ -24,9 +24,16 @@ permuted: in every group of 32, the 16 pairs of inputs are a 4×4 matrix transpo
 with a reshape-transpose-reshape, :func:`permute_inputs_reference`) and writes ``a_sorted`` in
 the permuted order that down reads. Sums over k do not depend on the order of k.
 
-Per K step a warpgroup dequantizes (4 ``dequant8`` per thread), fences, issues four wgmmas
-(one per k16 slice) and waits for them before the next step; the two warpgroups of a block and
-the two blocks of an SM overlap one another's dequant and MMAs.
+Pipeline: ``STAGES`` shared-memory stages; at K step ``ks`` a block waits for its stage,
+refills the stage of step ks - 2 (``cp.async``; each thread's copy addresses are computed once
+per block), dequantizes into one half of a double-buffered A (4 ``dequant8`` per thread),
+issues the step's four wgmmas (one per k16 slice; N = 32, 64 or 128, the least that covers
+the tile's rows, one copy of the K loop each) and waits for the previous step's. Two blocks
+per SM (``__launch_bounds__(256, 2)``, 128 registers).
+
+Status (H200, K3 shapes; benchmarks/results/moe_prefill_wgmma_hoist_h200_2026-11-30.json):
+26.7 ms at 8192 tokens × top-16 = 41% of the measured bf16 peak, 1.18× ``torch._grouped_mm``
+(bf16 weights), 1.66× the ``mma.sync`` kernels; issue-bound (docs/DESIGN.md).
 
 Reference: :func:`schedules.moe_mxfp4_cuda.moe_experts_reference` (values) and the ``mma.sync``
 kernels (benchmarks/moe.py compares the outputs and times both in one run).
