@@ -107,7 +107,8 @@ def build(out_dir: Path) -> None:
 
 
 PREFILL_FUNCS = ("moe_sort", "moe_grouped_gate_up", "moe_grouped_down")
-# besides the defaults of schedules.moe_mxfp4_prefill_cuda (STAGES = 3, WARPS_M = 2)
+# mma.sync schedule variants besides the defaults of schedules.moe_mxfp4_prefill_cuda (none now:
+# stages 2 / 4 and warps_m 4 were slower, moe_prefill_variants_h200_2026-11-29.json)
 PREFILL_VARIANTS = {}
 WGMMA_VARIANTS = {"s3": {"stages": 3}, "n128": {"short_tiles": False}}
 WGMMA = "wgmma"  # prefill libraries whose name holds this read z and a_sorted in the permuted k order
@@ -490,8 +491,8 @@ def run_prefill(lib_dir: Path, W, Wb, tw, g, repack) -> dict:
         def route():
             f_sort(tids, tv["sorted"], tv["tiles"], tv["num_tiles"], tv["counts"])
 
-        zp = torch.empty_like(z)
-        tzp = tvm.runtime.from_dlpack(zp)
+        zp = torch.empty_like(z) if permuted else None
+        tzp = tvm.runtime.from_dlpack(zp) if permuted else None
 
         def gemms():
             if permuted:
@@ -501,9 +502,12 @@ def run_prefill(lib_dir: Path, W, Wb, tw, g, repack) -> dict:
 
         return bufs, route, gemms
 
+    inputs = {}
     for (T, kind), (flavor, (fns, permuted)) in itertools.product(PREFILL_CHECK, flavors.items()):
-        ids = routing(T, kind)
-        z = torch.randn(T, L, device=dev, generator=g).to(torch.bfloat16)
+        # the same routing and tokens for both kernel families
+        if (T, kind) not in inputs:
+            inputs[T, kind] = (routing(T, kind), torch.randn(T, L, device=dev, generator=g).to(torch.bfloat16), {})
+        ids, z, outs = inputs[T, kind]
         bufs, route, gemms = pipeline(T, ids, z, fns, permuted)
         route()
         gemms()
@@ -536,6 +540,13 @@ def run_prefill(lib_dir: Path, W, Wb, tw, g, repack) -> dict:
         row = {"T": T, "routing": kind, "kernels": flavor, "plan_ok": plan_ok, "permutation_ok": perm_ok,
                "max_tokens_per_expert": int(counts.max()), "experts_with_one_token": int((counts == 1).sum()),
                "rel_err_a": ea / ma, "rel_err_o": eo / mo, "max_abs_err_o": eo, "max_abs_o": mo}
+        # a (per pair, natural k order) and o against the first family's on the same inputs
+        a_pairs = bufs["a"][inv].float()
+        outs[flavor] = (permute_k(a_pairs) if permuted else a_pairs, bufs["o"].float().clone())
+        first = next(iter(outs))
+        if flavor != first:
+            row[f"max_abs_diff_a_vs_{first}"] = (outs[flavor][0] - outs[first][0]).abs().max().item()
+            row[f"max_abs_diff_o_vs_{first}"] = (outs[flavor][1] - outs[first][1]).abs().max().item()
         res["check"].append(row)
         print("prefill check", json.dumps(row), flush=True)
 
@@ -706,6 +717,9 @@ def failures(res: dict) -> list[str]:
     for r in pre.get("check", []):
         if not (r["plan_ok"] and r["permutation_ok"] and r["rel_err_a"] <= REL_TOL and r["rel_err_o"] <= REL_TOL):
             out.append(f"prefill T={r['T']} {r['routing']}: {r}")
+        for k, v in r.items():  # the kernel families agree (their fp32 sums run in the same order)
+            if k.startswith("max_abs_diff_") and not v <= REL_TOL * 2 ** 14:
+                out.append(f"prefill T={r['T']} {r['routing']} {r['kernels']}: {k} = {v}")
     for r in pre.get("timing", []):
         for n, d in r.get("variants_max_abs_diff", {}).items():
             if not d <= REL_TOL * 2 ** 14:  # outputs reach ~1e4 with these weights

@@ -39,7 +39,8 @@ def export_model(cfg: K3Config, dtype: str = "float32", page_size: int = 16,
     ``gpu``: use the thread-bound variants of the hand-written kernels (GPU targets; see
     :func:`k3_compile.build.build_module`); ``tuned``: on GPU, the tuned hand-written kernels
     where they exist (False: the generic ones, ``k3 compile --generic-kernels``); ``wgmma``:
-    the tuned kernels may use Hopper's warpgroup MMA (the target's ``Features.wgmma``)."""
+    the tuned kernels may use Hopper's warpgroup MMA (pass the target's ``Features.wgmma``, as
+    :func:`k3_compile.compile.compile_model` does)."""
     from relax_modules.model import K3ForCausalLM
 
     model = K3ForCausalLM(cfg, dtype=dtype, page_size=page_size, gpu=gpu, tuned=tuned, wgmma=wgmma)

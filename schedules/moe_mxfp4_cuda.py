@@ -84,7 +84,13 @@ def moe_expert_chain_kernel(top_k: int, threads: int = 128, tile: int = 1024):
 
     One thread per entry; the block stages the ids in shared memory ``tile`` entries at a
     time and every thread scans each tile (O((T·k)²) comparisons, from shared memory: 25 µs
-    at T = 64 on the H200, where reading every id from L1 took 50 µs)."""
+    at T = 64 on the H200, where reading every id from L1 took 50 µs). It places its own
+    barriers (:func:`schedules.barriers.mark`): compile it inside
+    ``schedules.barriers.respect_manual_barriers()``, as k3_compile/build.py does.
+
+    Raises:
+        ValueError: ``tile`` not a multiple of ``threads``.
+    """
     K = top_k
     if tile % threads:
         raise ValueError(f"tile {tile} must be a multiple of threads {threads}")

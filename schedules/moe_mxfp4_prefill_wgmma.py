@@ -29,11 +29,13 @@ refills the stage of step ks - 2 (``cp.async``; each thread's copy addresses are
 per block), dequantizes into one half of a double-buffered A (4 ``dequant8`` per thread),
 issues the step's four wgmmas (one per k16 slice; N = 32, 64 or 128, the least that covers
 the tile's rows, one copy of the K loop each) and waits for the previous step's. Two blocks
-per SM (``__launch_bounds__(256, 2)``, 128 registers).
+per SM where their shared memory fits (``__launch_bounds__(256, 2)``: 128 registers, 12 bytes
+of spills at K3 sizes).
 
-Status (H200, K3 shapes; benchmarks/results/moe_prefill_wgmma_hoist_h200_2026-11-30.json):
-26.7 ms at 8192 tokens × top-16 = 41% of the measured bf16 peak, 1.18× ``torch._grouped_mm``
-(bf16 weights), 1.66× the ``mma.sync`` kernels; issue-bound (docs/DESIGN.md).
+Status (H200, K3 shapes; benchmarks/results/moe_prefill_wgmma_final_h200_2026-11-30.json):
+25.6 ms at 8192 tokens × top-16 = 43–46% of the measured bf16 peak, 1.22×
+``torch._grouped_mm`` (bf16 weights), 1.72× the ``mma.sync`` kernels, outputs equal to
+theirs; issue-bound (docs/DESIGN.md).
 
 Reference: :func:`schedules.moe_mxfp4_cuda.moe_experts_reference` (values) and the ``mma.sync``
 kernels (benchmarks/moe.py compares the outputs and times both in one run).
@@ -56,6 +58,7 @@ from schedules.wgmma_ptx import (fence_proxy_async, smem_address, sw128_desc, sw
 NT = 256          # threads per block: two warpgroups
 STAGES = 4        # shared-memory stages: loads run STAGES - 2 K steps ahead, one step of wgmmas in flight
 TOK_WORDS = BM * 32   # uint32 words of one stage's token tile (BM rows of 128 bytes)
+SM_SMEM = 228 * 1024  # shared memory per SM (sm_90), of which 1 KiB per block is reserved
 
 
 def permuted_position(i):
@@ -95,8 +98,6 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
     cols = BN // 2 if gate_up else BN
     if N % cols:
         raise ValueError(f"output width {N} must be a multiple of {cols}")
-    if gate_up and N % 32:
-        raise ValueError(f"expert width {N} must be a multiple of 32 (the permuted k order)")
     NTN = N // cols
     NK = KD // BK
     KG = KD // 32
@@ -105,11 +106,13 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
     if E * N * RW >= 2 ** 31:
         raise ValueError("weights too large for int32 word indexing")
     SM_WORDS = 256 + NS * TOK_WORDS + NS * BN * B_ROW_WORDS  # + up to 1 KiB to align the token tiles
-    smem = SM_WORDS * 4 + BN * KGW * 4 + BM * 8
+    smem = SM_WORDS * 4 + BN * KGW * 4 + BM * 4
     if smem > SMEM_LIMIT:
         raise ValueError(f"input width {KD} needs {smem} bytes of shared memory per block (limit {SMEM_LIMIT})")
-    if gate_up and NS * TOK_WORDS < 64 * NT // 2:
-        raise ValueError("the SiTU exchange needs at least two stages of token tiles")
+    # the SiTU exchange (gate_up's epilogue) reuses the token stages: 64 words per thread of
+    # warpgroup 1 fit in NS >= 3 stages
+    # two blocks per SM where their shared memory fits (K3: 104 KiB each), else one
+    MINB = 2 if 2 * (smem + 1024) <= SM_SMEM else 1
     CODES = NS * TOK_WORDS       # word offset (from the aligned base) of the code stages
     A_CH = BM * (BK // 8) // NT  # 16-byte token chunks per thread per step
     ND = BM // 2                 # fp32 accumulators per thread (64 rows × BM tokens / 128)
@@ -138,7 +141,7 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
     def slice_mma(n, buf, hk, desc, bf, acc, ks):
         """The two wgmmas (k16 slices 2hk, 2hk + 1) of K step ``ks`` over the first ``n``
         token rows (a Python int); ``desc[0]``: the descriptor of stage 0's tile (a k16 slice
-        is 32 bytes = 2 descriptor units on); the very first overwrites the accumulators."""
+        is 32 bytes further: 2 descriptor units); the very first overwrites the accumulators."""
         T.evaluate(wgmma_bf16_rs(
             n, T.address_of(acc[0]), bf[buf * 16 + hk * 8 + A0[0]], bf[buf * 16 + hk * 8 + A0[1]],
             bf[buf * 16 + hk * 8 + A0[2]], bf[buf * 16 + hk * 8 + A0[3]],
@@ -209,14 +212,14 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
         for blk in T.thread_binding(mt * NTN, thread="blockIdx.x"):
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
                 # two blocks per SM: ptxas keeps the registers at 128 (65536 / 512 threads)
-                with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", 2):
+                with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", MINB):
                     sm = T.alloc_buffer((SM_WORDS,), "uint32", scope="shared.dyn")
                     sc_s = T.alloc_buffer((BN * KGW,), "uint32", scope="shared.dyn")  # E8M0 bytes, whole K
-                    row_s = T.alloc_buffer((BM,), "int64", scope="shared.dyn")  # element offset of the row in x, or -1
+                    row_s = T.alloc_buffer((BM,), "int32", scope="shared.dyn")  # the row of x, or -1
                     al = T.alloc_buffer((1,), "int32", scope="local")   # words to the 1024-byte-aligned base
                     acc = T.alloc_buffer((ND,), "float32", scope="local")
                     bf = T.alloc_buffer((32,), "uint32", scope="local")  # A fragments of two K steps
-                    ok = T.alloc_buffer((1,), "int64", scope="local")
+                    ok = T.alloc_buffer((1,), "int32", scope="local")
                     ncols = T.alloc_buffer((1,), "int32", scope="local")  # ⌈tile rows / 32⌉
                     # [0] token chunk 0's stage-0 word, [1] validity bits of the token chunks,
                     # [2] the code chunk's source word at step 0, [3] its stage-0 word
@@ -232,12 +235,11 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
                             if gate_up:
                                 row_s[tx] = T.if_then_else(
                                     tiles[blk // NTN, 1] + tx < tiles[blk // NTN, 2],
-                                    T.Cast("int64", sorted_pair[T.min(tiles[blk // NTN, 1] + tx, T.Cast("int32", nt * K) - 1)] // K) * KD,
-                                    T.int64(-1))
+                                    sorted_pair[T.min(tiles[blk // NTN, 1] + tx, T.Cast("int32", nt * K) - 1)] // K, -1)
                             else:
                                 row_s[tx] = T.if_then_else(
                                     tiles[blk // NTN, 1] + tx < tiles[blk // NTN, 2],
-                                    T.Cast("int64", tiles[blk // NTN, 1] + tx) * KD, T.int64(-1))
+                                    tiles[blk // NTN, 1] + tx, -1)
                         for it in range((BN * KGW + NT - 1) // NT):
                             if it * NT + tx < BN * KGW:
                                 if gate_up:
@@ -257,8 +259,8 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
                         pre[1] = 0
                         for c in T.unroll(A_CH):
                             ok[0] = row_s[c * (NT // 8) + tx // 8]
-                            tsrc[c] = T.Cast("int32", T.max(ok[0], T.int64(0)) // KD)
-                            pre[1] = pre[1] | T.Cast("int32", ok[0] >= T.int64(0)) << c
+                            tsrc[c] = T.max(ok[0], 0)
+                            pre[1] = pre[1] | T.Cast("int32", ok[0] >= 0) << c
                         if gate_up:
                             pre[2] = (tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * 64 + tx // 2 % 64) * RW \
                                 + tx % 2 * 4
@@ -294,7 +296,7 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
                             if tx < 128:
                                 for i in T.unroll(ND):
                                     ok[0] = row_s[i // 4 * 8 + tx % 4 * 2 + i % 2]
-                                    if ok[0] >= T.int64(0):
+                                    if ok[0] >= 0:
                                         y[tiles[blk // NTN, 1] + i // 4 * 8 + tx % 4 * 2 + i % 2,
                                           permuted_position(T.Cast("int32", blk % NTN) * 64 + tx // 32 * 16
                                                             + tx % 32 // 4 + i % 4 // 2 * 8)] = T.Cast(out_dtype, situ_expr(
@@ -303,7 +305,7 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
                         else:
                             for i in T.unroll(ND):
                                 ok[0] = row_s[i // 4 * 8 + tx % 4 * 2 + i % 2]
-                                if ok[0] >= T.int64(0):
+                                if ok[0] >= 0:
                                     y[sorted_pair[tiles[blk // NTN, 1] + i // 4 * 8 + tx % 4 * 2 + i % 2] // K,
                                       sorted_pair[tiles[blk // NTN, 1] + i // 4 * 8 + tx % 4 * 2 + i % 2] % K,
                                       T.Cast("int32", blk % NTN) * BN + tx // 32 * 16 + tx % 32 // 4
@@ -322,7 +324,7 @@ def moe_grouped_gate_up_wgmma_kernel(num_experts: int, latent: int, inter: int, 
     in the permuted k order, ``a_sorted [T·k, I]`` written in the permuted k order.
 
     Raises:
-        ValueError: L not a multiple of 128, I not a multiple of 64; ``stages < 2``; shared
+        ValueError: L not a multiple of 128, I not a multiple of 64; ``stages < 3``; shared
             memory over the limit (the scale table grows with L).
     """
     return _grouped_wgmma("gate_up", num_experts, inter, latent, top_k, beta, beta_lin, out_dtype, stages,
@@ -337,7 +339,7 @@ def moe_grouped_down_wgmma_kernel(num_experts: int, latent: int, inter: int, top
     moe_mxfp4_prefill_cuda.moe_grouped_down_kernel`, with ``a_sorted`` in the permuted k order.
 
     Raises:
-        ValueError: I not a multiple of 128, L not a multiple of 128; ``stages < 2``; shared
+        ValueError: I not a multiple of 128, L not a multiple of 128; ``stages < 3``; shared
             memory over the limit.
     """
     return _grouped_wgmma("down", num_experts, latent, inter, top_k, out_dtype=out_dtype, stages=stages,

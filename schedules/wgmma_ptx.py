@@ -70,8 +70,9 @@ def wgmma_bf16_rs(n: int, d, a0, a1, a2, a3, desc, accumulate=1):
 
 def sw128_desc(smem_addr):
     """uint64 matrix descriptor (128-byte swizzle, K-major, 8-row groups 1024 bytes apart) of
-    the tile at the 32-bit shared-window address ``smem_addr`` (a TIR uint32 expression, a
-    multiple of 16): the start address sits in bits 0-13 as address / 16, so a tile or k16
+    the tile at the 32-bit shared-window address ``smem_addr`` (a TIR uint32 expression; the
+    tile 1024-byte aligned, as the base-offset field is 0; a k16 slice inside it, 32 bytes
+    on, keeps that base): the start address sits in bits 0-13 as address / 16, so a tile or k16
     slice ``b`` bytes further is the descriptor plus ``b / 16`` (shared memory < 256 KiB)."""
     from tvm.script import tirx as T
 
@@ -92,7 +93,13 @@ def wgmma_commit():
 
 
 def wgmma_wait(n: int):
-    """Until at most ``n`` (0..3) committed groups of this warpgroup's wgmmas are pending."""
+    """Until at most ``n`` (0..3) committed groups of this warpgroup's wgmmas are pending.
+
+    Raises:
+        ValueError: ``n`` outside 0..3.
+    """
+    if n not in range(4):
+        raise ValueError(f"wgmma wait_group takes 0..3 pending groups here, got {n}")
     return cuda_func_call(f"k3_wgmma_wait{n}", source_code=_SRC[f"k3_wgmma_wait{n}"])
 
 

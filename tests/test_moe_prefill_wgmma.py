@@ -81,6 +81,39 @@ def test_swizzle128_is_the_hardware_rule():
     assert seen == {16 * i for i in range(1024)}
 
 
+def test_descriptor_reads_what_the_copies_wrote():
+    """The descriptor's fields (PTX "Matrix Descriptor Format": start address >> 4 in bits
+    0-13, leading byte offset >> 4 in 16-29, stride byte offset >> 4 in 32-45, layout type in
+    62-63, 1 = 128-byte swizzle), and the hardware's read of k16 slice ``s`` of a stage — the
+    kernel adds ``stage · TOK_WORDS/4 + 2s`` descriptor units — through the swizzle: it must
+    find, for every token row, the inputs 16s .. 16s+15 that ``issue`` copied there (chunk c of
+    row r at ``swizzle128_word(r, c)``)."""
+    bits = wgmma_ptx.DESC_SW128_BITS
+    assert bits & 0x3FFF == 0                       # start address: added per tile
+    assert (bits >> 16) & 0x3FFF == 1               # leading byte offset (unused when swizzled)
+    assert (bits >> 32) & 0x3FFF == 1024 >> 4       # 8 rows of 128 bytes between core-matrix groups
+    assert bits >> 62 == 1 and (bits >> 49) & 7 == 0  # 128-byte swizzle, base offset 0
+    rng = np.random.default_rng(5)
+    rows = mw.BM
+    x = rng.integers(0, 2 ** 16, (rows, 64)).astype(np.uint16)   # one K step of bf16 tokens
+    stage, base = 2, 4096                                         # a 1024-aligned tile base (bytes)
+    smem = np.zeros(base + (stage + 1) * mw.TOK_WORDS * 4, np.uint8)
+    tile = base + stage * mw.TOK_WORDS * 4
+    for r in range(rows):                                         # issue(): 16-byte chunks
+        for c in range(8):
+            off = tile + 4 * wgmma_ptx.swizzle128_word(r, c)
+            smem[off:off + 16] = x[r, 8 * c:8 * c + 8].view(np.uint8)
+    for s in range(4):
+        start = (base >> 4) + stage * (mw.TOK_WORDS // 4) + 2 * s  # descriptor start, 16-byte units
+        for r in range(rows):
+            got = []
+            for b in range(0, 32, 2):                             # the slice's 16 bf16 of row r
+                addr = start * 16 + r * 128 + b                   # unswizzled address
+                addr ^= ((addr >> 7) & 7) << 4                    # the 128-byte swizzle
+                got.append(smem[addr:addr + 2].view(np.uint16)[0])
+            np.testing.assert_array_equal(got, x[r, 16 * s:16 * s + 16])
+
+
 def test_bad_sizes_rejected():
     with pytest.raises(ValueError, match="multiple of 128"):
         mw.moe_grouped_gate_up_wgmma_kernel(4, 192, 128, 2, 4.0, None)
@@ -90,6 +123,8 @@ def test_bad_sizes_rejected():
         mw.moe_grouped_down_wgmma_kernel(4, 192, 256, 2)  # L: 128 output columns per block
     with pytest.raises(ValueError, match="N must be"):
         wgmma_ptx.wgmma_bf16_rs(100, 0, 0, 0, 0, 0, 0)
+    with pytest.raises(ValueError, match="0..3"):
+        wgmma_ptx.wgmma_wait(4)
     with pytest.raises(ValueError, match="multiple of 32"):
         mw.permute_inputs_reference(np.zeros((2, 48)))
 

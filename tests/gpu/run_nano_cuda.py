@@ -189,7 +189,8 @@ def prepare(out: Path) -> None:
     meta = {"target": TARGET, "prompts": PROMPTS, "params": {}}
     for dtype in DTYPES:
         t0 = time.time()
-        ex_gpu = export_model(cfg, dtype, gpu=True)
+        # the kernels `k3 compile --target TARGET` dispatches (on sm_90a: the wgmma MoE prefill)
+        ex_gpu = export_model(cfg, dtype, gpu=True, wgmma=get_target(TARGET).features.wgmma)
         lib = build_module(ex_gpu.mod, get_target(TARGET))
         lib.export_library(str(out / _lib_name(dtype)))
         print(describe_library(out / _lib_name(dtype)), f"({time.time() - t0:.1f} s)", flush=True)
