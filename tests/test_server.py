@@ -173,3 +173,39 @@ def test_concurrent_requests_are_batched_and_answer_as_alone(client, model):
         t.join()
     assert got == want
     assert client.app.state.scheduler.largest_batch > 1
+
+
+def test_chunked_prefill_does_not_stall_decoding(model):
+    """A long prompt arriving while another request decodes is prefilled a chunk per step, the
+    other request's decode steps running in between (not after its whole prefill), and both
+    answer as alone (greedy)."""
+    import time
+
+    from k3_compile.runtime.sampler import SamplingParams
+    from k3_compile.runtime.server import BatchScheduler
+
+    short, long_ = model.encode_prompt("import os\n"), model.encode_prompt("def parse(path):\n    " * 8)
+    assert len(long_) > 3 * 16
+    params = SamplingParams(temperature=0, max_tokens=12)
+    want = [model.generate(ids, params).text for ids in (short, long_)]
+    calls = []
+    eng = model.engine
+    prefill, decode = eng.prefill, eng.decode
+    eng.prefill = lambda sids, chunks, **kw: (calls.append(("prefill", list(sids))), prefill(sids, chunks, **kw))[1]
+    eng.decode = lambda sids, toks: (calls.append(("decode", list(sids))), decode(sids, toks))[1]
+    try:
+        sched = BatchScheduler(model, max_batch=2, prefill_chunk=16)
+        first_tok = []
+        f_short = sched.submit(short, params, stream=lambda piece: first_tok.append(piece))
+        while not first_tok and not f_short.done():
+            time.sleep(0.001)
+        f_long = sched.submit(long_, params)
+        got = [f.result(timeout=120).text for f in (f_short, f_long)]
+    finally:
+        eng.prefill, eng.decode = prefill, decode
+    assert got == want
+    long_sid = [c[1][0] for c in calls if c[0] == "prefill" and len(c[1]) == 1][-1]
+    chunks = [i for i, c in enumerate(calls) if c[0] == "prefill" and long_sid in c[1]]
+    assert len(chunks) >= 3  # a chunk of at most 16 tokens per step
+    between = [c for c in calls[chunks[0]:chunks[-1]] if c[0] == "decode"]
+    assert between and all(long_sid not in c[1] for c in between)  # the short one kept decoding

@@ -158,7 +158,7 @@ def sampling_params(req, defaults: dict, default_max: int) -> SamplingParams:
 
 
 class _Job:
-    """A request waiting for or in the batch."""
+    """A request waiting for, being prefilled in, or decoding in the batch."""
 
     def __init__(self, prompt_ids, params, stream, should_stop):
         self.prompt_ids, self.params, self.stream, self.should_stop = prompt_ids, params, stream, should_stop
@@ -166,22 +166,30 @@ class _Job:
         self.sid = None
         self.state = None
         self.tok = None
+        self.cursor = 0          # prompt tokens prefilled so far
+        self.t0 = 0.0            # when it joined the batch (time to first token counts from here)
         self.prefill_seconds = 0.0
         self.decode_s0 = 0.0
 
 
 class BatchScheduler:
-    """Continuous batching over one engine: a thread owns it; each step admits waiting requests
-    (prefilled one at a time) while the batch has room, then one ``decode`` call advances every
-    active sequence by a token (model_runner.Decoding keeps each one's sampling and stop
-    state). Finished or cancelled requests leave the batch at once, freeing their slot.
+    """Continuous batching with chunked prefill over one engine (what vLLM and MLC-LLM
+    schedule): a thread owns the engine. Each step it admits waiting requests while the batch
+    has room, runs one ragged prefill call of at most ``prefill_chunk`` prompt tokens taken
+    from the requests still prefilling (oldest first), then one ``decode`` call that advances
+    every decoding sequence by a token (model_runner.Decoding keeps each one's sampling and
+    stop state). A long prompt so delays the others' tokens by one chunk per step instead of
+    by its whole prefill. Finished or cancelled requests leave at once, freeing their slot.
 
-    ``max_batch``: sequences decoded together (the engine's KDA slots hold one more, spare)."""
+    ``max_batch``: sequences in the batch, prefilling or decoding (the engine's KDA slots
+    hold one more, spare); ``prefill_chunk``: prompt tokens per step (default: the model's)."""
 
-    def __init__(self, model: LoadedModel, max_batch: int):
+    def __init__(self, model: LoadedModel, max_batch: int, prefill_chunk: int | None = None):
         self.model, self.max_batch = model, max(1, max_batch)
+        self.prefill_chunk = max(1, prefill_chunk or model.prefill_chunk)
         self.waiting: queue.Queue = queue.Queue()
         self.largest_batch = 0  # the most sequences one decode call has advanced
+        self.largest_prefill = 0  # the most sequences one prefill call has taken a chunk of
         threading.Thread(target=self._loop, name="k3-batch", daemon=True).start()
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, stream=None,
@@ -207,57 +215,99 @@ class BatchScheduler:
         else:
             job.future.set_result(res)
 
-    def _admit(self, job: _Job) -> bool:
-        """Prefill a new request; True if it joins the batch (False: finished or failed)."""
+    def _start_decoding(self, job: _Job) -> None:
         from .model_runner import Decoding
 
-        m, eng = self.model, self.model.engine
-        t0, p0 = time.perf_counter(), eng.stats.prefill_seconds
+        job.decode_s0 = self.model.engine.stats.decode_seconds
+        job.state = Decoding(self.model, job.sid, len(job.prompt_ids), job.params, job.stream, job.t0)
+
+    def _cancel(self, job: _Job) -> None:
+        """A request whose client went away (or that asked to stop), prefilling or decoding."""
         try:
-            job.sid = eng.add_sequence()
-            logits, _ = m.prefill(job.sid, job.prompt_ids, job.should_stop)
-            job.prefill_seconds = eng.stats.prefill_seconds - p0
-            job.decode_s0 = eng.stats.decode_seconds
-            job.state = Decoding(m, job.sid, len(job.prompt_ids), job.params, job.stream, t0)
-            if logits is None or job.should_stop():
-                job.state.cancel()
-                job.tok = None
-            else:
-                job.tok = job.state.step(logits[0])
-        except BaseException as e:  # noqa: BLE001 - reported to the request, the loop goes on
+            if job.state is None:
+                self._start_decoding(job)
+            job.state.cancel()
+        except BaseException as e:  # noqa: BLE001
             self._finish(job, e)
-            return False
-        if job.tok is None:
-            self._finish(job)
-            return False
-        return True
+            return
+        self._finish(job)
+
+    def _prefill_step(self, prefilling: list[_Job]) -> list[_Job]:
+        """One ragged prefill call over the oldest prefilling requests (at most
+        ``prefill_chunk`` tokens in all); returns those whose prompt is now complete and whose
+        first token was sampled (the others are finished or keep prefilling)."""
+        eng, budget = self.model.engine, self.prefill_chunk
+        taken: list[tuple[_Job, int]] = []
+        for job in prefilling:
+            n = min(budget, len(job.prompt_ids) - job.cursor)
+            taken.append((job, n))
+            budget -= n
+            if budget == 0:
+                break
+        self.largest_prefill = max(self.largest_prefill, len(taken))
+        p0 = eng.stats.prefill_seconds
+        try:
+            logits = eng.prefill([j.sid for j, _ in taken], [j.prompt_ids[j.cursor:j.cursor + n] for j, n in taken])
+        except BaseException as e:  # noqa: BLE001 - every request of the call gets the error
+            for job, _ in taken:
+                prefilling.remove(job)
+                self._finish(job, e)
+            return []
+        started = []
+        for row, (job, n) in zip(logits, taken):
+            job.prefill_seconds += eng.stats.prefill_seconds - p0
+            job.cursor += n
+            if job.cursor < len(job.prompt_ids):
+                continue
+            prefilling.remove(job)
+            try:
+                self._start_decoding(job)
+                job.tok = job.state.step(row)
+            except BaseException as e:  # noqa: BLE001
+                self._finish(job, e)
+                continue
+            if job.tok is None:
+                self._finish(job)
+            else:
+                started.append(job)
+        return started
 
     def _loop(self) -> None:
-        active: list[_Job] = []
+        prefilling: list[_Job] = []
+        decoding: list[_Job] = []
         while True:
-            while len(active) < self.max_batch:
+            while len(prefilling) + len(decoding) < self.max_batch:
                 try:
-                    job = self.waiting.get(block=not active)
+                    job = self.waiting.get(block=not (prefilling or decoding))
                 except queue.Empty:
                     break
-                if self._admit(job):
-                    active.append(job)
-            for job in [j for j in active if j.should_stop()]:
-                job.state.cancel()
-                active.remove(job)
-                self._finish(job)
-            if not active:
-                continue
-            self.largest_batch = max(self.largest_batch, len(active))
-            try:
-                logits = self.model.engine.decode([j.sid for j in active], [j.tok for j in active])
-            except BaseException as e:  # noqa: BLE001 - every request of the step gets the error
-                for job in active:
+                job.t0 = time.perf_counter()
+                try:
+                    if not job.prompt_ids:
+                        raise ValueError("the prompt has no tokens")
+                    job.sid = self.model.engine.add_sequence()
+                except BaseException as e:  # noqa: BLE001 - reported to the request, the loop goes on
                     self._finish(job, e)
-                active = []
+                    continue
+                prefilling.append(job)
+            for group in (prefilling, decoding):
+                for job in [j for j in group if j.should_stop()]:
+                    group.remove(job)
+                    self._cancel(job)
+            if prefilling:
+                decoding += self._prefill_step(prefilling)
+            if not decoding:
+                continue
+            self.largest_batch = max(self.largest_batch, len(decoding))
+            try:
+                logits = self.model.engine.decode([j.sid for j in decoding], [j.tok for j in decoding])
+            except BaseException as e:  # noqa: BLE001 - every request of the step gets the error
+                for job in decoding:
+                    self._finish(job, e)
+                decoding = []
                 continue
             still = []
-            for row, job in zip(logits, active):
+            for row, job in zip(logits, decoding):
                 try:
                     job.tok = job.state.step(row)
                 except BaseException as e:  # noqa: BLE001
@@ -267,7 +317,7 @@ class BatchScheduler:
                     self._finish(job)
                 else:
                     still.append(job)
-            active = still
+            decoding = still
 
 
 def create_app(model: LoadedModel, model_name: str = "k3"):
