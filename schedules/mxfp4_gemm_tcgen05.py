@@ -46,6 +46,14 @@ Build with TVM's TIRx pipeline (``tvm.compile(..., tir_pipeline="tirx")`` or
 Shared memory is one dynamic pool (139 KiB at 4 stages; the codegen allows one ``shared.dyn``
 allocation), so one CTA per SM.
 
+TVM 0.27 details met on the way: ``sf_tmem_layout(..., pipe_depth=)`` spaces the stages 4
+tensor-memory columns apart while a stage here spans 8 (``_sf_tmem_stages`` lays them out); a
+scale buffer declared inside the K loop made the host/device split fail ("used before
+definition"), and the pipeline's CSE off-switch reads ``tir.disable_cse_tir`` while only
+``tirx.disable_cse_tir`` is registered; the allocated tensor-memory address must be bound with
+``T.let`` before use; the codegen takes one ``shared.dyn`` allocation. Wiring this kernel into
+the model would need k3_compile/build.py to lower it with the ``tirx`` pipeline.
+
 Verified here: the NumPy reference (:func:`mxfp4_gemm_reference`) against an independent
 dequantization; that the builder rejects bad sizes; that the kernel lowers for the
 ``cuda-sm100a`` target to CUDA containing ``tcgen05.mma.cta_group::1.kind::mxf4.block_scale``,
