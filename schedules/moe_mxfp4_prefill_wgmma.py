@@ -33,7 +33,7 @@ per SM where their shared memory fits (``__launch_bounds__(256, 2)``: 128 regist
 of spills at K3 sizes).
 
 Status (H200, K3 shapes; benchmarks/results/moe_prefill_wgmma_final_h200_2026-11-30.json):
-25.6 ms at 8192 tokens × top-16 = 43–46% of the measured bf16 peak, 1.22×
+25.6 ms at 8192 tokens × top-16 = 42–46% of the measured bf16 peak, 1.22×
 ``torch._grouped_mm`` (bf16 weights), 1.72× the ``mma.sync`` kernels, outputs equal to
 theirs; issue-bound (docs/DESIGN.md).
 
