@@ -209,3 +209,43 @@ def test_chunked_prefill_does_not_stall_decoding(model):
     assert len(chunks) >= 3  # a chunk of at most 16 tokens per step
     between = [c for c in calls[chunks[0]:chunks[-1]] if c[0] == "decode"]
     assert between and all(long_sid not in c[1] for c in between)  # the short one kept decoding
+
+
+def test_short_prompt_behind_a_long_one_starts_first(model):
+    """A short request arriving while a long prompt is being prefilled is prefilled first
+    (shortest remaining prompt first): its first token comes before the long prompt's
+    prefill ends, and both answer as alone."""
+    import time
+
+    from k3_compile.runtime.sampler import SamplingParams
+    from k3_compile.runtime.server import BatchScheduler
+
+    short, long_ = model.encode_prompt("import os\n"), model.encode_prompt("def parse(path):\n    " * 8)
+    params = SamplingParams(temperature=0, max_tokens=4)
+    want = [model.generate(ids, params).text for ids in (long_, short)]
+    calls = []
+    eng = model.engine
+    prefill = eng.prefill
+    sched = BatchScheduler(model, max_batch=2, prefill_chunk=16)
+
+    def logged(sids, chunks, **kw):
+        calls.append((list(sids), [len(c) for c in chunks]))
+        if len(calls) == 1:  # the short request arrives during the long prompt's first chunk
+            futures.append(sched.submit(short, params))
+        return prefill(sids, chunks, **kw)
+
+    futures = []
+    eng.prefill = logged
+    try:
+        futures.insert(0, sched.submit(long_, params))
+        while len(futures) < 2:
+            time.sleep(0.001)
+        got = [f.result(timeout=120).text for f in futures]
+    finally:
+        eng.prefill = prefill
+    assert got == want
+    short_sid = calls[1][0][0]
+    assert calls[1][1][0] == len(short)          # the whole short prompt in the next call
+    assert sum(n for sids, ns in calls for s, n in zip(sids, ns) if s != short_sid) == len(long_)
+    long_calls = [i for i, (sids, _) in enumerate(calls) if short_sid not in sids]
+    assert long_calls[-1] > 1                    # the long prompt was still prefilling then

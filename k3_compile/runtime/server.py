@@ -176,10 +176,11 @@ class BatchScheduler:
     """Continuous batching with chunked prefill over one engine (what vLLM and MLC-LLM
     schedule): a thread owns the engine. Each step it admits waiting requests while the batch
     has room, runs one ragged prefill call of at most ``prefill_chunk`` prompt tokens taken
-    from the requests still prefilling (oldest first), then one ``decode`` call that advances
-    every decoding sequence by a token (model_runner.Decoding keeps each one's sampling and
-    stop state). A long prompt so delays the others' tokens by one chunk per step instead of
-    by its whole prefill. Finished or cancelled requests leave at once, freeing their slot.
+    from the requests still prefilling (shortest remaining prompt first, so that a short
+    request arriving behind a long prompt starts at once), then one ``decode`` call that
+    advances every decoding sequence by a token (model_runner.Decoding keeps each one's
+    sampling and stop state). A long prompt so delays running requests by one chunk per step
+    instead of by its whole prefill. Finished or cancelled requests leave at once.
 
     ``max_batch``: sequences in the batch, prefilling or decoding (the engine's KDA slots
     hold one more, spare); ``prefill_chunk``: prompt tokens per step (default: the model's)."""
@@ -233,12 +234,13 @@ class BatchScheduler:
         self._finish(job)
 
     def _prefill_step(self, prefilling: list[_Job]) -> list[_Job]:
-        """One ragged prefill call over the oldest prefilling requests (at most
-        ``prefill_chunk`` tokens in all); returns those whose prompt is now complete and whose
-        first token was sampled (the others are finished or keep prefilling)."""
+        """One ragged prefill call over the prefilling requests, shortest remaining prompt
+        first (at most ``prefill_chunk`` tokens in all); returns those whose prompt is now
+        complete and whose first token was sampled (the others are finished or keep
+        prefilling)."""
         eng, budget = self.model.engine, self.prefill_chunk
         taken: list[tuple[_Job, int]] = []
-        for job in prefilling:
+        for job in sorted(prefilling, key=lambda j: len(j.prompt_ids) - j.cursor):
             n = min(budget, len(job.prompt_ids) - job.cursor)
             taken.append((job, n))
             budget -= n
