@@ -110,7 +110,9 @@ PREFILL_FUNCS = ("moe_sort", "moe_grouped_gate_up", "moe_grouped_down")
 # mma.sync schedule variants besides the defaults of schedules.moe_mxfp4_prefill_cuda (none now:
 # stages 2 / 4 and warps_m 4 were slower, moe_prefill_variants_h200_2026-11-29.json)
 PREFILL_VARIANTS = {}
-WGMMA_VARIANTS = {"s3": {"stages": 3}, "n128": {"short_tiles": False}}
+# name -> (gate_up kwargs, down kwargs)
+WGMMA_VARIANTS = {"s3": ({"stages": 3}, {"stages": 3}), "n128": ({"short_tiles": False}, {"short_tiles": False}),
+                  "staged_gu": ({"staged": True}, {})}
 WGMMA = "wgmma"  # prefill libraries whose name holds this read z and a_sorted in the permuted k order
 SMALL = (3, 512, 512, 2)  # E, L, I, top_k of tests/gpu/check_moe_dispatch.py's model
 
@@ -134,10 +136,10 @@ def build_prefill(out_dir: Path) -> None:
               "moe_grouped_gate_up": mw.moe_grouped_gate_up_wgmma_kernel(E, L, I, TOPK, BETA, BETA_LIN),
               "moe_grouped_down": mw.moe_grouped_down_wgmma_kernel(E, L, I, TOPK)},
              out_dir / f"moe_prefill_{WGMMA}.so")
-    for name, kw in WGMMA_VARIANTS.items():
+    for name, (gu_kw, d_kw) in WGMMA_VARIANTS.items():
         _compile({"moe_sort": mp.moe_sort_kernel(E, TOPK),
-                  "moe_grouped_gate_up": mw.moe_grouped_gate_up_wgmma_kernel(E, L, I, TOPK, BETA, BETA_LIN, **kw),
-                  "moe_grouped_down": mw.moe_grouped_down_wgmma_kernel(E, L, I, TOPK, **kw)},
+                  "moe_grouped_gate_up": mw.moe_grouped_gate_up_wgmma_kernel(E, L, I, TOPK, BETA, BETA_LIN, **gu_kw),
+                  "moe_grouped_down": mw.moe_grouped_down_wgmma_kernel(E, L, I, TOPK, **d_kw)},
                  out_dir / f"moe_prefill_{WGMMA}_{name}.so")
     for name, kw in PREFILL_VARIANTS.items():  # timed in the same run
         _compile(kernels(E, L, I, TOPK, **kw), out_dir / f"moe_prefill_{name}.so")

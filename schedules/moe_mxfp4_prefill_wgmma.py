@@ -83,11 +83,13 @@ def permute_inputs_reference(x: np.ndarray) -> np.ndarray:
 
 def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
                    beta_lin: float | None = None, out_dtype: str = "bfloat16", stages: int = STAGES,
-                   short_tiles: bool = True):
+                   short_tiles: bool = True, staged: bool = False):
     """Builder of both kernels; arguments as :func:`schedules.moe_mxfp4_prefill_cuda.
     _grouped_gemm`, with the activations (gate_up's ``z``, down's ``a_sorted``) and gate_up's
     output in the permuted k order. ``short_tiles``: tiles of at most 64 (32) rows use a
-    wgmma of N = 64 (32) instead of 128."""
+    wgmma of N = 64 (32) instead of 128; ``staged`` (gate_up): the outputs go through shared
+    memory and leave in 16-byte stores of whole rows, instead of 2-byte stores straight from the
+    registers (correct on the H200; its speed alone not yet measured, see docs/DESIGN.md)."""
     K = top_k
     NS = stages
     if NS < 3:
@@ -114,6 +116,12 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
     # two blocks per SM where their shared memory fits (K3: 104 KiB each), else one
     MINB = 2 if 2 * (smem + 1024) <= SM_SMEM else 1
     CODES = NS * TOK_WORDS       # word offset (from the aligned base) of the code stages
+    # staged epilogue (gate_up): the tile's outputs as bf16 [token][column] (rows padded by 16
+    # bytes) in the code stages, no longer in use (the SiTU exchange holds the token stages)
+    OUT_ROW = cols + 8           # bf16 per row
+    OUT_TILE = CODES
+    if staged and (not gate_up or BM * OUT_ROW // 2 > NS * BN * B_ROW_WORDS or out_dtype != "bfloat16"):
+        raise ValueError("the staged epilogue is gate_up's, with bf16 outputs and at least 3 stages")
     A_CH = BM * (BK // 8) // NT  # 16-byte token chunks per thread per step
     ND = BM // 2                 # fp32 accumulators per thread (64 rows × BM tokens / 128)
     B = float(beta)
@@ -209,11 +217,13 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
         wq1 = T.decl_buffer((E * N * RW,), "uint32", data=wp1.data)
         sq0 = T.decl_buffer((E * N * KGW,), "uint32", data=ws0.data)
         sq1 = T.decl_buffer((E * N * KGW,), "uint32", data=ws1.data)
+        yq = T.decl_buffer((y.shape[0] * (N // 2) * (1 if gate_up else K),), "uint32", data=y.data)
         for blk in T.thread_binding(mt * NTN, thread="blockIdx.x"):
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
                 # two blocks per SM: ptxas keeps the registers at 128 (65536 / 512 threads)
                 with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", MINB):
                     sm = T.alloc_buffer((SM_WORDS,), "uint32", scope="shared.dyn")
+                    smb = T.decl_buffer((SM_WORDS * 2,), "bfloat16", data=sm.data, scope="shared.dyn")
                     sc_s = T.alloc_buffer((BN * KGW,), "uint32", scope="shared.dyn")  # E8M0 bytes, whole K
                     row_s = T.alloc_buffer((BM,), "int32", scope="shared.dyn")  # the row of x, or -1
                     al = T.alloc_buffer((1,), "int32", scope="local")   # words to the 1024-byte-aligned base
@@ -295,13 +305,31 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
                             T.tvm_storage_sync("shared.dyn")
                             if tx < 128:
                                 for i in T.unroll(ND):
-                                    ok[0] = row_s[i // 4 * 8 + tx % 4 * 2 + i % 2]
+                                    if staged:
+                                        # the tile's [token][column] bf16 in shared memory, columns permuted
+                                        smb[(al[0] + OUT_TILE) * 2 + (i // 4 * 8 + tx % 4 * 2 + i % 2) * OUT_ROW
+                                            + permuted_position(tx // 32 * 16 + tx % 32 // 4 + i % 4 // 2 * 8)] = \
+                                            T.Cast(out_dtype, situ_expr(
+                                                T.Cast("float32", T.Cast("bfloat16", acc[i])),
+                                                T.reinterpret("float32", sm[al[0] + i * 128 + tx]), B, BL, use_bl))
+                                    else:
+                                        ok[0] = row_s[i // 4 * 8 + tx % 4 * 2 + i % 2]
+                                        if ok[0] >= 0:
+                                            y[tiles[blk // NTN, 1] + i // 4 * 8 + tx % 4 * 2 + i % 2,
+                                              permuted_position(T.Cast("int32", blk % NTN) * 64 + tx // 32 * 16
+                                                                + tx % 32 // 4 + i % 4 // 2 * 8)] = T.Cast(out_dtype, situ_expr(
+                                                  T.Cast("float32", T.Cast("bfloat16", acc[i])),
+                                                  T.reinterpret("float32", sm[al[0] + i * 128 + tx]), B, BL, use_bl))
+                            if staged:
+                                T.tvm_storage_sync("shared.dyn")
+                                # 16-byte stores: row r's 64 columns are 128 contiguous bytes of a_sorted
+                                for it in T.unroll(BM * 8 // NT):
+                                    ok[0] = row_s[(it * NT + tx) // 8]
                                     if ok[0] >= 0:
-                                        y[tiles[blk // NTN, 1] + i // 4 * 8 + tx % 4 * 2 + i % 2,
-                                          permuted_position(T.Cast("int32", blk % NTN) * 64 + tx // 32 * 16
-                                                            + tx % 32 // 4 + i % 4 // 2 * 8)] = T.Cast(out_dtype, situ_expr(
-                                              T.Cast("float32", T.Cast("bfloat16", acc[i])),
-                                              T.reinterpret("float32", sm[al[0] + i * 128 + tx]), B, BL, use_bl))
+                                        for v in T.vectorized(4):
+                                            yq[((T.Cast("int64", tiles[blk // NTN, 1]) + (it * NT + tx) // 8) * N
+                                                + T.Cast("int32", blk % NTN) * 64 + (it * NT + tx) % 8 * 8) // 2 + v] = \
+                                                sm[al[0] + OUT_TILE + ((it * NT + tx) // 8 * OUT_ROW + (it * NT + tx) % 8 * 8) // 2 + v]
                         else:
                             for i in T.unroll(ND):
                                 ok[0] = row_s[i // 4 * 8 + tx % 4 * 2 + i % 2]
@@ -318,7 +346,7 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def moe_grouped_gate_up_wgmma_kernel(num_experts: int, latent: int, inter: int, top_k: int,
                                      beta: float, beta_lin: float | None, out_dtype: str = "bfloat16",
-                                     stages: int = STAGES, short_tiles: bool = True):
+                                     stages: int = STAGES, short_tiles: bool = True, staged: bool = False):
     """Grouped MXFP4 GEMM for W1/W3 with SiTU fused, on wgmma (cuda-sm90a). Arguments as
     :func:`schedules.moe_mxfp4_prefill_cuda.moe_grouped_gate_up_kernel`, except: ``z [T, L]``
     in the permuted k order, ``a_sorted [T·k, I]`` written in the permuted k order.
@@ -328,7 +356,7 @@ def moe_grouped_gate_up_wgmma_kernel(num_experts: int, latent: int, inter: int, 
             memory over the limit (the scale table grows with L).
     """
     return _grouped_wgmma("gate_up", num_experts, inter, latent, top_k, beta, beta_lin, out_dtype, stages,
-                          short_tiles)
+                          short_tiles, staged)
 
 
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer

@@ -127,6 +127,23 @@ def test_bad_sizes_rejected():
         wgmma_ptx.wgmma_wait(4)
     with pytest.raises(ValueError, match="multiple of 32"):
         mw.permute_inputs_reference(np.zeros((2, 48)))
+    with pytest.raises(ValueError, match="staged epilogue is gate_up's"):
+        mw._grouped_wgmma("down", 4, 256, 256, 2, staged=True)
+
+
+def test_staged_gate_up_epilogue_stores_whole_rows():
+    """``staged`` (gate_up): the outputs leave through shared memory in 16-byte stores."""
+    import tvm
+
+    from schedules.barriers import respect_manual_barriers
+    from targets import get_target
+
+    f = mw.moe_grouped_gate_up_wgmma_kernel(5, 256, 128, 3, 4.0, 25.0, staged=True)
+    with respect_manual_barriers():
+        lib = tvm.tirx.build(tvm.IRModule({"gu": f.with_attr("global_symbol", "gu")}),
+                             target=get_target("cuda-sm90a").tvm_target())
+    src = lib.imports[0].inspect_source()
+    assert "*(uint4*)(yq_ptr" in src
 
 
 def _module():
