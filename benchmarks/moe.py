@@ -1,15 +1,17 @@
 """MoE expert benchmark: the MXFP4 decode GEMVs the model dispatches (tensor cores,
 schedules/moe_mxfp4_decode_tc.py) vs the HBM roofline, an eager bf16 torch loop and the
 CUDA-core GEMVs (schedules/moe_mxfp4_cuda.py, the baseline), and the prefill grouped GEMMs
-(schedules/moe_mxfp4_prefill_cuda.py) vs the bf16 tensor-core peak and ``torch._grouped_mm``.
+(``mma.sync``: schedules/moe_mxfp4_prefill_cuda.py; Hopper ``wgmma``: moe_mxfp4_prefill_wgmma.py,
+what cuda-sm90a dispatches) vs the bf16 tensor-core peak and ``torch._grouped_mm``.
 
 Two steps, because the GPU machine has no TVM compiler:
 
 1. Here (with nvcc): ``python benchmarks/moe.py build dist/moe`` compiles the dispatched
    decode kernels (expert chain, fused w1/w3 + SiTU, w2) into ``dist/moe/moe_mxfp4.so``, the
    other decode variants of :data:`DECODE_VARIANTS` into ``dist/moe/<variant>/moe_mxfp4.so``,
-   and the prefill kernels (sort, grouped gate_up, grouped down) into ``moe_prefill.so`` (plus
-   pipeline-depth variants and a small-shape build), for ``cuda-sm90a``.
+   and the prefill kernels (sort, grouped gate_up, grouped down) into ``moe_prefill.so``
+   (``mma.sync``), ``moe_prefill_wgmma.so`` and its variants (:data:`WGMMA_VARIANTS`:
+   ``moe_prefill_wgmma_<name>.so``) and a small-shape build, for ``cuda-sm90a``.
 2. On the H200 (runtime-only TVM): ``python benchmarks/moe.py run dist/moe --out $OUT``
    (``--prefill-only`` / ``--decode-only`` skip the other part).
 
@@ -20,11 +22,13 @@ reference (dequantize in fp32, fp32 matmuls, bf16 rounding of g/u/a/o as in the 
 has tokens sharing experts, T = 20 one expert chosen by all (a chain of 3 passes of 8).
 Decode timing (T = 1, 8, 64): CUDA events over back-to-back calls of the three kernels
 (``ours_ms``) and replays of a CUDA graph of them (``ours_graph_ms``, GPU time without the
-host's launch cost); roofline = bytes of the distinct experts touched (packed + scales of w1,
+host's launch cost); each variant is timed interleaved with the default on the same inputs
+(:data:`AB_ROUNDS` rounds, medians: whole runs differ by a few percent); roofline = bytes of the distinct experts touched (packed + scales of w1,
 w3, w2) / measured device-to-device copy bandwidth; the torch loop runs per distinct expert
 (tokens grouped beforehand, outside the timing) with dequantized bf16 weights resident.
 Prefill correctness: the tile table and permutation vs NumPy, both GEMM outputs vs torch fp32
-for routings with experts of 0, 1 and 300 tokens, and at the small shapes of
+for routings with experts of 0, 1 and 300 tokens, for both kernel families on the same inputs
+(their a and o compared with each other; the wgmma ones un-permuted), and at the small shapes of
 tests/gpu/check_moe_dispatch.py. Prefill timing (T = 8192, 2048, uniform top-16 routing):
 the two grouped GEMMs (and the sort on its own) vs ``torch._grouped_mm`` over the same sorted
 tokens with bf16 copies of all 896 experts (sorting outside its timing), and vs the bf16
