@@ -264,15 +264,25 @@ class BatchScheduler:
             prefilling.remove(job)
             try:
                 self._start_decoding(job)
-                job.tok = job.state.step(row)
             except BaseException as e:  # noqa: BLE001
                 self._finish(job, e)
                 continue
-            if job.tok is None:
-                self._finish(job)
-            else:
+            if self._sample(job, row):
                 started.append(job)
         return started
+
+    def _sample(self, job: _Job, row) -> bool:
+        """The job's next token from its logits ``row``; False when it is finished (EOS, stop
+        string, limits, or an error reported to the request), which frees its slot."""
+        try:
+            job.tok = job.state.step(row)
+        except BaseException as e:  # noqa: BLE001
+            self._finish(job, e)
+            return False
+        if job.tok is None:
+            self._finish(job)
+            return False
+        return True
 
     def _loop(self) -> None:
         prefilling: list[_Job] = []
@@ -308,18 +318,7 @@ class BatchScheduler:
                     self._finish(job, e)
                 decoding = []
                 continue
-            still = []
-            for row, job in zip(logits, decoding):
-                try:
-                    job.tok = job.state.step(row)
-                except BaseException as e:  # noqa: BLE001
-                    self._finish(job, e)
-                    continue
-                if job.tok is None:
-                    self._finish(job)
-                else:
-                    still.append(job)
-            decoding = still
+            decoding = [job for row, job in zip(logits, decoding) if self._sample(job, row)]
 
 
 def create_app(model: LoadedModel, model_name: str = "k3"):
