@@ -340,16 +340,7 @@ def _grouped_gemm(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 
                     # scales of the block's weight rows for the whole K, as bf16 (word = 2 groups)
                     for it in range((BN * KGW + NT - 1) // NT):
                         if it * NT + tx < BN * KGW:
-                            if gate_up:
-                                sw[0] = T.if_then_else(
-                                    (it * NT + tx) // KGW < 64,
-                                    sq0[(tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * 64
-                                         + (it * NT + tx) // KGW) * KGW + (it * NT + tx) % KGW],
-                                    sq1[(tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * 64
-                                         + (it * NT + tx) // KGW - 64) * KGW + (it * NT + tx) % KGW])
-                            else:
-                                sw[0] = sq0[(tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * BN
-                                             + (it * NT + tx) // KGW) * KGW + (it * NT + tx) % KGW]
+                            sw[0] = block_scale_word(gate_up, sq0, sq1, tiles, blk, it * NT + tx, N, NTN, KGW)
                             for h in T.unroll(2):
                                 sc_s[(it * NT + tx) * 2 + h] = _factor_bf16(
                                     (sw[0] >> T.uint32(16 * h)) & T.uint32(255)) | (_factor_bf16(
@@ -422,6 +413,20 @@ def _grouped_gemm(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 
     # its barriers are its own (TVM's planner cannot follow the cp.async pipeline):
     # compile inside schedules.barriers.respect_manual_barriers()
     return mark(grouped)
+
+
+def block_scale_word(gate_up: bool, sq0, sq1, tiles, blk, w, N: int, NTN: int, KGW: int):
+    """uint32 word ``w`` (of ``BN · KGW``) of the E8M0 scale bytes of grouped-GEMM block
+    ``blk``'s weight rows: word ``w % KGW`` of block row ``w // KGW``, where the block covers
+    column tile ``blk % NTN`` of the tile table entry ``blk // NTN``'s expert (gate_up: rows
+    0..63 from W1's scales ``sq0``, 64..127 the same rows from W3's ``sq1``; down: BN rows of
+    ``sq0``). A TIR expression; shared by the ``mma.sync`` and wgmma kernels."""
+    if gate_up:
+        return T.if_then_else(
+            w // KGW < 64,
+            sq0[(tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * 64 + w // KGW) * KGW + w % KGW],
+            sq1[(tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * 64 + w // KGW - 64) * KGW + w % KGW])
+    return sq0[(tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * BN + w // KGW) * KGW + w % KGW]
 
 
 def situ_expr(g, u, beta, beta_lin, use_bl):

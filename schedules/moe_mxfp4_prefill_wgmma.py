@@ -49,7 +49,8 @@ import numpy as np
 from tvm.script import tirx as T
 
 from schedules.barriers import mark
-from schedules.moe_mxfp4_prefill_cuda import B_ROW_WORDS, BK, BN, MMA_A_REGS, SMEM_LIMIT, situ_expr
+from schedules.moe_mxfp4_prefill_cuda import (B_ROW_WORDS, BK, BN, MMA_A_REGS, SMEM_LIMIT, block_scale_word,
+                                              situ_expr)
 from schedules.moe_plan import BM
 from schedules.mxfp4_ptx import commit, cp_async16, dequant8, factor_bf16x2, wait
 from schedules.wgmma_ptx import (fence_proxy_async, smem_address, sw128_desc, swizzle128_word,
@@ -252,16 +253,8 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
                                     tiles[blk // NTN, 1] + tx, -1)
                         for it in range((BN * KGW + NT - 1) // NT):
                             if it * NT + tx < BN * KGW:
-                                if gate_up:
-                                    sc_s[it * NT + tx] = T.if_then_else(
-                                        (it * NT + tx) // KGW < 64,
-                                        sq0[(tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * 64
-                                             + (it * NT + tx) // KGW) * KGW + (it * NT + tx) % KGW],
-                                        sq1[(tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * 64
-                                             + (it * NT + tx) // KGW - 64) * KGW + (it * NT + tx) % KGW])
-                                else:
-                                    sc_s[it * NT + tx] = sq0[(tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * BN
-                                                              + (it * NT + tx) // KGW) * KGW + (it * NT + tx) % KGW]
+                                sc_s[it * NT + tx] = block_scale_word(gate_up, sq0, sq1, tiles, blk, it * NT + tx,
+                                                                      N, NTN, KGW)
                         T.tvm_storage_sync("shared.dyn")
                         # ---- K loop (NK is even: KD % 128 == 0)
                         # per-thread copy addresses, fixed for the whole K loop
