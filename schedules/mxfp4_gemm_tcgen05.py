@@ -77,6 +77,8 @@ from tvm.script.tirx import tile as Tx
 from tvm.tirx.layout import Iter, S, TCol, TileLayout, TLane
 from tvm.tirx.layout import tid_in_wg as axis_tid_in_wg
 
+from schedules.moe_generic import mxfp4_dequant_reference
+
 BM = 128        # output rows (A rows) per CTA = the MMA's M
 BN = 128        # output columns (B rows) per CTA = the MMA's N
 BK = 256        # inputs per K step (128 bytes of codes per row: one 128-byte swizzle atom)
@@ -85,37 +87,29 @@ STAGES = 4      # shared-memory ring depth
 EPI_COLS = 32   # accumulator columns read from TMEM per epilogue step
 TMEM_COLS = 256  # allocated TMEM columns (power of two >= BN + 2 * STAGES * SF_COLS)
 
-E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-                        -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
-
-
 def _check_sizes(M: int, N: int, K: int) -> None:
     for name, v, t in (("M", M, BM), ("N", N, BN), ("K", K, BK)):
         if not isinstance(v, (int, np.integer)) or v <= 0 or v % t:
             raise ValueError(f"{name}={v} must be a positive multiple of {t}")
 
 
-def mxfp4_dequant(codes: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    """float64 ``[R, K]`` from packed E2M1 ``codes [R, K/2]`` (low nibble = even column) and
-    E8M0 ``scale [R, K/32]``."""
-    codes = np.asarray(codes, dtype=np.uint8)
-    scale = np.asarray(scale, dtype=np.uint8)
-    R, half = codes.shape
-    K = 2 * half
-    if K % SF_VEC or scale.shape != (R, K // SF_VEC):
-        raise ValueError(f"scale shape {scale.shape} does not match codes {codes.shape}")
-    nib = np.empty((R, K), dtype=np.uint8)
-    nib[:, 0::2] = codes & 0xF
-    nib[:, 1::2] = codes >> 4
-    factor = np.exp2(scale.astype(np.float64) - 127.0)
-    return E2M1_VALUES[nib] * np.repeat(factor, SF_VEC, axis=1)
-
-
 def mxfp4_gemm_reference(a_codes, a_scale, b_codes, b_scale) -> np.ndarray:
-    """``A · B^T`` in float64 (both MXFP4, shapes as the module doc); the kernel rounds it
-    to bf16 after fp32 accumulation."""
-    a = mxfp4_dequant(a_codes, a_scale)
-    b = mxfp4_dequant(b_codes, b_scale)
+    """``A · B^T`` in float64 (both MXFP4, shapes as the module doc; decoded by
+    :func:`schedules.moe_generic.mxfp4_dequant_reference`); the kernel rounds it to bf16 after
+    fp32 accumulation.
+
+    Raises:
+        ValueError: a scale tensor not ``[rows, K/32]`` for its codes ``[rows, K/2]``; A and B
+            of different K.
+    """
+    ops = []
+    for codes, scale in ((a_codes, a_scale), (b_codes, b_scale)):
+        codes, scale = np.asarray(codes, dtype=np.uint8), np.asarray(scale, dtype=np.uint8)
+        rows, half = codes.shape
+        if (2 * half) % SF_VEC or scale.shape != (rows, 2 * half // SF_VEC):
+            raise ValueError(f"scale shape {scale.shape} does not match codes {codes.shape}")
+        ops.append(mxfp4_dequant_reference(codes, scale).astype(np.float64))
+    a, b = ops
     if a.shape[1] != b.shape[1]:
         raise ValueError(f"K mismatch: A has {a.shape[1]}, B has {b.shape[1]}")
     return a @ b.T
