@@ -79,21 +79,28 @@ PREFILL_BV = (32,)             # CUDA-core kernels (schedules/kda_prefill_cuda.p
 PREFILL_TC = ((8, 8), (8, 16), (16, 4), (16, 8), (16, 16), (32, 4), (32, 8), (64, 4))
 PREFILL_TC_QUICK = ((16, 8), (16, 16), (32, 4), (64, 4))   # the best of each shape on 2026-11-29, (16, 16)
 PREFILL_SHAPES = ((8192,), (2048, 2048, 2048, 2048))
+# fused one-kernel prefill (schedules/kda_prefill_fused.py): (block_v, a_batch)
+PREFILL_FUSED = ((128, 4), (64, 8), (32, 8), (16, 8))
+# the two-kernel pair as the model dispatches it (relax_modules/kda.py): block_v per head count
+PREFILL_TC_MODEL = {96: ((32, 8),), 12: ((16, 8),)}
 # TVM 0.27 passes ptxas --register-usage-level=10; level 5 as for the MoE kernels
 PREFILL_NVCC_OPTIONS = ("--ptxas-options=--register-usage-level=5",)
 
 
-def build_prefill(out_dir: Path, baseline: bool = True) -> None:
+def build_prefill(out_dir: Path, baseline: bool = True, all_tc: bool = True) -> None:
     """Compile the prefill kernels per head count: the CUDA-core pair per block_v
-    (``kda_prefill_h{H}_bv{BV}.so``, unless ``baseline`` is false) and the tensor-core pair per
+    (``kda_prefill_h{H}_bv{BV}.so``, unless ``baseline`` is false), the tensor-core pair per
     (block_v, a_batch) (``kda_prefill_tc_h{H}_bv{BV}_ab{AB}.so``: ``kda_prefill_intra_tc``, the
-    same with ``hoist_loads`` ``kda_prefill_intra_tc_hoist``, ``kda_prefill_state_tc``)."""
+    same with ``hoist_loads`` ``kda_prefill_intra_tc_hoist``, ``kda_prefill_state_tc``; every
+    variant of ``PREFILL_TC``, or only the model's with ``all_tc`` false) and the fused kernel
+    per (block_v, a_batch) (``kda_prefill_fused_h{H}_bv{BV}_ab{AB}.so``)."""
     import tvm
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from k3_compile.device_code import precompiled_cuda
     from schedules.barriers import respect_manual_barriers
     from schedules.kda_prefill_cuda import kda_prefill_intra_kernel, kda_prefill_state_kernel
+    from schedules.kda_prefill_fused import kda_prefill_fused_kernel
     from schedules.kda_prefill_tc import kda_prefill_intra_tc_kernel, kda_prefill_state_tc_kernel
     from targets import get_target
 
@@ -109,7 +116,15 @@ def build_prefill(out_dir: Path, baseline: bool = True) -> None:
             path = out_dir / f"kda_prefill_h{h}_bv{bv}.so"
             lib.export_library(str(path))
             print(f"built {path}")
-        for bv, ab in PREFILL_TC:
+        for bv, ab in PREFILL_FUSED:
+            f = kda_prefill_fused_kernel(h, K, V, K ** -0.5, block_v=bv, a_batch=ab)
+            with precompiled_cuda(spec.nvcc_arch, options=PREFILL_NVCC_OPTIONS), respect_manual_barriers():
+                lib = tvm.compile(tvm.IRModule({"kda_prefill_fused": f.with_attr("global_symbol", "kda_prefill_fused")}),
+                                  target=spec.tvm_target())
+            path = out_dir / f"kda_prefill_fused_h{h}_bv{bv}_ab{ab}.so"
+            lib.export_library(str(path))
+            print(f"built {path}")
+        for bv, ab in PREFILL_TC if all_tc else PREFILL_TC_MODEL[h]:
             fi = kda_prefill_intra_tc_kernel(h, K, V, K ** -0.5).with_attr("global_symbol", "kda_prefill_intra_tc")
             fh = kda_prefill_intra_tc_kernel(h, K, V, K ** -0.5, hoist_loads=True).with_attr(
                 "global_symbol", "kda_prefill_intra_tc_hoist")
@@ -255,7 +270,8 @@ def run(lib_dir: Path) -> dict:
     return results
 
 
-def run_prefill(lib_dir: Path, log: Path | None = None, fla_checks: bool = True, quick: bool = False) -> list:
+def run_prefill(lib_dir: Path, log: Path | None = None, fla_checks: bool = True, quick: bool = False,
+                checks_only: bool = False) -> list:
     """Prefill: correctness vs fla's naive recurrence, timing vs fla ``chunk_kda``.
 
     Our kernels take preprocessed inputs (q, k L2-normalized, g = −5·σ(…), β = σ(b)); fla
@@ -268,7 +284,8 @@ def run_prefill(lib_dir: Path, log: Path | None = None, fla_checks: bool = True,
     Accuracy: max |o − o_naive| and |S − S_naive| of ours and (``fla_checks``) of fla
     ``chunk_kda`` on the same inputs (naive = fla ``naive_recurrent_kda``, fp32, token by token).
     Work is ordered by importance (our checks, our timings, fla timings, fla accuracy) and each
-    row is appended to ``log`` (JSON lines) as soon as it exists. ``quick``: two ragged checks,
+    row is appended to ``log`` (JSON lines) as soon as it exists. ``checks_only``: every check of
+    ours (long ones included), no timing and nothing of fla. ``quick``: two ragged checks,
     three state-pass variants, no long checks and no fla accuracy (about a minute of GPU time).
     """
     import torch
@@ -304,10 +321,15 @@ def run_prefill(lib_dir: Path, log: Path | None = None, fla_checks: bool = True,
             if path.exists():
                 m = tvm.runtime.load_module(str(path))
                 fns[f"fp32_bv{bv}"] = (m["kda_prefill_intra"], m["kda_prefill_state"])
+        for bv, ab in PREFILL_FUSED:
+            path = lib_dir / f"kda_prefill_fused_h{H}_bv{bv}_ab{ab}.so"
+            if path.exists():
+                fns[f"fused_bv{bv}_ab{ab}"] = (tvm.runtime.load_module(str(path))["kda_prefill_fused"], None)
         for bv, ab in PREFILL_TC:
-            if quick and (bv, ab) not in PREFILL_TC_QUICK:
+            path = lib_dir / f"kda_prefill_tc_h{H}_bv{bv}_ab{ab}.so"
+            if not path.exists():   # the build decides which variants there are
                 continue
-            m = tvm.runtime.load_module(str(lib_dir / f"kda_prefill_tc_h{H}_bv{bv}_ab{ab}.so"))
+            m = tvm.runtime.load_module(str(path))
             fns[f"tc_bv{bv}_ab{ab}"] = (m["kda_prefill_intra_tc"], m["kda_prefill_state_tc"])
             fns[f"tch_bv{bv}_ab{ab}"] = (m["kda_prefill_intra_tc_hoist"], m["kda_prefill_state_tc"])
         A_log = torch.log(torch.empty(H, device=dev).uniform_(1, 16))
@@ -326,6 +348,9 @@ def run_prefill(lib_dir: Path, log: Path | None = None, fla_checks: bool = True,
         def ours(name, pre, cu, pool, slots, o, scr, part="both", fns=fns):
             fi, fs = fns[name]
             A = tvm.runtime.from_dlpack
+            if fs is None:   # the fused kernel: q, k, v, g, beta, cu, slots, state, layer, o
+                args = [A(pre[n]) for n in ("q", "k", "v", "g", "beta")] + [A(cu), A(slots), A(pool), 0, A(o)]
+                return lambda: fi(*args)
             a_i = [A(pre[n]) for n in ("k", "q", "v", "g", "beta")] + [A(cu)] + [A(scr[n]) for n in SN]
             a_s = [A(scr[n]) for n in SN] + [A(cu), A(slots), A(pool)]
             o_t = A(o)
@@ -369,7 +394,7 @@ def run_prefill(lib_dir: Path, log: Path | None = None, fla_checks: bool = True,
                 row["ours"][name] = {"max_err_o": (o - o_ref).abs().max().item(),
                                      "max_err_state": (pool[0, slots.long()] - S_ref).abs().max().item()}
             emit(row)
-            if fla_checks and not quick and lens in (long_case, (63,), (1, 15, 64, 65, 200)):
+            if fla_checks and not quick and not checks_only and lens in (long_case, (63,), (1, 15, 64, 65, 200)):
                 def fla_check(pre=pre, S0=S0, cu=cu, o_ref=o_ref, S_ref=S_ref, lens=lens, init=init, H=H):
                     with torch.inference_mode():
                         o_fla, S_fla = chunk_kda(pre["q"][None], pre["k"][None], pre["v"][None], pre["g"][None],
@@ -386,7 +411,7 @@ def run_prefill(lib_dir: Path, log: Path | None = None, fla_checks: bool = True,
         if not quick:
             later.append(("long", lambda check=check, long_case=long_case: check(long_case, True)))
         # timing of ours
-        for lens in PREFILL_SHAPES:
+        for lens in () if checks_only else PREFILL_SHAPES:
             raw, pre, cu = inputs(lens)
             B, Tn = len(lens), sum(lens)
             slots = torch.arange(B, device=dev, dtype=torch.int32)
@@ -396,25 +421,45 @@ def run_prefill(lib_dir: Path, log: Path | None = None, fla_checks: bool = True,
             tm = lambda f: time_cuda(f, iters=5, warmup=2, per_sample=3)  # noqa: E731
             per = {name: tm(ours(name, pre, cu, pool, slots, o, scr)) for name in fns}
             tc = [n for n in per if n.startswith("tc")]
-            best = min(tc, key=per.get)
+            fused = [n for n in per if n.startswith("fused")]
+            best = min(tc + fused, key=per.get)
             row = {"kind": "time", "heads": H, "lens": list(lens), "ours_ms": per[best], "best": best,
                    "variants_ms": per,
-                   "tc_intra_ms": tm(ours(best, pre, cu, pool, slots, o, scr, "intra")),
-                   "intra_ms": {kind: tm(ours(min((n for n in tc if n.startswith(kind + "_")), key=per.get),
-                                              pre, cu, pool, slots, o, scr, "intra")) for kind in ("tc", "tch")},
-                   "tc_state_ms": {n: tm(ours(n, pre, cu, pool, slots, o, scr, "state"))
-                                   for n in tc if n.startswith("tc_")},
+                   "fused_ms": min([per[n] for n in fused], default=None),
+                   "two_kernel_ms": min([per[n] for n in tc], default=None),
                    "fp32_ms": min([per[n] for n in per if n.startswith("fp32")], default=None)}
+            if tc:
+                best_tc = min(tc, key=per.get)
+                row.update({
+                    "tc_intra_ms": tm(ours(best_tc, pre, cu, pool, slots, o, scr, "intra")),
+                    "intra_ms": {kind: tm(ours(min(ns, key=per.get), pre, cu, pool, slots, o, scr, "intra"))
+                                 for kind in ("tc", "tch") if (ns := [n for n in tc if n.startswith(kind + "_")])},
+                    "tc_state_ms": {n: tm(ours(n, pre, cu, pool, slots, o, scr, "state"))
+                                    for n in tc if n.startswith("tc_")}})
             emit(row)
 
-            def fla_time(pre=pre, S0=pool[0].clone(), cu64=cu.long(), row=row):
+            def fla_time(pre=pre, raw=raw, S0=pool[0].clone(), cu64=cu.long(), row=row, A_log=A_log,
+                         dt_bias=dt_bias):
                 with torch.inference_mode():
                     row["fla_ms"] = time_cuda(lambda: chunk_kda(
                         pre["q"][None], pre["k"][None], pre["v"][None], pre["g"][None], pre["beta"][None],
                         initial_state=S0, output_final_state=True, cu_seqlens=cu64), iters=5, warmup=2, per_sample=3)
+                    # fla as a model would call it: raw bf16 q, k, v, gate input and β logits,
+                    # with the gate (lower bound −5, safe_gate), L2 norms and β sigmoid in kernel
+                    bf = {n: raw[n].bfloat16()[None] for n in ("q", "k", "v", "f")}
+                    b16 = raw["b"].bfloat16()[None]
+                    row["fla_bf16_gated_ms"] = time_cuda(lambda: chunk_kda(
+                        bf["q"], bf["k"], bf["v"], bf["f"], b16, initial_state=S0, output_final_state=True,
+                        cu_seqlens=cu64, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=True,
+                        use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True,
+                        lower_bound=LOWER_BOUND), iters=5, warmup=2, per_sample=3)
                 row["speedup_vs_fla"] = row["fla_ms"] / row["ours_ms"]
-                emit({"kind": "fla_time", "heads": row["heads"], "lens": row["lens"], "fla_ms": row["fla_ms"],
-                      "ours_ms": row["ours_ms"], "speedup_vs_fla": row["speedup_vs_fla"]})
+                row["speedup_vs_fla_bf16_gated"] = row["fla_bf16_gated_ms"] / row["ours_ms"]
+                emit({"kind": "fla_time", "fla_bf16_gated_ms": row["fla_bf16_gated_ms"],
+                      "speedup_vs_fla_bf16_gated": row["speedup_vs_fla_bf16_gated"], "heads": row["heads"], "lens": row["lens"], "fla_ms": row["fla_ms"],
+                      "ours_ms": row["ours_ms"], "best": row["best"], "speedup_vs_fla": row["speedup_vs_fla"],
+                      "fused_speedup_vs_fla": row["fla_ms"] / row["fused_ms"] if row["fused_ms"] else None,
+                      "two_kernel_speedup_vs_fla": row["fla_ms"] / row["two_kernel_ms"] if row["two_kernel_ms"] else None})
             later.append(("time", fla_time))
     for kind in ("long", "time", "check"):
         for k_, fn in later:
@@ -429,16 +474,19 @@ def main(argv=None) -> int:
     b = sub.add_parser("build")
     b.add_argument("out_dir", type=Path)
     b.add_argument("--only", choices=("all", "prefill", "decode"), default="all")
+    b.add_argument("--model-tc", action="store_true",
+                   help="prefill: of the two-kernel pair only the tiling the model dispatches")
     r = sub.add_parser("run")
     r.add_argument("lib_dir", type=Path)
     r.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     r.add_argument("--only", choices=("all", "prefill"), default="all",
                    help="prefill: skip the decode benchmark")
     r.add_argument("--quick", action="store_true", help="prefill: fewer checks and variants")
+    r.add_argument("--checks-only", action="store_true", help="prefill: every check of ours, no timing, no fla")
     args = ap.parse_args(argv)
     if args.cmd == "build":
         if args.only == "prefill":
-            build_prefill(args.out_dir, baseline=False)
+            build_prefill(args.out_dir, baseline=False, all_tc=not args.model_tc)
         else:
             build(args.out_dir, prefill=args.only == "all")
         return 0
@@ -451,7 +499,7 @@ def main(argv=None) -> int:
         load_cuda_runtime()
         args.out.mkdir(parents=True, exist_ok=True)
         res = {"decode": [], "prefill": run_prefill(args.lib_dir, log=args.out / "kda_prefill_rows.jsonl",
-                                                    quick=args.quick)}
+                                                    quick=args.quick, checks_only=args.checks_only)}
     else:
         res = run(args.lib_dir)
     res.update({"machine": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),

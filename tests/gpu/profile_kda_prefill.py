@@ -1,4 +1,5 @@
-"""Profile the tensor-core KDA prefill kernels (schedules/kda_prefill_tc.py) at K3 shapes.
+"""Profile the tensor-core KDA prefill kernels (schedules/kda_prefill_tc.py, and the fused one of
+schedules/kda_prefill_fused.py as ``fused``) at K3 shapes.
 
 Here: ``python tests/gpu/profile_kda_prefill.py build dist/kdaprof [H]`` compiles the intra
 (``hoist_loads``) and state kernels for ``H`` heads (96) into ``dist/kdaprof/kda_prefill_tc.so``.
@@ -26,8 +27,11 @@ def build(out: Path, H: int) -> None:
 
     spec = get_target("cuda-sm90a")
     bv = 32 if H >= 48 else 16
+    from schedules.kda_prefill_fused import kda_prefill_fused_kernel
+
     fs = {"intra": kda_prefill_intra_tc_kernel(H, K, K, K ** -0.5),
-          "state": kda_prefill_state_tc_kernel(H, K, K, block_v=bv, a_batch=8)}
+          "state": kda_prefill_state_tc_kernel(H, K, K, block_v=bv, a_batch=8),
+          "fused": kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=64 if H >= 48 else 16)}
     mod = tvm.IRModule({n: f.with_attr("global_symbol", n) for n, f in fs.items()})
     with precompiled_cuda(spec.nvcc_arch, options=("--ptxas-options=--register-usage-level=5",)), \
             respect_manual_barriers():
@@ -66,6 +70,7 @@ def run(out: Path, H: int, T: int) -> None:
     for _ in range(2):
         lib["intra"](t(k), t(q), t(v), t(g), t(beta), t(cu), w, u, qg, kg, aqk, ge)
         lib["state"](w, u, qg, kg, aqk, ge, t(cu), t(slots), t(state), 0, t(o))
+        lib["fused"](t(q), t(k), t(v), t(g), t(beta), t(cu), t(slots), t(state), 0, t(o))
     torch.cuda.synchronize()
 
 

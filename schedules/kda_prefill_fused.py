@@ -1,0 +1,496 @@
+"""KDA chunked prefill in one kernel: the intra-chunk products and the state recurrence fused,
+on tensor cores (mma.sync m16n8k8 TF32, fp32 accumulate), CUDA.
+
+Spec §3 "KDA layer" step 5 for prefill, in the chunked form of fla's ``naive_chunk_kda``
+(chunk C = 64); reference :func:`schedules.kda_prefill_cuda.kda_prefill_reference`. The
+two-kernel version (``schedules/kda_prefill_tc.py``) writes w, u, qg, kg and Aqk of every
+chunk to fp32 scratch tensors and reads them back in the state pass; this kernel keeps one
+block on one (sequence, head, ``block_v`` columns of V) for the whole sequence and does the
+intra-chunk work of each chunk right before its state update, so nothing but q, k, v, g, β
+is read and nothing but o and the final state is written.
+
+It also never forms ``w = (I+L)^{-1} diag(β) (e^Γ ⊙ k)``: since only ``u − w S`` is used,
+
+    vn = (I + L)^{-1} R,    R = diag(β) (v − (e^Γ ⊙ k) S)
+
+is solved by blocked forward substitution over the four 16-row blocks of the chunk, with the
+inverses of the four unit lower-triangular 16×16 diagonal blocks D_I = I + L_II:
+
+    vn_I = D_I^{-1} (R_I − Σ_{J<I} L_IJ vn_J)                        I = 0 … 3
+
+Per chunk (barriers between phases; warp wi, lane = 4·gr + tg):
+
+1. Γ = column cumsum of g (rows past the sequence end read g = 0, β = 0), β; the next
+   chunk's rows are prefetched into L2.
+2. For each 16-row sub-block I (reference r = Γ_{16I}, so that every exponential stays in
+   fp32 range with the lower-bound gate): ka = k e^{Γ−r}, qa = scale·q e^{Γ−r} staged (16
+   rows); warp wi ≤ 2I+1 takes columns 8wi … 8wi+7 of ``L = β (ka)(k e^{r−Γ})ᵀ`` (j < i) and
+   ``Aqk = (qa)(k e^{r−Γ})ᵀ`` (j ≤ i), its B operand k e^{r−Γ} computed in registers.
+   L and Aqk share one tile: Aqk on and below the diagonal at [i][j], L transposed above it
+   at [j][i].
+3. D_I^{-1} (warps 6-7, one column per thread) while every warp computes its rows of
+   ``(e^Γ ⊙ k) S`` (warps 0-3, giving R) or ``Y = scale (e^Γ ⊙ q) S`` (warps 4-7, kept
+   in registers); A operands computed from k / q and Γ as they are loaded.
+4. vn by the blocked substitution above: warp wi owns columns 8wi … 8wi+7 of vn, so only
+   warp-level syncs separate its steps.
+5. o = Y + Aqk vn (warps 4-7, causal k-steps only); S ← diag(e^{Γ_last}) S +
+   (e^{Γ_last−Γ} ⊙ k)ᵀ vn (every warp: 16 rows of S in fp32 accumulator registers for the
+   whole sequence); a copy of S in shared memory is the B operand of the next chunk's phase 3.
+
+Shared memory, fp32 (padded strides keep the fragment reads free of bank conflicts): Γ
+[C, K+4], the L / Aqk tile [C, C+8], S [block_v, K+4] (column-major: the B operand), and one
+region used as ka / qa [2·16, K+4] in phase 2 and as vn [C, block_v+8] plus D^{-1} [4·16,
+20] afterwards: about 110 KB at block_v 64, so that two blocks share an SM.
+
+Precision: TF32 operands (``cvt.rna``), fp32 accumulation and fp32 state, as the two-kernel
+version. Restriction as there: K = V = 128 and the lower-bound gate with |lb| ≤ 5.5 (in-chunk
+exponentials of a 16-row block up to e^{82.5}).
+
+``emulate=True`` builds the same loop nest with the block / thread loops serial and every
+mma replaced by the dot products it computes for the lane (see
+``schedules/kda_prefill_tc.py``), for CPU tests; every warp-synchronous step is its own loop
+over threads, so the serial run has the GPU's ordering.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from tvm.script import tirx as T
+
+from schedules.barriers import mark
+from schedules.kda_prefill_cuda import C, SUB, kda_prefill_reference  # noqa: F401
+from schedules.kda_prefill_tc import PREFETCH_SRC
+
+NT = 256                 # threads per block (8 warps)
+BLOCK_V = (16, 32, 64, 128)   # supported columns of V per block
+
+SYNCWARP_SRC = r"""
+__device__ __forceinline__ void k3_syncwarp() { __syncwarp(); }
+"""
+MMA_RAW_SRC = r"""
+__device__ __forceinline__ void k3_mma_tf32_raw(float* d, float a0, float a1, float a2, float a3,
+                                                float b0, float b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(__float_as_uint(a0)), "r"(__float_as_uint(a1)), "r"(__float_as_uint(a2)),
+        "r"(__float_as_uint(a3)), "r"(__float_as_uint(b0)), "r"(__float_as_uint(b1)));
+}
+"""
+TF32_SRC = r"""
+__device__ __forceinline__ float k3_tf32(float x) {
+  unsigned r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return __uint_as_float(r);
+}
+"""
+EX2_SRC = r"""
+__device__ __forceinline__ float k3_ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+"""
+LOG2E = 1.4426950408889634
+
+
+def _loops(emulate: bool):
+    if emulate:
+        return (lambda n: T.serial(n)), (lambda n: T.serial(n)), "global"
+    return ((lambda n: T.thread_binding(n, thread="blockIdx.x")),
+            (lambda n: T.thread_binding(n, thread="threadIdx.x")), "shared.dyn")
+
+
+def _macros(emulate: bool):
+    """Warp-level m16n8k8 TF32 steps as TVMScript macros (lane = 4·gr + tg):
+
+    ``frag_a(af, ab, A, lane, k0)``: the lane's A fragment of A[0:16, k0:k0+8] into
+    ``af[ab:ab+4]`` (A(i, k) a callable giving the element). ``mma(acc, row, off, af, ab, A,
+    B, lane, k0, n0)``: acc[row, off+e] (e < 4) += the lane's entries of A[0:16, k0:k0+8] ·
+    B[k0:k0+8, n0:n0+8], A from ``af``, B evaluated in place. ``mma_rb(..., bf, bb, ...)``: the
+    same with B's fragment already in ``bf[bb], bf[bb+1]``. Emulated, the fragments are unused
+    and the four dot products are computed from A and B. ``syncwarp()``, ``prefetch(elem)``
+    (``prefetch.global.L2``): no-ops when emulated."""
+    from tvm.backend.cuda.op import cuda_func_call
+
+    if emulate:
+        @T.macro
+        def frag_a(af, ab, A, lane, k0):
+            af[0] = T.float32(0)
+
+        @T.macro
+        def mma(acc, row, off, af, ab, A, B, lane, k0, n0):
+            for e in range(4):
+                for kk in range(8):
+                    acc[row, off + e] = acc[row, off + e] + A(lane // 4 + e // 2 * 8, k0 + kk) * B(k0 + kk, n0 + lane % 4 * 2 + e % 2)
+
+        @T.macro
+        def mma_rb(acc, row, off, af, ab, bf, bb, A, B, lane, k0, n0):
+            mma(acc, row, off, af, ab, A, B, lane, k0, n0)
+
+        @T.macro
+        def syncwarp():
+            T.evaluate(0)
+
+        @T.macro
+        def prefetch(elem):
+            T.evaluate(0)
+    else:
+        @T.macro
+        def frag_a(af, ab, A, lane, k0):
+            af[ab] = A(lane // 4, k0 + lane % 4)
+            af[ab + 1] = A(lane // 4 + 8, k0 + lane % 4)
+            af[ab + 2] = A(lane // 4, k0 + lane % 4 + 4)
+            af[ab + 3] = A(lane // 4 + 8, k0 + lane % 4 + 4)
+
+        @T.macro
+        def mma_rb(acc, row, off, af, ab, bf, bb, A, B, lane, k0, n0):
+            cuda_func_call("k3_mma_tf32_raw", T.address_of(acc[row, off]), af[ab], af[ab + 1], af[ab + 2], af[ab + 3],
+                           bf[bb], bf[bb + 1], source_code=MMA_RAW_SRC)
+
+        @T.macro
+        def mma(acc, row, off, af, ab, A, B, lane, k0, n0):
+            cuda_func_call("k3_mma_tf32_raw", T.address_of(acc[row, off]), af[ab], af[ab + 1], af[ab + 2], af[ab + 3],
+                           B(k0 + lane % 4, n0 + lane // 4), B(k0 + lane % 4 + 4, n0 + lane // 4),
+                           source_code=MMA_RAW_SRC)
+
+        @T.macro
+        def syncwarp():
+            cuda_func_call("k3_syncwarp", source_code=SYNCWARP_SRC)
+
+        @T.macro
+        def prefetch(elem):
+            cuda_func_call("k3_prefetch_l2", T.address_of(elem), source_code=PREFETCH_SRC)
+    return frag_a, mma, mma_rb, syncwarp, prefetch
+
+
+def _tf32(emulate: bool):
+    """x rounded to TF32 (``cvt.rna.tf32.f32``: 10-bit mantissa, to nearest, ties away), as the
+    float the mma reads; the identity when emulated (the CPU tests check the index maps at
+    fp32, the GPU run the rounding)."""
+    if emulate:
+        return lambda x: x
+    from tvm.backend.cuda.op import cuda_func_call
+
+    return lambda x: cuda_func_call("k3_tf32", x, source_code=TF32_SRC, return_type="float32")
+
+
+def _ex2(emulate: bool):
+    """2^x: ``ex2.approx.ftz.f32`` on the GPU (relative error ≤ 2^-22, PTX ISA), exp2 emulated."""
+    if emulate:
+        return T.exp2
+    from tvm.backend.cuda.op import cuda_func_call
+
+    return lambda x: cuda_func_call("k3_ex2", x, source_code=EX2_SRC, return_type="float32")
+
+
+
+@functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
+def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int = 64,
+                             a_batch: int = 8, emulate: bool = False):
+    """The fused chunked prefill, one block per (sequence, head, ``block_v`` columns of V).
+    PrimFunc arguments::
+
+        q, k        [T, H, K]        float32   L2-normalized (q unscaled)
+        v           [T, H, V]        float32
+        g           [T, H, K]        float32   log decay, lower-bound gate (−5.5 ≤ g ≤ 0)
+        beta        [T, H]           float32
+        cu_seqlens  [B+1]            int32     token offsets of the sequences
+        seq_slots   [B]              int32     state slot of each sequence
+        kda_state   [L, S, H, K, V]  float32   read and written in place (argument index 7)
+        layer       int32                      index into kda_state's first axis
+        o           [T, H, V]        float32   out
+
+    ``block_v`` (16, 32, 64 or 128): columns of V per block; fewer columns give more blocks
+    (more SMs busy when B·H is small) at the cost of repeating phase 2 in every block.
+    ``a_batch`` (4 or 8): k-steps whose A fragments are loaded before their mmas in phases 3
+    and 5. Raises ValueError for other head sizes or tilings.
+    """
+    if K != 128 or V != 128:
+        raise ValueError(f"the fused KDA prefill is written for K = V = 128, got K={K}, V={V}")
+    if block_v not in BLOCK_V or a_batch not in (4, 8):
+        raise ValueError(f"unsupported block_v={block_v} / a_batch={a_batch} "
+                         f"(block_v one of {BLOCK_V}, a_batch 4 or 8)")
+    BV, AB = block_v, a_batch
+    NVB = V // BV
+    N8 = BV // 8             # n-tiles of a row block
+    NR = N8 * 4              # accumulator registers of a 16 × BV tile per thread
+    NW = NT // 32            # warps
+    NTW = (N8 + NW - 1) // NW  # vn n-tiles per warp in phase 4
+    NSUB = C // SUB
+    BLK, THR, SH = _loops(emulate)
+    SYNC = not emulate
+    RT = NT if emulate else 1   # rows of the per-thread register buffers
+    EM = 1 if emulate else 0    # register row of thread tx: tx·EM
+    AFN = 4 if emulate else 4 * AB
+    KS = K + 4               # row stride of the raw k / q tiles, Γ, ka / qa (conflict-free A reads)
+    SN = K + 4               # column stride of S (column-major)
+    LS = C + 8 if BV < 128 else C + 4  # row stride of the L / Aqk tile (C + 4: shared memory)
+    RS = BV + 8              # row stride of vn
+    DS = SUB + 4             # row stride of D^{-1}
+    # one shared buffer, regions at fixed offsets (floats; 16-byte aligned rows for cp.async)
+    O_KR, O_QR, O_G = 0, C * KS, 2 * C * KS
+    O_SS = 3 * C * KS
+    O_LA = O_SS + BV * SN
+    O_X = O_LA + C * LS                    # ka | qa in phase 2; vn | D^{-1} afterwards
+    O_D = O_X + C * RS
+    XN = max(2 * SUB * KS, C * RS + C * DS)
+    O_BT = O_X + XN
+    NSM = O_BT + C
+    if not emulate and NSM * 4 > 227 * 1024:
+        raise ValueError(f"block_v={BV} needs {NSM * 4} bytes of shared memory (> 227 KB)")
+    frag_a, mma, mma_rb, syncwarp, prefetch = _macros(emulate)
+    ex2 = _ex2(emulate)
+    tf32 = _tf32(emulate)
+    if not emulate:
+        from schedules import mxfp4_ptx as ptx
+
+    def kr(SM, r, d):   # raw k / q of chunk row r, Γ (log2 units)
+        return SM[O_KR + r * KS + d]
+
+    def qr(SM, r, d):
+        return SM[O_QR + r * KS + d]
+
+    def gm(SM, r, d):
+        return SM[O_G + r * KS + d]
+
+    def la(SM, i, j):
+        return SM[O_LA + i * LS + j]
+
+    def vn(SM, j, n):
+        return SM[O_X + j * RS + n]
+
+    @T.macro
+    def gemm(acc, row, af, A, B, steps, tiles, lane, last):
+        """acc[row, nt·4 + e] += the warp's A[0:16, 0:8·steps] · B[:, 8·nt …] for nt < tiles,
+        the A fragments of ``AB`` k-steps loaded before their mmas; k-steps past ``last`` (None:
+        none) skipped."""
+        for kh in T.unroll((steps + AB - 1) // AB):
+            for ks in T.unroll(AB):
+                if kh * AB + ks < steps and (last is None or kh * AB + ks <= last):
+                    frag_a(af, ks * 4 * (1 - EM), A, lane, (kh * AB + ks) * 8)
+            for ks in T.unroll(AB):
+                if kh * AB + ks < steps and (last is None or kh * AB + ks <= last):
+                    for nt in T.unroll(tiles):
+                        mma(acc, row, nt * 4, af, ks * 4 * (1 - EM), A, B, lane, (kh * AB + ks) * 8, nt * 8)
+
+    @T.prim_func(private=True)
+    def kda_prefill_fused(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle,
+                          beta_h: T.handle, cu_h: T.handle, slots_h: T.handle, state_h: T.handle,
+                          layer: T.int32, o_h: T.handle):
+        T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
+        n_tok, n_cu, n_seq, n_layer, n_slot = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
+        q = T.match_buffer(q_h, (n_tok, H, K), "float32")
+        k = T.match_buffer(k_h, (n_tok, H, K), "float32")
+        v = T.match_buffer(v_h, (n_tok, H, V), "float32")
+        g = T.match_buffer(g_h, (n_tok, H, K), "float32")
+        beta = T.match_buffer(beta_h, (n_tok, H), "float32")
+        cu = T.match_buffer(cu_h, (n_cu,), "int32")
+        slots = T.match_buffer(slots_h, (n_seq,), "int32")
+        S = T.match_buffer(state_h, (n_layer, n_slot, H, K, V), "float32")
+        o = T.match_buffer(o_h, (n_tok, H, V), "float32")
+        for blk in BLK((n_cu - 1) * (H * NVB)):
+            SM = T.alloc_buffer((NSM,), "float32", scope=SH)
+            Sr = T.alloc_buffer((RT, NR), "float32", scope="local")  # S rows 16·wi …, fp32
+            Y = T.alloc_buffer((RT, NR), "float32", scope="local")   # (e^Γ k) S rows / Y, then o
+            Z = T.alloc_buffer((RT, 4 * NTW), "float32", scope="local")  # vn tiles between warp steps
+            # the state slice → registers and shared memory
+            for tx in THR(NT):
+                for nt in T.unroll(N8):
+                    for e in T.unroll(4):
+                        Sr[tx * EM, nt * 4 + e] = S[layer, slots[blk // (H * NVB)], blk // NVB % H, tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8, blk % NVB * BV + nt * 8 + tx % 4 * 2 + e % 2]
+                        SM[O_SS + (nt * 8 + tx % 4 * 2 + e % 2) * SN + tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8] = tf32(Sr[tx * EM, nt * 4 + e])
+            for c in range((cu[blk // (H * NVB) + 1] - cu[blk // (H * NVB)] + C - 1) // C):
+                # phase 1: raw k, q, g of the chunk → shared memory (16-byte cp.async, rows
+                #          past the sequence end zero-filled), β; the next chunk's rows into L2
+                if SYNC:
+                    T.tvm_storage_sync("shared")
+                for tx in THR(NT):
+                    c0 = T.alloc_buffer((3,), "int32", scope="local")  # chunk start, sequence end, row
+                    c0[0] = cu[blk // (H * NVB)] + c * C
+                    c0[1] = cu[blk // (H * NVB) + 1]
+                    for it in T.unroll(C * K // 4 // NT):
+                        # row (it·NT + tx) // (K/4) of the chunk, clamped into the sequence
+                        c0[2] = T.min(c0[0] + (it * NT + tx) // (K // 4), c0[1] - 1)
+                        if SYNC:
+                            ptx.cp_async16(T.address_of(SM[O_KR + (it * NT + tx) // (K // 4) * KS + tx % (K // 4) * 4]),
+                                           T.address_of(k[c0[2], blk // NVB % H, tx % (K // 4) * 4]),
+                                           c0[0] + (it * NT + tx) // (K // 4) < c0[1])
+                            ptx.cp_async16(T.address_of(SM[O_QR + (it * NT + tx) // (K // 4) * KS + tx % (K // 4) * 4]),
+                                           T.address_of(q[c0[2], blk // NVB % H, tx % (K // 4) * 4]),
+                                           c0[0] + (it * NT + tx) // (K // 4) < c0[1])
+                            ptx.cp_async16(T.address_of(SM[O_G + (it * NT + tx) // (K // 4) * KS + tx % (K // 4) * 4]),
+                                           T.address_of(g[c0[2], blk // NVB % H, tx % (K // 4) * 4]),
+                                           c0[0] + (it * NT + tx) // (K // 4) < c0[1])
+                        else:
+                            for u in range(4):
+                                SM[O_KR + (it * NT + tx) // (K // 4) * KS + tx % (K // 4) * 4 + u] = ld(k, c0[0] + (it * NT + tx) // (K // 4), c0[1], n_tok, blk // NVB % H, tx % (K // 4) * 4 + u)
+                                SM[O_QR + (it * NT + tx) // (K // 4) * KS + tx % (K // 4) * 4 + u] = ld(q, c0[0] + (it * NT + tx) // (K // 4), c0[1], n_tok, blk // NVB % H, tx % (K // 4) * 4 + u)
+                                SM[O_G + (it * NT + tx) // (K // 4) * KS + tx % (K // 4) * 4 + u] = ld(g, c0[0] + (it * NT + tx) // (K // 4), c0[1], n_tok, blk // NVB % H, tx % (K // 4) * 4 + u)
+                    if SYNC:
+                        ptx.commit()
+                    if tx < C:
+                        SM[O_BT + tx] = T.Select(c0[0] + tx < c0[1], beta[T.min(c0[0] + tx, c0[1] - 1), blk // NVB % H], T.float32(0))
+                    if c0[0] + C + tx // 4 < c0[1]:
+                        prefetch(q[c0[0] + C + tx // 4, blk // NVB % H, tx % 4 * 32])
+                        prefetch(k[c0[0] + C + tx // 4, blk // NVB % H, tx % 4 * 32])
+                        prefetch(g[c0[0] + C + tx // 4, blk // NVB % H, tx % 4 * 32])
+                        if tx % 4 * 32 < BV:
+                            prefetch(v[c0[0] + C + tx // 4, blk // NVB % H, blk % NVB * BV + tx % 4 * 32])
+                    if SYNC:
+                        ptx.wait(0)
+                # phase 1b: Γ = log2(e)·cumsum g in place (thread tx < K: column tx)
+                if SYNC:
+                    T.tvm_storage_sync("shared")
+                for tx in THR(NT):
+                    run = T.alloc_buffer((1,), "float32", scope="local")
+                    if tx < K:
+                        run[0] = T.float32(0)
+                        for i in T.unroll(C):
+                            run[0] = run[0] + gm(SM, i, tx) * T.float32(LOG2E)
+                            SM[O_G + i * KS + tx] = run[0]
+                # phase 2: L and Aqk, one 16-row sub-block I at a time (reference r = Γ_{16I})
+                for I in range(NSUB):
+                    if SYNC:
+                        T.tvm_storage_sync("shared")
+                    for tx in THR(NT):
+                        for it in T.unroll(SUB * K // NT):
+                            SM[O_X + (it * (NT // K) + tx // K) * KS + tx % K] = tf32(kr(SM, I * SUB + it * (NT // K) + tx // K, tx % K) * ex2(gm(SM, I * SUB + it * (NT // K) + tx // K, tx % K) - gm(SM, I * SUB, tx % K)))
+                            SM[O_X + (SUB + it * (NT // K) + tx // K) * KS + tx % K] = tf32(T.float32(scale) * qr(SM, I * SUB + it * (NT // K) + tx // K, tx % K) * ex2(gm(SM, I * SUB + it * (NT // K) + tx // K, tx % K) - gm(SM, I * SUB, tx % K)))
+                    if SYNC:
+                        T.tvm_storage_sync("shared")
+                    for tx in THR(NT):
+                        af = T.alloc_buffer((4,), "float32", scope="local")
+                        acc = T.alloc_buffer((RT, 8), "float32", scope="local")   # L tile, Aqk tile
+                        bf = T.alloc_buffer((2,), "float32", scope="local")
+                        if tx // 32 <= I * 2 + 1:
+                            for r in T.unroll(8):
+                                acc[tx * EM, r] = T.float32(0)
+                            for ks in T.unroll(K // 8):   # B = k e^{r−Γ}, columns 8·wi …, once for both
+                                bf[0] = tf32(kr(SM, tx // 32 * 8 + tx % 32 // 4, ks * 8 + tx % 4) * ex2(gm(SM, I * SUB, ks * 8 + tx % 4) - gm(SM, tx // 32 * 8 + tx % 32 // 4, ks * 8 + tx % 4)))
+                                bf[1] = tf32(kr(SM, tx // 32 * 8 + tx % 32 // 4, ks * 8 + tx % 4 + 4) * ex2(gm(SM, I * SUB, ks * 8 + tx % 4 + 4) - gm(SM, tx // 32 * 8 + tx % 32 // 4, ks * 8 + tx % 4 + 4)))
+                                frag_a(af, 0, lambda i, d: SM[O_X + i * KS + d], tx % 32, ks * 8)
+                                mma_rb(acc, tx * EM, 0, af, 0, bf, 0, lambda i, d: SM[O_X + i * KS + d],
+                                       lambda d, j: kr(SM, j, d) * ex2(gm(SM, I * SUB, d) - gm(SM, j, d)), tx % 32, ks * 8, tx // 32 * 8)
+                                frag_a(af, 0, lambda i, d: SM[O_X + (SUB + i) * KS + d], tx % 32, ks * 8)
+                                mma_rb(acc, tx * EM, 4, af, 0, bf, 0, lambda i, d: SM[O_X + (SUB + i) * KS + d],
+                                       lambda d, j: kr(SM, j, d) * ex2(gm(SM, I * SUB, d) - gm(SM, j, d)), tx % 32, ks * 8, tx // 32 * 8)
+                            # entry e: row I·16 + gr + 8(e//2), column 8·wi + 2·tg + e%2
+                            for e in T.unroll(4):
+                                if tx // 32 * 8 + tx % 4 * 2 + e % 2 < I * SUB + tx % 32 // 4 + e // 2 * 8:
+                                    SM[O_LA + (tx // 32 * 8 + tx % 4 * 2 + e % 2) * LS + I * SUB + tx % 32 // 4 + e // 2 * 8] = tf32(SM[O_BT + I * SUB + tx % 32 // 4 + e // 2 * 8] * acc[tx * EM, e])
+                                    SM[O_LA + (I * SUB + tx % 32 // 4 + e // 2 * 8) * LS + tx // 32 * 8 + tx % 4 * 2 + e % 2] = tf32(acc[tx * EM, 4 + e])
+                                elif tx // 32 * 8 + tx % 4 * 2 + e % 2 == I * SUB + tx % 32 // 4 + e // 2 * 8:
+                                    SM[O_LA + (I * SUB + tx % 32 // 4 + e // 2 * 8) * LS + tx // 32 * 8 + tx % 4 * 2 + e % 2] = tf32(acc[tx * EM, 4 + e])
+                # phase 3: D_I^{-1} (warps 6-7: block I = t // 16, column t % 16) ‖ the rows
+                #          16·wi … of (e^Γ k) S → R = β (v − ·) (warps 0-3) or of Y = scale
+                #          (e^Γ q) S (warps 4-7, kept in registers)
+                if SYNC:
+                    T.tvm_storage_sync("shared")
+                for tx in THR(NT):
+                    c0 = T.alloc_buffer((2,), "int32", scope="local")
+                    af = T.alloc_buffer((AFN,), "float32", scope="local")
+                    x = T.alloc_buffer((RT, SUB), "float32", scope="local")
+                    vl = T.alloc_buffer((RT, NR), "float32", scope="local")
+                    c0[0] = cu[blk // (H * NVB)] + c * C
+                    c0[1] = cu[blk // (H * NVB) + 1]
+                    if tx >= NT - C:
+                        for i in T.unroll(SUB):
+                            x[tx * EM, i] = T.Select(i == (tx - (NT - C)) % SUB, T.float32(1), T.float32(0))
+                        for j in T.unroll(SUB):
+                            for i in T.unroll(SUB):
+                                if i > j:
+                                    x[tx * EM, i] = x[tx * EM, i] - la(SM, (tx - (NT - C)) // SUB * SUB + j, (tx - (NT - C)) // SUB * SUB + i) * x[tx * EM, j]
+                        for i in T.unroll(SUB):
+                            SM[O_D + ((tx - (NT - C)) // SUB * SUB + i) * DS + (tx - (NT - C)) % SUB] = tf32(x[tx * EM, i])
+                    for r in T.unroll(NR):
+                        Y[tx * EM, r] = T.float32(0)
+                    if tx // 32 < 4:
+                        for nt in T.unroll(N8):
+                            for e in T.unroll(4):
+                                vl[tx * EM, nt * 4 + e] = ld(v, c0[0] + tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8, c0[1], n_tok, blk // NVB % H, blk % NVB * BV + nt * 8 + tx % 4 * 2 + e % 2)
+                        gemm(Y, tx * EM, af, lambda i, d: tf32(kr(SM, tx // 32 * 16 + i, d) * ex2(gm(SM, tx // 32 * 16 + i, d))),
+                             lambda d, n: SM[O_SS + n * SN + d], K // 8, N8, tx % 32, None)
+                        for nt in T.unroll(N8):
+                            for e in T.unroll(4):
+                                SM[O_X + (tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8) * RS + nt * 8 + tx % 4 * 2 + e % 2] = SM[O_BT + tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8] * (vl[tx * EM, nt * 4 + e] - Y[tx * EM, nt * 4 + e])
+                    else:
+                        gemm(Y, tx * EM, af, lambda i, d: tf32(T.float32(scale) * qr(SM, (tx // 32 - 4) * 16 + i, d) * ex2(gm(SM, (tx // 32 - 4) * 16 + i, d))),
+                             lambda d, n: SM[O_SS + n * SN + d], K // 8, N8, tx % 32, None)
+                # phase 4: vn_I = D_I^{-1} (R_I − Σ_{J<I} L_IJ vn_J), in place of R; warp wi
+                #          owns the n-tiles wi, wi + 8, … (warps past them idle)
+                if SYNC:
+                    T.tvm_storage_sync("shared")
+                for I in T.unroll(NSUB):
+                    for tx in THR(NT):
+                        af = T.alloc_buffer((4,), "float32", scope="local")
+                        for t in T.unroll(NTW):
+                            if tx // 32 + t * NW < N8:
+                                for e in T.unroll(4):
+                                    Z[tx * EM, t * 4 + e] = vn(SM, I * SUB + tx % 32 // 4 + e // 2 * 8, (tx // 32 + t * NW) * 8 + tx % 4 * 2 + e % 2)
+                                for ks in T.unroll(2 * NSUB - 2):
+                                    if ks < 2 * I:
+                                        frag_a(af, 0, lambda i, j: T.float32(0) - la(SM, j, I * SUB + i), tx % 32, ks * 8)
+                                        mma(Z, tx * EM, t * 4, af, 0, lambda i, j: T.float32(0) - la(SM, j, I * SUB + i),
+                                            lambda j, n: vn(SM, j, n), tx % 32, ks * 8, (tx // 32 + t * NW) * 8)
+                                for e in T.unroll(4):
+                                    SM[O_X + (I * SUB + tx % 32 // 4 + e // 2 * 8) * RS + (tx // 32 + t * NW) * 8 + tx % 4 * 2 + e % 2] = tf32(Z[tx * EM, t * 4 + e])
+                        syncwarp()
+                    for tx in THR(NT):
+                        af = T.alloc_buffer((4,), "float32", scope="local")
+                        for t in T.unroll(NTW):
+                            if tx // 32 + t * NW < N8:
+                                for e in T.unroll(4):
+                                    Z[tx * EM, t * 4 + e] = T.float32(0)
+                                for ks in T.unroll(2):
+                                    frag_a(af, 0, lambda i, j: SM[O_D + (I * SUB + i) * DS + j], tx % 32, ks * 8)
+                                    mma(Z, tx * EM, t * 4, af, 0, lambda i, j: SM[O_D + (I * SUB + i) * DS + j],
+                                        lambda j, n: vn(SM, I * SUB + j, n), tx % 32, ks * 8, (tx // 32 + t * NW) * 8)
+                        syncwarp()
+                    for tx in THR(NT):
+                        for t in T.unroll(NTW):
+                            if tx // 32 + t * NW < N8:
+                                for e in T.unroll(4):
+                                    SM[O_X + (I * SUB + tx % 32 // 4 + e // 2 * 8) * RS + (tx // 32 + t * NW) * 8 + tx % 4 * 2 + e % 2] = tf32(Z[tx * EM, t * 4 + e])
+                        syncwarp()
+                # phase 5: S ← diag(e^{Γ_last}) S + (e^{Γ_last−Γ} k)ᵀ vn (every warp, rows
+                #          16·wi …); o = Y + Aqk vn (warps 4-7, k-steps ≤ the diagonal)
+                if SYNC:
+                    T.tvm_storage_sync("shared")
+                for tx in THR(NT):
+                    c0 = T.alloc_buffer((2,), "int32", scope="local")
+                    af = T.alloc_buffer((AFN,), "float32", scope="local")
+                    c0[0] = cu[blk // (H * NVB)] + c * C
+                    c0[1] = cu[blk // (H * NVB) + 1]
+                    for nt in T.unroll(N8):
+                        for e in T.unroll(4):
+                            Sr[tx * EM, nt * 4 + e] = Sr[tx * EM, nt * 4 + e] * ex2(gm(SM, C - 1, tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8))
+                    gemm(Sr, tx * EM, af,
+                         lambda i, j: tf32(kr(SM, j, tx // 32 * 16 + i) * ex2(gm(SM, C - 1, tx // 32 * 16 + i) - gm(SM, j, tx // 32 * 16 + i))),
+                         lambda j, n: vn(SM, j, n), C // 8, N8, tx % 32, None)
+                    for nt in T.unroll(N8):
+                        for e in T.unroll(4):
+                            SM[O_SS + (nt * 8 + tx % 4 * 2 + e % 2) * SN + tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8] = tf32(Sr[tx * EM, nt * 4 + e])
+                    if tx // 32 >= 4:
+                        gemm(Y, tx * EM, af,
+                             lambda i, j: T.Select(j <= (tx // 32 - 4) * 16 + i, la(SM, (tx // 32 - 4) * 16 + i, j), T.float32(0)),
+                             lambda j, n: vn(SM, j, n), C // 8, N8, tx % 32, (tx // 32 - 4) * 2 + 1)
+                        for nt in T.unroll(N8):
+                            for e in T.unroll(4):
+                                if c0[0] + (tx // 32 - 4) * 16 + tx % 32 // 4 + e // 2 * 8 < c0[1]:
+                                    o[c0[0] + (tx // 32 - 4) * 16 + tx % 32 // 4 + e // 2 * 8, blk // NVB % H, blk % NVB * BV + nt * 8 + tx % 4 * 2 + e % 2] = Y[tx * EM, nt * 4 + e]
+            # registers → the pooled state
+            for tx in THR(NT):
+                for nt in T.unroll(N8):
+                    for e in T.unroll(4):
+                        S[layer, slots[blk // (H * NVB)], blk // NVB % H, tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8, blk % NVB * BV + nt * 8 + tx % 4 * 2 + e % 2] = Sr[tx * EM, nt * 4 + e]
+
+    return kda_prefill_fused if emulate else mark(kda_prefill_fused)
+
+
+def ld(buf, t, end, n_tok, h, d):
+    """buf[t, h, d] as an expression, 0 for rows t ≥ end (the row index clamped into the tensor,
+    so the load itself is always in bounds)."""
+    return T.Select(t < end, buf[T.min(T.Cast("int64", t), n_tok - 1), h, d], T.float32(0))
