@@ -22,6 +22,7 @@ from relax_modules.common import ForwardMeta
 from relax_modules.layers import Linear
 from schedules.kda_decode_cuda import decode_tiling, kda_decode_fused_kernel
 from schedules.kda_prefill_cuda import C as TC_CHUNK
+from schedules.kda_prefill_fused import kda_prefill_fused_kernel
 from schedules.kda_prefill_tc import kda_prefill_intra_tc_kernel, kda_prefill_state_tc_kernel
 from schedules.kda_generic import (
     kda_chunk_prefill_kernel,
@@ -33,6 +34,9 @@ from schedules.kda_generic import (
 
 L2_NORM_EPS = 1e-6  # spec §3 step 2 (fla's l2norm eps)
 CONV_Q, CONV_K, CONV_V = 0, 1, 2  # index into conv_state dim 2
+# heads from which the fused one-kernel prefill is dispatched (one block per sequence and head
+# must fill a good part of the GPU's SMs; 132 on the H200)
+FUSED_PREFILL_MIN_HEADS = 48
 
 
 class ShortConv1d(nn.Module):
@@ -79,6 +83,12 @@ class KimiDeltaAttention(nn.Module):
         # models keep the exact fp32 generic kernel.
         self.tc_prefill = (gpu and tuned and dtype == "bfloat16" and config.kda_head_dim == 128
                            and lb is not None and -5.5 <= lb < 0)
+        # Of the two tensor-core forms: the fused one-kernel prefill (schedules/kda_prefill_fused.py,
+        # one block per sequence and head) where the heads alone fill the GPU, the two-kernel
+        # form (parallel over chunks) below that. H200, 8192 tokens: 96 heads 2.95 ms fused vs
+        # 6.8 ms two-kernel; 12 heads 1.79 ms fused vs 1.39 ms two-kernel for one sequence
+        # (0.56 vs 1.07 ms for four; benchmarks/results/kda_prefill_fused_h200_2026-11-30.json).
+        self.fused_prefill = self.tc_prefill and H >= FUSED_PREFILL_MIN_HEADS
         self.eps = config.rms_norm_eps
         self.dtype = dtype
         hidden, HK = config.hidden_size, H * K
@@ -162,6 +172,11 @@ class KimiDeltaAttention(nn.Module):
                 kda_decode_kernel(H, K, K, scale, gpu=self.gpu), "kda_decode",
                 [q, k, v, g, beta, meta.seq_slots, kda_state, _i32(kda_index)],
                 [6, -1], [s_ty, o_ty])
+        elif self.fused_prefill:
+            kda_state, o = op.tensor_ir_inplace_op(
+                kda_prefill_fused_kernel(H, K, K, scale, block_v=128, a_batch=4), "kda_prefill_fused",
+                [q, k, v, g, beta, meta.cu_seqlens, meta.seq_slots, kda_state, _i32(kda_index)],
+                [7, -1], [s_ty, o_ty])
         elif self.tc_prefill:
             kda_state, o = self._tc_prefill(q, k, v, g, beta, meta, kda_state, kda_index, scale)
         else:

@@ -20,31 +20,45 @@ inverses of the four unit lower-triangular 16×16 diagonal blocks D_I = I + L_II
 
 Per chunk (barriers between phases; warp wi, lane = 4·gr + tg):
 
-1. Γ = column cumsum of g (rows past the sequence end read g = 0, β = 0), β; the next
-   chunk's rows are prefetched into L2.
+1. The chunk's raw k, q and g rows → shared memory by 16-byte ``cp.async`` (rows past the
+   sequence end zero-filled, so they change nothing), β; the next chunk's rows are prefetched
+   into L2. Then Γ = log2(e)·cumsum g in place (one column per thread), so that every
+   exponential below is one ``ex2.approx``.
 2. For each 16-row sub-block I (reference r = Γ_{16I}, so that every exponential stays in
    fp32 range with the lower-bound gate): ka = k e^{Γ−r}, qa = scale·q e^{Γ−r} staged (16
    rows); warp wi ≤ 2I+1 takes columns 8wi … 8wi+7 of ``L = β (ka)(k e^{r−Γ})ᵀ`` (j < i) and
-   ``Aqk = (qa)(k e^{r−Γ})ᵀ`` (j ≤ i), its B operand k e^{r−Γ} computed in registers.
-   L and Aqk share one tile: Aqk on and below the diagonal at [i][j], L transposed above it
-   at [j][i].
+   ``Aqk = (qa)(k e^{r−Γ})ᵀ`` (j ≤ i), its B fragment k e^{r−Γ} computed once in registers
+   for both. L and Aqk share one tile: Aqk on and below the diagonal at [i][j], L transposed
+   above it at [j][i].
 3. D_I^{-1} (warps 6-7, one column per thread) while every warp computes its rows of
    ``(e^Γ ⊙ k) S`` (warps 0-3, giving R) or ``Y = scale (e^Γ ⊙ q) S`` (warps 4-7, kept
-   in registers); A operands computed from k / q and Γ as they are loaded.
-4. vn by the blocked substitution above: warp wi owns columns 8wi … 8wi+7 of vn, so only
+   in registers); A operands computed from the staged k / q and Γ as they are loaded.
+4. vn by the blocked substitution above: warp wi owns the n-tiles wi, wi+8, … of vn, so only
    warp-level syncs separate its steps.
 5. o = Y + Aqk vn (warps 4-7, causal k-steps only); S ← diag(e^{Γ_last}) S +
    (e^{Γ_last−Γ} ⊙ k)ᵀ vn (every warp: 16 rows of S in fp32 accumulator registers for the
    whole sequence); a copy of S in shared memory is the B operand of the next chunk's phase 3.
 
-Shared memory, fp32 (padded strides keep the fragment reads free of bank conflicts): Γ
-[C, K+4], the L / Aqk tile [C, C+8], S [block_v, K+4] (column-major: the B operand), and one
-region used as ka / qa [2·16, K+4] in phase 2 and as vn [C, block_v+8] plus D^{-1} [4·16,
-20] afterwards: about 110 KB at block_v 64, so that two blocks share an SM.
+Shared memory: one fp32 buffer with regions at fixed offsets (padded strides keep the fragment
+reads free of bank conflicts, rows 16-byte aligned for ``cp.async``): raw k, raw q and Γ [C,
+K+4] each, S [block_v, K+4] (column-major: the B operand), the L / Aqk tile [C, C+8] ([C, C+4]
+at block_v 128), and one region used as ka / qa [2·16, K+4] in phase 2 and as vn [C,
+block_v+8] plus D^{-1} [4·16, 20] afterwards: 145 KB at block_v 16, 226 KB at 128 — one block
+per SM (255 registers at block_v 128 with a_batch 4, no spills).
 
-Precision: TF32 operands (``cvt.rna``), fp32 accumulation and fp32 state, as the two-kernel
-version. Restriction as there: K = V = 128 and the lower-bound gate with |lb| ≤ 5.5 (in-chunk
-exponentials of a 16-row block up to e^{82.5}).
+Precision: TF32 operands (``cvt.rna``, rounded once where each operand is stored or computed;
+the ``mma`` then reads them as they are), fp32 accumulation and fp32 state; ``ex2.approx``
+(relative error ≤ 2^-22). On the H200 the errors vs fla's naive recurrence are below the
+two-kernel version's and half fla ``chunk_kda``'s (benchmarks/kda.py checks). Restriction as
+there: K = V = 128 and the lower-bound gate with |lb| ≤ 5.5 (in-chunk exponentials of a
+16-row block up to e^{82.5}).
+
+Performance (H200, 2026-11-30, ``benchmarks/results/kda_prefill_fused_h200_2026-11-30.json``):
+96 heads, block_v 128: 2.95 ms at 8192 tokens, 2.25 ms at 4 × 2048 (fla ``chunk_kda`` 4.80 /
+4.64 ms on the same fp32 inputs, 2.86 / 2.84 ms on bf16 inputs with gate, L2 norms and β in
+its kernel). A block needs ~15-18 µs per chunk whatever its width (latency: 12 barriers, the
+four L / Aqk rounds), so with few heads and one sequence the two-kernel form, parallel over
+chunks, is faster (docs/DESIGN.md).
 
 ``emulate=True`` builds the same loop nest with the block / thread loops serial and every
 mma replaced by the dot products it computes for the lane (see
@@ -110,8 +124,9 @@ def _macros(emulate: bool):
     ``af[ab:ab+4]`` (A(i, k) a callable giving the element). ``mma(acc, row, off, af, ab, A,
     B, lane, k0, n0)``: acc[row, off+e] (e < 4) += the lane's entries of A[0:16, k0:k0+8] ·
     B[k0:k0+8, n0:n0+8], A from ``af``, B evaluated in place. ``mma_rb(..., bf, bb, ...)``: the
-    same with B's fragment already in ``bf[bb], bf[bb+1]``. Emulated, the fragments are unused
-    and the four dot products are computed from A and B. ``syncwarp()``, ``prefetch(elem)``
+    same with B's fragment already in ``bf[bb], bf[bb+1]``. The mma reads its operands as they
+    are (no ``cvt``): callers pass TF32-rounded values (``_tf32``). Emulated, the fragments are
+    unused and the four dot products are computed from A and B. ``syncwarp()``, ``prefetch(elem)``
     (``prefetch.global.L2``): no-ops when emulated."""
     from tvm.backend.cuda.op import cuda_func_call
 

@@ -1,0 +1,138 @@
+"""Fused one-kernel KDA chunked prefill (schedules/kda_prefill_fused.py): its serial emulation
+(same loop nests and index maps, each mma replaced by the dot products it computes for the
+lane, every warp-synchronous step its own loop over threads; compiled for llvm) vs the NumPy
+reference ``kda_prefill_reference`` (itself checked against fla's naive chunked / recurrent
+KDA in tests/test_kda_prefill_cuda.py), on ragged batches with partial chunks, with and without
+an initial state; its argument checks; that it compiles to an sm_90a fatbin with the PTX it
+relies on; and the model's dispatch of it. The fragment layouts, the TF32 rounding and the
+cp.async copies run on the H200 in benchmarks/kda.py (results:
+benchmarks/results/kda_prefill_fused_checks_h200_2026-11-30.json, lengths 1 … 8192)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from helpers_tvm import build_sm90a_fatbin, needs_nvcc
+from schedules.kda_prefill_cuda import kda_prefill_reference
+from schedules.kda_prefill_fused import kda_prefill_fused_kernel
+from tests.test_config import REAL, real_only
+from tests.test_kda_prefill_cuda import _inputs
+
+
+@pytest.mark.parametrize("block_v,a_batch,lens,initial_state", [
+    (16, 8, [1, 65, 15, 64], True),
+    (64, 4, [63, 129], False),
+    (128, 8, [200, 1], True),
+])
+def test_emulated_fused_kernel_matches_reference(block_v, a_batch, lens, initial_state):
+    import tvm
+
+    H, K = 2, 128
+    q, k, v, g, beta, cu, slots, pool = _inputs(lens, H, seed=block_v)
+    if not initial_state:
+        pool[:] = 0
+    ref_pool = pool.copy()
+    o_ref = kda_prefill_reference(q, k, v, g, beta, cu, slots, ref_pool, 1, K ** -0.5)
+    f = kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=block_v, a_batch=a_batch, emulate=True)
+    lib = tvm.compile(tvm.IRModule({"f": f.with_attr("global_symbol", "f")}), target="llvm")
+    A = tvm.runtime.tensor
+    pt, o = A(pool), A(np.full(v.shape, np.nan, np.float32))
+    lib["f"](A(q), A(k), A(v), A(g), A(beta), A(cu), A(slots), pt, 1, o)
+    o, pool = o.numpy(), pt.numpy()
+    assert not np.isnan(o).any()
+    np.testing.assert_allclose(o, o_ref, atol=1e-5)
+    np.testing.assert_allclose(pool, ref_pool, atol=1e-5)
+    # the slot of no sequence and the other layer are untouched
+    untouched = np.ones(pool.shape[:2], bool)
+    untouched[1, slots] = False
+    np.testing.assert_array_equal(pool[untouched], ref_pool[untouched])
+
+
+def test_fused_kernel_rejects_unsupported_sizes():
+    with pytest.raises(ValueError, match="K = V = 128"):
+        kda_prefill_fused_kernel(2, 64, 64, 0.125)
+    with pytest.raises(ValueError, match="block_v=48"):
+        kda_prefill_fused_kernel(2, 128, 128, 0.1, block_v=48)
+    with pytest.raises(ValueError, match="a_batch=3"):
+        kda_prefill_fused_kernel(2, 128, 128, 0.1, a_batch=3)
+
+
+@needs_nvcc
+def test_fused_kernel_compiles_to_fatbin_for_sm90a(tmp_path):
+    out = build_sm90a_fatbin(
+        "from schedules.barriers import respect_manual_barriers\n"
+        "from schedules.kda_prefill_fused import kda_prefill_fused_kernel\n"
+        "f = kda_prefill_fused_kernel(3, 128, 128, 128 ** -0.5, block_v=128, a_batch=4)\n"
+        "mod = tvm.IRModule({'f': f.with_attr('global_symbol', 'f')})", tmp_path,
+        contexts="respect_manual_barriers()", keep_src=True)
+    assert "fatbin" in out
+    src = "".join(p.read_text() for p in (tmp_path / "src").glob("*.cu"))
+    for ptx in ("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32", "cvt.rna.tf32.f32",
+                "ex2.approx.ftz.f32", "cp.async.cg.shared.global", "prefetch.global.L2"):
+        assert ptx in src, ptx
+    assert src.count("k3_mma_tf32_raw(") > 10
+    assert src.count("__syncwarp()") == 1   # one device function, called between warp steps
+
+
+@real_only
+def test_model_dispatches_fused_prefill_by_head_count():
+    from k3_compile.config import K3Config
+    from relax_modules.kda import FUSED_PREFILL_MIN_HEADS, KimiDeltaAttention
+
+    cfg = K3Config.from_file(REAL)
+    assert cfg.kda_num_heads >= FUSED_PREFILL_MIN_HEADS
+    layer = KimiDeltaAttention(cfg, "bfloat16", gpu=True)
+    assert layer.tc_prefill and layer.fused_prefill
+    assert not KimiDeltaAttention(cfg, "bfloat16", gpu=True, tuned=False).fused_prefill
+    assert not KimiDeltaAttention(cfg, "bfloat16", gpu=False).fused_prefill
+    nano = KimiDeltaAttention(K3Config.from_file("models/k3-nano"), "bfloat16", gpu=True)
+    assert nano.tc_prefill and not nano.fused_prefill   # 2 heads: the two-kernel form
+
+
+def test_model_with_fused_prefill_matches_generic_model():
+    """The model's fused prefill path (relax_modules/kda.py: argument order, in-place state)
+    with the kernel emulated on the CPU gives k3-nano's logits of the generic model: two
+    ragged sequences of 3 and 1 chunks prefilled together, then one continued from its state."""
+    import functools
+
+    import tvm
+    from tvm import relax
+
+    import relax_modules.kda as kda_mod
+    from k3_compile.config import K3Config
+    from k3_compile.pipeline import ExportedModel, compile_llvm, export_model, load_checkpoint_params
+    from k3_compile.runtime.engine import Engine
+    from relax_modules.model import K3ForCausalLM
+
+    nano = "models/k3-nano"
+    cfg = K3Config.from_file(nano)
+
+    def engine(exported):
+        vm = relax.VirtualMachine(compile_llvm(exported), tvm.cpu())
+        params = load_checkpoint_params(nano, exported, tvm.cpu())
+        return Engine(vm, params, cfg, tvm.cpu(), "float32", max_slots=4, num_pages=64,
+                      page_size=exported.page_size)
+
+    ref = engine(export_model(cfg, "float32"))
+    saved = kda_mod.kda_prefill_fused_kernel
+    try:
+        kda_mod.kda_prefill_fused_kernel = functools.partial(kda_prefill_fused_kernel, emulate=True)
+        model = K3ForCausalLM(cfg, "float32")
+        layers = [m.self_attn for m in model.model.layers if isinstance(m.self_attn, kda_mod.KimiDeltaAttention)]
+        assert layers
+        for layer in layers:
+            layer.tc_prefill = layer.fused_prefill = True
+        mod, params = model.export()
+        fused = engine(ExportedModel(mod, [(n, tuple(int(s) for s in p.shape), p.dtype) for n, p in params],
+                                     cfg, "float32", model.page_size))
+    finally:
+        kda_mod.kda_prefill_fused_kernel = saved
+    assert "kda_prefill_fused" in mod.script()
+    rng = np.random.default_rng(1)
+    a, b, c = ([int(t) for t in rng.integers(3, 1000, size=n)] for n in (150, 40, 30))
+    for eng_ in (ref, fused):
+        s1, s2 = eng_.add_sequence(), eng_.add_sequence()
+        eng_.out = [eng_.prefill([s1, s2], [a, b], all_logits=True), eng_.prefill([s1], [c], all_logits=True)]
+    for got, want in zip(fused.out, ref.out):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
