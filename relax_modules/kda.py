@@ -84,11 +84,15 @@ class KimiDeltaAttention(nn.Module):
         self.tc_prefill = (gpu and tuned and dtype == "bfloat16" and config.kda_head_dim == 128
                            and lb is not None and -5.5 <= lb < 0)
         # Of the two tensor-core forms: the fused one-kernel prefill (schedules/kda_prefill_fused.py,
-        # one block per sequence and head) where the heads alone fill the GPU, the two-kernel
-        # form (parallel over chunks) below that. H200, 8192 tokens: 96 heads 2.95 ms fused vs
-        # 6.8 ms two-kernel; 12 heads 1.79 ms fused vs 1.39 ms two-kernel for one sequence
-        # (0.56 vs 1.07 ms for four; benchmarks/results/kda_prefill_fused_h200_2026-11-30.json).
+        # one block per sequence, head and block_v columns) where the heads fill the GPU, the
+        # two-kernel form (parallel over chunks) below that. H200, 8192 tokens, one sequence
+        # (benchmarks/results/kda_prefill_fused_h200_2026-11-30.json): 96 heads 2.95 ms fused
+        # (128 columns) vs 6.8 ms two-kernel; 12 heads at best 1.79 ms fused (16 columns) vs
+        # 1.39 ms two-kernel (with four sequences 0.56 ms fused at 64 columns vs 1.07 ms).
         self.fused_prefill = self.tc_prefill and H >= FUSED_PREFILL_MIN_HEADS
+        # 128 columns (one block per head: ~23 µs per chunk) at 96+ heads; below, 64 (two blocks
+        # per head, ~17 µs per chunk at 12 heads) keeps ≥ 96 blocks busy — not measured at 48
+        self.fused_block_v = 128 if H >= 96 else 64
         self.eps = config.rms_norm_eps
         self.dtype = dtype
         hidden, HK = config.hidden_size, H * K
@@ -174,7 +178,8 @@ class KimiDeltaAttention(nn.Module):
                 [6, -1], [s_ty, o_ty])
         elif self.fused_prefill:
             kda_state, o = op.tensor_ir_inplace_op(
-                kda_prefill_fused_kernel(H, K, K, scale, block_v=128, a_batch=4), "kda_prefill_fused",
+                kda_prefill_fused_kernel(H, K, K, scale, block_v=self.fused_block_v,
+                                         a_batch=4 if self.fused_block_v == 128 else 8), "kda_prefill_fused",
                 [q, k, v, g, beta, meta.cu_seqlens, meta.seq_slots, kda_state, _i32(kda_index)],
                 [7, -1], [s_ty, o_ty])
         elif self.tc_prefill:

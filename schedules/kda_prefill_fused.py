@@ -39,26 +39,28 @@ Per chunk (barriers between phases; warp wi, lane = 4·gr + tg):
    (e^{Γ_last−Γ} ⊙ k)ᵀ vn (every warp: 16 rows of S in fp32 accumulator registers for the
    whole sequence); a copy of S in shared memory is the B operand of the next chunk's phase 3.
 
-Shared memory: one fp32 buffer with regions at fixed offsets (padded strides keep the fragment
-reads free of bank conflicts, rows 16-byte aligned for ``cp.async``): raw k, raw q and Γ [C,
+Shared memory: one fp32 buffer with regions at fixed offsets (padded strides keep most
+fragment reads free of bank conflicts — the transposed reads of phase 5 and one of the two
+L / Aqk patterns are 2-way —, rows 16-byte aligned for ``cp.async``): raw k, raw q and Γ [C,
 K+4] each, S [block_v, K+4] (column-major: the B operand), the L / Aqk tile [C, C+8] ([C, C+4]
-at block_v 128), and one region used as ka / qa [2·16, K+4] in phase 2 and as vn [C,
-block_v+8] plus D^{-1} [4·16, 20] afterwards: 145 KB at block_v 16, 226 KB at 128 — one block
-per SM (255 registers at block_v 128 with a_batch 4, no spills).
+at block_v 128), one region used as ka / qa [2·16, K+4] in phase 2 and as vn [C, block_v+8]
+plus D^{-1} [4·16, 20] afterwards, and β [C]: 145,408 bytes at block_v 16, 226,560 at 128 —
+one block per SM (ptxas, --register-usage-level=5: 255 registers at block_v 128 with a_batch 4
+and no spills; 183 at 64).
 
 Precision: TF32 operands (``cvt.rna``, rounded once where each operand is stored or computed;
 the ``mma`` then reads them as they are), fp32 accumulation and fp32 state; ``ex2.approx``
-(relative error ≤ 2^-22). On the H200 the errors vs fla's naive recurrence are below the
-two-kernel version's and half fla ``chunk_kda``'s (benchmarks/kda.py checks). Restriction as
+(relative error ≤ 2^-22). On the H200 the errors vs fla's naive recurrence are comparable to
+the two-kernel version's and about half fla ``chunk_kda``'s (benchmarks/kda.py checks). Restriction as
 there: K = V = 128 and the lower-bound gate with |lb| ≤ 5.5 (in-chunk exponentials of a
 16-row block up to e^{82.5}).
 
 Performance (H200, 2026-11-30, ``benchmarks/results/kda_prefill_fused_h200_2026-11-30.json``):
 96 heads, block_v 128: 2.95 ms at 8192 tokens, 2.25 ms at 4 × 2048 (fla ``chunk_kda`` 4.80 /
 4.64 ms on the same fp32 inputs, 2.86 / 2.84 ms on bf16 inputs with gate, L2 norms and β in
-its kernel). A block needs ~15-18 µs per chunk whatever its width (latency: 12 barriers, the
-four L / Aqk rounds), so with few heads and one sequence the two-kernel form, parallel over
-chunks, is faster (docs/DESIGN.md).
+its kernel). A block needs ~14 µs per chunk at 16 columns and ~23 µs at 128 (latency: 13
+barriers, the four L / Aqk rounds), so with few heads and one sequence the two-kernel form,
+parallel over chunks, is faster (docs/DESIGN.md).
 
 ``emulate=True`` builds the same loop nest with the block / thread loops serial and every
 mma replaced by the dot products it computes for the lane (see
@@ -242,7 +244,10 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
     AFN = 4 if emulate else 4 * AB
     KS = K + 4               # row stride of the raw k / q tiles, Γ, ka / qa (conflict-free A reads)
     SN = K + 4               # column stride of S (column-major)
-    LS = C + 8 if BV < 128 else C + 4  # row stride of the L / Aqk tile (C + 4: shared memory)
+    # row stride of the L / Aqk tile: C + 8 makes the Aqk reads of phase 5 conflict-free, C + 4
+    # the transposed L reads of phase 4 (2-way conflicts on the other); at 128 columns C + 4
+    # (as measured)
+    LS = C + 8 if BV < 128 else C + 4
     RS = BV + 8              # row stride of vn
     DS = SUB + 4             # row stride of D^{-1}
     # one shared buffer, regions at fixed offsets (floats; 16-byte aligned rows for cp.async)
@@ -311,6 +316,9 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
             Sr = T.alloc_buffer((RT, NR), "float32", scope="local")  # S rows 16·wi …, fp32
             Y = T.alloc_buffer((RT, NR), "float32", scope="local")   # (e^Γ k) S rows / Y, then o
             Z = T.alloc_buffer((RT, 4 * NTW), "float32", scope="local")  # vn tiles between warp steps
+            if not SYNC:   # emulated: a read of shared memory that nothing wrote gives NaN
+                for i in range(NSM):
+                    SM[i] = T.float32("nan")
             # the state slice → registers and shared memory
             for tx in THR(NT):
                 for nt in T.unroll(N8):

@@ -23,7 +23,7 @@ from tests.test_kda_prefill_cuda import _inputs
 @pytest.mark.parametrize("block_v,a_batch,lens,initial_state", [
     (16, 8, [1, 65, 15, 64], True),
     (64, 4, [63, 129], False),
-    (128, 8, [200, 1], True),
+    (128, 8, [129, 1], True),
 ])
 def test_emulated_fused_kernel_matches_reference(block_v, a_batch, lens, initial_state):
     import tvm
@@ -75,19 +75,33 @@ def test_fused_kernel_compiles_to_fatbin_for_sm90a(tmp_path):
     assert src.count("__syncwarp()") == 1   # one device function, called between warp steps
 
 
-@real_only
 def test_model_dispatches_fused_prefill_by_head_count():
+    import dataclasses
+
     from k3_compile.config import K3Config
     from relax_modules.kda import FUSED_PREFILL_MIN_HEADS, KimiDeltaAttention
 
-    cfg = K3Config.from_file(REAL)
-    assert cfg.kda_num_heads >= FUSED_PREFILL_MIN_HEADS
-    layer = KimiDeltaAttention(cfg, "bfloat16", gpu=True)
-    assert layer.tc_prefill and layer.fused_prefill
-    assert not KimiDeltaAttention(cfg, "bfloat16", gpu=True, tuned=False).fused_prefill
-    assert not KimiDeltaAttention(cfg, "bfloat16", gpu=False).fused_prefill
-    nano = KimiDeltaAttention(K3Config.from_file("models/k3-nano"), "bfloat16", gpu=True)
-    assert nano.tc_prefill and not nano.fused_prefill   # 2 heads: the two-kernel form
+    nano = K3Config.from_file("models/k3-nano")   # 2 KDA heads
+    for heads, fused, block_v in ((2, False, None), (FUSED_PREFILL_MIN_HEADS - 1, False, None),
+                                  (FUSED_PREFILL_MIN_HEADS, True, 64), (96, True, 128)):
+        cfg = dataclasses.replace(nano, kda_num_heads=heads)
+        layer = KimiDeltaAttention(cfg, "bfloat16", gpu=True)
+        assert layer.tc_prefill and layer.fused_prefill == fused, heads
+        if fused:
+            assert layer.fused_block_v == block_v
+            # the generic fallback (k3 compile --generic-kernels), CPU builds and fp32 builds
+            assert not KimiDeltaAttention(cfg, "bfloat16", gpu=True, tuned=False).fused_prefill
+            assert not KimiDeltaAttention(cfg, "bfloat16", gpu=False).fused_prefill
+            assert not KimiDeltaAttention(cfg, "float32", gpu=True).fused_prefill
+
+
+@real_only
+def test_k3_dispatches_fused_prefill():
+    from k3_compile.config import K3Config
+    from relax_modules.kda import KimiDeltaAttention
+
+    layer = KimiDeltaAttention(K3Config.from_file(REAL), "bfloat16", gpu=True)
+    assert layer.fused_prefill and layer.fused_block_v == 128
 
 
 def test_model_with_fused_prefill_matches_generic_model():

@@ -31,7 +31,9 @@ def build(out: Path, H: int) -> None:
 
     fs = {"intra": kda_prefill_intra_tc_kernel(H, K, K, K ** -0.5),
           "state": kda_prefill_state_tc_kernel(H, K, K, block_v=bv, a_batch=8),
-          "fused": kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=64 if H >= 48 else 16)}
+          # as relax_modules/kda.py dispatches it
+          "fused": kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=128 if H >= 96 else 64,
+                                            a_batch=4 if H >= 96 else 8)}
     mod = tvm.IRModule({n: f.with_attr("global_symbol", n) for n, f in fs.items()})
     with precompiled_cuda(spec.nvcc_arch, options=("--ptxas-options=--register-usage-level=5",)), \
             respect_manual_barriers():
