@@ -87,6 +87,8 @@ PREFILL_SHAPES = ((8192,), (2048, 2048, 2048, 2048))
 PREFILL_TOL_O, PREFILL_TOL_STATE = 2e-4, 3e-3
 # fused one-kernel prefill (schedules/kda_prefill_fused.py): (block_v, a_batch)
 PREFILL_FUSED = ((128, 4), (64, 8), (32, 8), (16, 8))
+# the fused kernel with its own L2 norms, gate and β (lower_bound mode): (block_v, a_batch)
+PREFILL_FUSED_PRE = ((128, 4), (64, 8))
 # the two-kernel pair as the model dispatches it (relax_modules/kda.py): block_v per head count
 PREFILL_TC_MODEL = {96: ((32, 8),), 12: ((16, 8),)}
 # TVM 0.27 passes ptxas --register-usage-level=10; level 5 as for the MoE kernels
@@ -128,6 +130,14 @@ def build_prefill(out_dir: Path, baseline: bool = True, all_tc: bool = True) -> 
                 lib = tvm.compile(tvm.IRModule({"kda_prefill_fused": f.with_attr("global_symbol", "kda_prefill_fused")}),
                                   target=spec.tvm_target())
             path = out_dir / f"kda_prefill_fused_h{h}_bv{bv}_ab{ab}.so"
+            lib.export_library(str(path))
+            print(f"built {path}")
+        for bv, ab in PREFILL_FUSED_PRE:
+            f = kda_prefill_fused_kernel(h, K, V, K ** -0.5, block_v=bv, a_batch=ab, lower_bound=LOWER_BOUND)
+            with precompiled_cuda(spec.nvcc_arch, options=PREFILL_NVCC_OPTIONS), respect_manual_barriers():
+                lib = tvm.compile(tvm.IRModule({"kda_prefill_fused": f.with_attr("global_symbol", "kda_prefill_fused")}),
+                                  target=spec.tvm_target())
+            path = out_dir / f"kda_prefill_fusedpre_h{h}_bv{bv}_ab{ab}.so"
             lib.export_library(str(path))
             print(f"built {path}")
         for bv, ab in PREFILL_TC if all_tc else PREFILL_TC_MODEL[h]:
@@ -332,6 +342,10 @@ def run_prefill(lib_dir: Path, log: Path | None = None, fla_checks: bool = True,
             path = lib_dir / f"kda_prefill_fused_h{H}_bv{bv}_ab{ab}.so"
             if path.exists():
                 fns[f"fused_bv{bv}_ab{ab}"] = (tvm.runtime.load_module(str(path))["kda_prefill_fused"], None)
+        for bv, ab in PREFILL_FUSED_PRE:
+            path = lib_dir / f"kda_prefill_fusedpre_h{H}_bv{bv}_ab{ab}.so"
+            if path.exists():
+                fns[f"fusedpre_bv{bv}_ab{ab}"] = (tvm.runtime.load_module(str(path))["kda_prefill_fused"], "pre")
         for bv, ab in PREFILL_TC:
             path = lib_dir / f"kda_prefill_tc_h{H}_bv{bv}_ab{ab}.so"
             if not path.exists():   # the build decides which variants there are
@@ -352,11 +366,15 @@ def run_prefill(lib_dir: Path, log: Path | None = None, fla_checks: bool = True,
             cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32, device=dev)
             return raw, pre, cu
 
-        def ours(name, pre, cu, pool, slots, o, scr, part="both", fns=fns):
+        def ours(name, pre, cu, pool, slots, o, scr, part="both", fns=fns, raw=None, A_log=A_log, dt_bias=dt_bias):
             fi, fs = fns[name]
             A = tvm.runtime.from_dlpack
             if fs is None:   # the fused kernel: q, k, v, g, beta, cu, slots, state, layer, o
                 args = [A(pre[n]) for n in ("q", "k", "v", "g", "beta")] + [A(cu), A(slots), A(pool), 0, A(o)]
+                return lambda: fi(*args)
+            if fs == "pre":   # ... with its own L2 norms, gate and β: raw q, k, v, f, b
+                args = ([A(raw[n]) for n in ("q", "k", "v", "f", "b")] + [A(A_log), A(dt_bias)]
+                        + [A(cu), A(slots), A(pool), 0, A(o)])
                 return lambda: fi(*args)
             a_i = [A(pre[n]) for n in ("k", "q", "v", "g", "beta")] + [A(cu)] + [A(scr[n]) for n in SN]
             a_s = [A(scr[n]) for n in SN] + [A(cu), A(slots), A(pool)]
@@ -396,7 +414,7 @@ def run_prefill(lib_dir: Path, log: Path | None = None, fla_checks: bool = True,
                 pool = torch.zeros(1, B + 2, H, K, V, device=dev)
                 pool[0, slots.long()] = S0
                 o = torch.full((Tn, H, V), float("nan"), device=dev)
-                ours(name, pre, cu, pool, slots, o, scratch(Tn, B))()
+                ours(name, pre, cu, pool, slots, o, scratch(Tn, B), raw=raw)()
                 torch.cuda.synchronize()
                 err_o = (o - o_ref).abs().max().item()
                 err_s = (pool[0, slots.long()] - S_ref).abs().max().item()
@@ -428,13 +446,15 @@ def run_prefill(lib_dir: Path, log: Path | None = None, fla_checks: bool = True,
             o = torch.empty(Tn, H, V, device=dev)
             scr = scratch(Tn, B)
             tm = lambda f: time_cuda(f, iters=5, warmup=2, per_sample=3)  # noqa: E731
-            per = {name: tm(ours(name, pre, cu, pool, slots, o, scr)) for name in fns}
+            per = {name: tm(ours(name, pre, cu, pool, slots, o, scr, raw=raw)) for name in fns}
             tc = [n for n in per if n.startswith("tc")]
-            fused = [n for n in per if n.startswith("fused")]
+            fused = [n for n in per if n.startswith("fused_")]
+            fused_pre = [n for n in per if n.startswith("fusedpre_")]
             best = min(tc + fused, key=per.get)
             row = {"kind": "time", "heads": H, "lens": list(lens), "ours_ms": per[best], "best": best,
                    "variants_ms": per,
                    "fused_ms": min([per[n] for n in fused], default=None),
+                   "fused_pre_ms": min([per[n] for n in fused_pre], default=None),
                    "two_kernel_ms": min([per[n] for n in tc], default=None),
                    "fp32_ms": min([per[n] for n in per if n.startswith("fp32")], default=None)}
             if tc:
@@ -468,6 +488,9 @@ def run_prefill(lib_dir: Path, log: Path | None = None, fla_checks: bool = True,
                       "speedup_vs_fla_bf16_gated": row["speedup_vs_fla_bf16_gated"], "heads": row["heads"], "lens": row["lens"], "fla_ms": row["fla_ms"],
                       "ours_ms": row["ours_ms"], "best": row["best"], "speedup_vs_fla": row["speedup_vs_fla"],
                       "fused_speedup_vs_fla": row["fla_ms"] / row["fused_ms"] if row["fused_ms"] else None,
+                      # kernel against kernel, both with L2 norms, gate and β inside
+                      "fused_pre_speedup_vs_fla_bf16_gated":
+                          row["fla_bf16_gated_ms"] / row["fused_pre_ms"] if row["fused_pre_ms"] else None,
                       "two_kernel_speedup_vs_fla": row["fla_ms"] / row["two_kernel_ms"] if row["two_kernel_ms"] else None})
             later.append(("time", fla_time))
     for kind in ("long", "time", "check"):
@@ -542,7 +565,8 @@ def _plot_prefill(res: dict, path: Path) -> None:
     trows = [r for r in res["prefill"] if r["kind"] == "time"]
     if not trows:
         return
-    series = [("fused_ms", "TIR fused (one kernel)"), ("two_kernel_ms", "TIR two kernels (intra + state)"),
+    series = [("fused_ms", "TIR fused (one kernel)"), ("fused_pre_ms", "TIR fused, gate/L2/β in kernel"),
+              ("two_kernel_ms", "TIR two kernels (intra + state)"),
               ("fp32_ms", "TIR fp32 CUDA cores (before)"), ("fla_ms", "fla chunk_kda, same fp32 inputs"),
               ("fla_bf16_gated_ms", "fla chunk_kda, bf16, gate/L2/β in kernel")]
     series = [(k, label) for k, label in series if any(r.get(k) for r in trows)]

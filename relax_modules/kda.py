@@ -93,6 +93,9 @@ class KimiDeltaAttention(nn.Module):
         # 128 columns (one block per head: ~23 µs per chunk) at 96+ heads; below, 64 (two blocks
         # per head, ~17 µs per chunk at 12 heads) keeps ≥ 96 blocks busy — not measured at 48
         self.fused_block_v = 128 if H >= 96 else 64
+        # the fused kernel's own L2 norms, gate and β (lower_bound mode) instead of the graph's
+        # ops: written and checked on the CPU, not yet timed on the GPU, so off by default
+        self.fused_prefill_preprocess = False
         self.eps = config.rms_norm_eps
         self.dtype = dtype
         hidden, HK = config.hidden_size, H * K
@@ -160,6 +163,19 @@ class KimiDeltaAttention(nn.Module):
         if decode and self.decode_tiling is not None:
             out, kda_state = self._fused_decode(x, q, k, v, meta, kda_state, kda_index)
             return out, kda_state, conv_state
+        if not decode and self.fused_prefill and self.fused_prefill_preprocess:
+            # steps 2-5 in one kernel (L2 norms, gate and β inside)
+            f = op.astype(op.reshape(self.f_b_proj(self.f_a_proj(x)), (T, H, K)), "float32")
+            b = op.astype(self.b_proj(x), "float32")
+            kda_state, o = op.tensor_ir_inplace_op(
+                kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=self.fused_block_v,
+                                         a_batch=4 if self.fused_block_v == 128 else 8,
+                                         lower_bound=self.lower_bound), "kda_prefill_fused_pre",
+                [q, k, v, f, b, self.A_log, self.dt_bias, meta.cu_seqlens, meta.seq_slots, kda_state,
+                 _i32(kda_index)],
+                [9, -1], [nn.Tensor.placeholder(kda_state.shape, "float32"),
+                          nn.Tensor.placeholder((T, H, K), "float32")])
+            return self._output(x, o), kda_state, conv_state
         # 2. q, k L2-normalized per head (eps 1e-6); q scaled by K^-1/2 (inside the kernel)
         q, k = self._l2_normalize(q), self._l2_normalize(k)
         # 3. decay gate in log space, per channel

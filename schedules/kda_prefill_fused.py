@@ -110,6 +110,7 @@ __device__ __forceinline__ float k3_ex2(float x) {
 }
 """
 LOG2E = 1.4426950408889634
+L2_NORM_EPS = 1e-6       # spec §3 step 2 (relax_modules/kda.py, fla's l2norm)
 
 
 def _loops(emulate: bool):
@@ -206,7 +207,8 @@ def _ex2(emulate: bool):
 
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int = 64,
-                             a_batch: int = 8, emulate: bool = False):
+                             a_batch: int = 8, lower_bound: float | None = None,
+                             emulate: bool = False):
     """The fused chunked prefill, one block per (sequence, head, ``block_v`` columns of V).
     PrimFunc arguments::
 
@@ -220,6 +222,22 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
         layer       int32                      index into kda_state's first axis
         o           [T, H, V]        float32   out
 
+    With ``lower_bound`` (the gate's lb, −5.5 ≤ lb < 0) the kernel also does the preprocessing
+    that the arguments above assume done (spec §3 steps 2-4, as fla's ``chunk_kda`` with
+    ``use_qk_l2norm_in_kernel``, ``use_gate_in_kernel``, ``use_beta_sigmoid_in_kernel``)::
+
+        q, k        [T, H, K]        float32   after the short conv, not yet L2-normalized
+        v           [T, H, V]        float32
+        f           [T, H, K]        float32   gate input f_b(f_a(x)) (g = lb·σ(e^{A_log}(f + dt_bias)))
+        b           [T, H]           float32   β logits (β = σ(b))
+        A_log       [H]              float32
+        dt_bias     [H·K]            float32
+        cu_seqlens, seq_slots, kda_state, layer, o   as above (kda_state: argument index 9)
+
+    q and k are divided by sqrt(Σ x² + 1e-6) per row after staging (L2_NORM_EPS of
+    relax_modules/kda.py), the gate computed in place of the staged f before its cumsum, β from
+    b; rows past the sequence end get g = 0 and β = 0 as before.
+
     ``block_v`` (16, 32, 64 or 128): columns of V per block; fewer columns give more blocks
     (more SMs busy when B·H is small) at the cost of repeating phase 2 in every block.
     ``a_batch`` (4 or 8): k-steps whose A fragments are loaded before their mmas in phases 3
@@ -227,6 +245,9 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
     """
     if K != 128 or V != 128:
         raise ValueError(f"the fused KDA prefill is written for K = V = 128, got K={K}, V={V}")
+    if lower_bound is not None and not -5.5 <= lower_bound < 0:
+        raise ValueError(f"lower_bound={lower_bound}: the fused prefill needs −5.5 ≤ lb < 0 (the "
+                         "in-chunk exponentials of a 16-row block must stay in fp32 range)")
     if block_v not in BLOCK_V or a_batch not in (4, 8):
         raise ValueError(f"unsupported block_v={block_v} / a_batch={a_batch} "
                          f"(block_v one of {BLOCK_V}, a_batch 4 or 8)")
@@ -258,7 +279,10 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
     O_D = O_X + C * RS
     XN = max(2 * SUB * KS, C * RS + C * DS)
     O_BT = O_X + XN
-    NSM = O_BT + C
+    O_RN = O_BT + C          # 1/‖k‖, 1/‖q‖ of the chunk's rows (in-kernel preprocessing)
+    PRE = lower_bound is not None
+    LB = float(lower_bound) if PRE else 0.0
+    NSM = O_RN + (2 * C if PRE else 0)
     if not emulate and NSM * 4 > 227 * 1024:
         raise ValueError(f"block_v={BV} needs {NSM * 4} bytes of shared memory (> 227 KB)")
     frag_a, mma, mma_rb, syncwarp, prefetch = _macros(emulate)
@@ -296,21 +320,10 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
                     for nt in T.unroll(tiles):
                         mma(acc, row, nt * 4, af, ks * 4 * (1 - EM), A, B, lane, (kh * AB + ks) * 8, nt * 8)
 
-    @T.prim_func(private=True)
-    def kda_prefill_fused(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle,
-                          beta_h: T.handle, cu_h: T.handle, slots_h: T.handle, state_h: T.handle,
-                          layer: T.int32, o_h: T.handle):
-        T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
-        n_tok, n_cu, n_seq, n_layer, n_slot = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
-        q = T.match_buffer(q_h, (n_tok, H, K), "float32")
-        k = T.match_buffer(k_h, (n_tok, H, K), "float32")
-        v = T.match_buffer(v_h, (n_tok, H, V), "float32")
-        g = T.match_buffer(g_h, (n_tok, H, K), "float32")
-        beta = T.match_buffer(beta_h, (n_tok, H), "float32")
-        cu = T.match_buffer(cu_h, (n_cu,), "int32")
-        slots = T.match_buffer(slots_h, (n_seq,), "int32")
-        S = T.match_buffer(state_h, (n_layer, n_slot, H, K, V), "float32")
-        o = T.match_buffer(o_h, (n_tok, H, V), "float32")
+    @T.macro
+    def fused_body(q, k, v, g, beta, A_log, dt_bias, cu, slots, S, layer, o, n_tok, n_cu):
+        """The kernel over its buffers; ``g`` / ``beta`` are f / b and ``A_log`` / ``dt_bias``
+        are read when ``PRE`` (None otherwise)."""
         for blk in BLK((n_cu - 1) * (H * NVB)):
             SM = T.alloc_buffer((NSM,), "float32", scope=SH)
             Sr = T.alloc_buffer((RT, NR), "float32", scope="local")  # S rows 16·wi …, fp32
@@ -355,7 +368,10 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
                     if SYNC:
                         ptx.commit()
                     if tx < C:
-                        SM[O_BT + tx] = T.Select(c0[0] + tx < c0[1], beta[T.min(c0[0] + tx, c0[1] - 1), blk // NVB % H], T.float32(0))
+                        if PRE:   # β = σ(b)
+                            SM[O_BT + tx] = T.Select(c0[0] + tx < c0[1], T.sigmoid(beta[T.min(c0[0] + tx, c0[1] - 1), blk // NVB % H]), T.float32(0))
+                        else:
+                            SM[O_BT + tx] = T.Select(c0[0] + tx < c0[1], beta[T.min(c0[0] + tx, c0[1] - 1), blk // NVB % H], T.float32(0))
                     if c0[0] + C + tx // 4 < c0[1]:
                         prefetch(q[c0[0] + C + tx // 4, blk // NVB % H, tx % 4 * 32])
                         prefetch(k[c0[0] + C + tx // 4, blk // NVB % H, tx % 4 * 32])
@@ -364,16 +380,51 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
                             prefetch(v[c0[0] + C + tx // 4, blk // NVB % H, blk % NVB * BV + tx % 4 * 32])
                     if SYNC:
                         ptx.wait(0)
-                # phase 1b: Γ = log2(e)·cumsum g in place (thread tx < K: column tx)
-                if SYNC:
-                    T.tvm_storage_sync("shared")
-                for tx in THR(NT):
-                    run = T.alloc_buffer((1,), "float32", scope="local")
-                    if tx < K:
-                        run[0] = T.float32(0)
-                        for i in T.unroll(C):
-                            run[0] = run[0] + gm(SM, i, tx) * T.float32(LOG2E)
-                            SM[O_G + i * KS + tx] = run[0]
+                if PRE:
+                    # phase 1a: 1/sqrt(Σx² + 1e-6) of k row tx (tx < C) and q row tx − C (tx < 2C)
+                    #           ‖ the gate g = lb·σ(e^{A_log}(f + dt_bias)) in place of the staged
+                    #           f, column tx − 2C (0 for rows past the sequence end)
+                    if SYNC:
+                        T.tvm_storage_sync("shared")
+                    for tx in THR(NT):
+                        c0 = T.alloc_buffer((2,), "int32", scope="local")
+                        ss = T.alloc_buffer((4,), "float32", scope="local")
+                        c0[0] = cu[blk // (H * NVB)] + c * C
+                        c0[1] = cu[blk // (H * NVB) + 1]
+                        if tx < 2 * C:
+                            for u in T.unroll(4):
+                                ss[u] = T.float32(0)
+                            for d in T.unroll(K):
+                                ss[d % 4] = ss[d % 4] + SM[O_KR + tx * KS + d] * SM[O_KR + tx * KS + d]
+                            SM[O_RN + tx] = T.rsqrt(ss[0] + ss[1] + ss[2] + ss[3] + T.float32(L2_NORM_EPS))
+                        else:
+                            for i in T.unroll(C):
+                                SM[O_G + i * KS + tx - 2 * C] = T.Select(c0[0] + i < c0[1], T.float32(LB) * T.sigmoid(T.exp(A_log[blk // NVB % H]) * (gm(SM, i, tx - 2 * C) + dt_bias[blk // NVB % H * K + tx - 2 * C])), T.float32(0))
+                    # phase 1b: Γ = log2(e)·cumsum g in place (thread tx < K: column tx) ‖ k, q
+                    #           rows scaled by their inverse norms (column tx − K)
+                    if SYNC:
+                        T.tvm_storage_sync("shared")
+                    for tx in THR(NT):
+                        run = T.alloc_buffer((1,), "float32", scope="local")
+                        if tx < K:
+                            run[0] = T.float32(0)
+                            for i in T.unroll(C):
+                                run[0] = run[0] + gm(SM, i, tx) * T.float32(LOG2E)
+                                SM[O_G + i * KS + tx] = run[0]
+                        else:
+                            for i in T.unroll(2 * C):
+                                SM[O_KR + i * KS + tx - K] = SM[O_KR + i * KS + tx - K] * SM[O_RN + i]
+                else:
+                    # phase 1b: Γ = log2(e)·cumsum g in place (thread tx < K: column tx)
+                    if SYNC:
+                        T.tvm_storage_sync("shared")
+                    for tx in THR(NT):
+                        run = T.alloc_buffer((1,), "float32", scope="local")
+                        if tx < K:
+                            run[0] = T.float32(0)
+                            for i in T.unroll(C):
+                                run[0] = run[0] + gm(SM, i, tx) * T.float32(LOG2E)
+                                SM[O_G + i * KS + tx] = run[0]
                 # phase 2: L and Aqk, one 16-row sub-block I at a time (reference r = Γ_{16I})
                 for I in range(NSUB):
                     if SYNC:
@@ -509,6 +560,43 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
                 for nt in T.unroll(N8):
                     for e in T.unroll(4):
                         S[layer, slots[blk // (H * NVB)], blk // NVB % H, tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8, blk % NVB * BV + nt * 8 + tx % 4 * 2 + e % 2] = Sr[tx * EM, nt * 4 + e]
+
+    if PRE:
+        @T.prim_func(private=True)
+        def kda_prefill_fused(q_h: T.handle, k_h: T.handle, v_h: T.handle, f_h: T.handle,
+                              b_h: T.handle, alog_h: T.handle, dtb_h: T.handle, cu_h: T.handle,
+                              slots_h: T.handle, state_h: T.handle, layer: T.int32, o_h: T.handle):
+            T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
+            n_tok, n_cu, n_seq, n_layer, n_slot = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
+            q = T.match_buffer(q_h, (n_tok, H, K), "float32")
+            k = T.match_buffer(k_h, (n_tok, H, K), "float32")
+            v = T.match_buffer(v_h, (n_tok, H, V), "float32")
+            f = T.match_buffer(f_h, (n_tok, H, K), "float32")
+            b = T.match_buffer(b_h, (n_tok, H), "float32")
+            A_log = T.match_buffer(alog_h, (H,), "float32")
+            dt_bias = T.match_buffer(dtb_h, (H * K,), "float32")
+            cu = T.match_buffer(cu_h, (n_cu,), "int32")
+            slots = T.match_buffer(slots_h, (n_seq,), "int32")
+            S = T.match_buffer(state_h, (n_layer, n_slot, H, K, V), "float32")
+            o = T.match_buffer(o_h, (n_tok, H, V), "float32")
+            fused_body(q, k, v, f, b, A_log, dt_bias, cu, slots, S, layer, o, n_tok, n_cu)
+    else:
+        @T.prim_func(private=True)
+        def kda_prefill_fused(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle,
+                              beta_h: T.handle, cu_h: T.handle, slots_h: T.handle, state_h: T.handle,
+                              layer: T.int32, o_h: T.handle):
+            T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
+            n_tok, n_cu, n_seq, n_layer, n_slot = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
+            q = T.match_buffer(q_h, (n_tok, H, K), "float32")
+            k = T.match_buffer(k_h, (n_tok, H, K), "float32")
+            v = T.match_buffer(v_h, (n_tok, H, V), "float32")
+            g = T.match_buffer(g_h, (n_tok, H, K), "float32")
+            beta = T.match_buffer(beta_h, (n_tok, H), "float32")
+            cu = T.match_buffer(cu_h, (n_cu,), "int32")
+            slots = T.match_buffer(slots_h, (n_seq,), "int32")
+            S = T.match_buffer(state_h, (n_layer, n_slot, H, K, V), "float32")
+            o = T.match_buffer(o_h, (n_tok, H, V), "float32")
+            fused_body(q, k, v, g, beta, None, None, cu, slots, S, layer, o, n_tok, n_cu)
 
     return kda_prefill_fused if emulate else mark(kda_prefill_fused)
 

@@ -49,6 +49,44 @@ def test_emulated_fused_kernel_matches_reference(block_v, a_batch, lens, initial
     np.testing.assert_array_equal(pool[untouched], ref_pool[untouched])
 
 
+def _raw_inputs(lens, H, K=128, seed=0):
+    """Inputs before the L2 norms, gate and β (spec §3 steps 2-4), and the preprocessed ones."""
+    rng = np.random.default_rng(seed)
+    Tn, B = sum(lens), len(lens)
+    raw = {"q": rng.standard_normal((Tn, H, K)) * 3, "k": rng.standard_normal((Tn, H, K)) * 0.5,
+           "v": rng.standard_normal((Tn, H, K)), "f": rng.standard_normal((Tn, H, K)),
+           "b": rng.standard_normal((Tn, H)), "A_log": np.log(rng.uniform(1, 16, H)),
+           "dt_bias": rng.standard_normal(H * K) * 0.5}
+    raw = {n: a.astype(np.float32) for n, a in raw.items()}
+    l2 = lambda x: x / np.sqrt((x.astype(np.float64) ** 2).sum(-1, keepdims=True) + 1e-6)  # noqa: E731
+    z = np.exp(raw["A_log"].astype(np.float64))[None, :, None] * (raw["f"] + raw["dt_bias"].reshape(1, H, K))
+    pre = {"q": l2(raw["q"]), "k": l2(raw["k"]), "v": raw["v"], "g": -5.0 / (1 + np.exp(-z)),
+           "beta": 1 / (1 + np.exp(-raw["b"].astype(np.float64)))}
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    slots = np.arange(B, dtype=np.int32)[::-1].copy()
+    pool = (rng.standard_normal((2, B + 1, H, K, K)) * 0.1).astype(np.float32)
+    return raw, pre, cu, slots, pool
+
+
+def test_emulated_fused_kernel_with_preprocessing_matches_reference():
+    """lower_bound mode: L2 norms of q and k, the gate and β inside the kernel."""
+    import tvm
+
+    H, K = 2, 128
+    raw, pre, cu, slots, pool = _raw_inputs([1, 15, 64, 70], H, seed=5)
+    ref_pool = pool.copy()
+    o_ref = kda_prefill_reference(pre["q"], pre["k"], pre["v"], pre["g"], pre["beta"], cu, slots,
+                                  ref_pool, 1, K ** -0.5)
+    f = kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=32, lower_bound=-5.0, emulate=True)
+    lib = tvm.compile(tvm.IRModule({"f": f.with_attr("global_symbol", "f")}), target="llvm")
+    A = tvm.runtime.tensor
+    pt, o = A(pool), A(np.full(raw["v"].shape, np.nan, np.float32))
+    lib["f"](*(A(raw[n]) for n in ("q", "k", "v", "f", "b", "A_log", "dt_bias")), A(cu), A(slots), pt, 1, o)
+    assert not np.isnan(o.numpy()).any()
+    np.testing.assert_allclose(o.numpy(), o_ref, atol=1e-5)
+    np.testing.assert_allclose(pt.numpy(), ref_pool, atol=1e-5)
+
+
 def test_fused_kernel_rejects_unsupported_sizes():
     with pytest.raises(ValueError, match="K = V = 128"):
         kda_prefill_fused_kernel(2, 64, 64, 0.125)
@@ -56,6 +94,8 @@ def test_fused_kernel_rejects_unsupported_sizes():
         kda_prefill_fused_kernel(2, 128, 128, 0.1, block_v=48)
     with pytest.raises(ValueError, match="a_batch=3"):
         kda_prefill_fused_kernel(2, 128, 128, 0.1, a_batch=3)
+    with pytest.raises(ValueError, match="lower_bound=-6"):
+        kda_prefill_fused_kernel(2, 128, 128, 0.1, lower_bound=-6.0)
 
 
 @needs_nvcc
@@ -64,7 +104,8 @@ def test_fused_kernel_compiles_to_fatbin_for_sm90a(tmp_path):
         "from schedules.barriers import respect_manual_barriers\n"
         "from schedules.kda_prefill_fused import kda_prefill_fused_kernel\n"
         "f = kda_prefill_fused_kernel(3, 128, 128, 128 ** -0.5, block_v=128, a_batch=4)\n"
-        "mod = tvm.IRModule({'f': f.with_attr('global_symbol', 'f')})", tmp_path,
+        "p = kda_prefill_fused_kernel(3, 128, 128, 128 ** -0.5, block_v=64, lower_bound=-5.0)\n"
+        "mod = tvm.IRModule({'f': f.with_attr('global_symbol', 'f'), 'p': p.with_attr('global_symbol', 'p')})", tmp_path,
         contexts="respect_manual_barriers()", keep_src=True)
     assert "fatbin" in out
     src = "".join(p.read_text() for p in (tmp_path / "src").glob("*.cu"))
@@ -104,10 +145,12 @@ def test_k3_dispatches_fused_prefill():
     assert layer.fused_prefill and layer.fused_block_v == 128
 
 
-def test_model_with_fused_prefill_matches_generic_model():
-    """The model's fused prefill path (relax_modules/kda.py: argument order, in-place state)
-    with the kernel emulated on the CPU gives k3-nano's logits of the generic model: two
-    ragged sequences of 3 and 1 chunks prefilled together, then one continued from its state."""
+@pytest.mark.parametrize("preprocess", [False, True])
+def test_model_with_fused_prefill_matches_generic_model(preprocess):
+    """The model's fused prefill path (relax_modules/kda.py: argument order, in-place state;
+    with ``preprocess`` the kernel's own L2 norms, gate and β) with the kernel emulated on the
+    CPU gives k3-nano's logits of the generic model: two ragged sequences of 3 and 1 chunks
+    prefilled together, then one continued from its state."""
     import functools
 
     import tvm
@@ -137,11 +180,13 @@ def test_model_with_fused_prefill_matches_generic_model():
         assert layers
         for layer in layers:
             layer.tc_prefill = layer.fused_prefill = True
+            layer.fused_prefill_preprocess = preprocess
         mod, params = model.export()
         fused = engine(ExportedModel(mod, [(n, tuple(int(s) for s in p.shape), p.dtype) for n, p in params],
                                      cfg, "float32", model.page_size))
     finally:
         kda_mod.kda_prefill_fused_kernel = saved
+    assert ("kda_prefill_fused_pre" in mod.script()) == preprocess
     assert "kda_prefill_fused" in mod.script()
     rng = np.random.default_rng(1)
     a, b, c = ([int(t) for t in rng.integers(3, 1000, size=n)] for n in (150, 40, 30))
