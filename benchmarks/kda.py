@@ -87,6 +87,8 @@ PREFILL_SHAPES = ((8192,), (2048, 2048, 2048, 2048))
 PREFILL_TOL_O, PREFILL_TOL_STATE = 2e-4, 3e-3
 # fused one-kernel prefill (schedules/kda_prefill_fused.py): (block_v, a_batch)
 PREFILL_FUSED = ((128, 4), (64, 8), (32, 8), (16, 8))
+# ... with phase 2 in two paired rounds (p2_pairs): (block_v, a_batch)
+PREFILL_FUSED_P2 = ((128, 4), (64, 8), (16, 8))
 # the fused kernel with its own L2 norms, gate and β (lower_bound mode): (block_v, a_batch)
 PREFILL_FUSED_PRE = ((128, 4), (64, 8))
 # the two-kernel pair as the model dispatches it (relax_modules/kda.py): block_v per head count
@@ -130,6 +132,14 @@ def build_prefill(out_dir: Path, baseline: bool = True, all_tc: bool = True) -> 
                 lib = tvm.compile(tvm.IRModule({"kda_prefill_fused": f.with_attr("global_symbol", "kda_prefill_fused")}),
                                   target=spec.tvm_target())
             path = out_dir / f"kda_prefill_fused_h{h}_bv{bv}_ab{ab}.so"
+            lib.export_library(str(path))
+            print(f"built {path}")
+        for bv, ab in PREFILL_FUSED_P2:
+            f = kda_prefill_fused_kernel(h, K, V, K ** -0.5, block_v=bv, a_batch=ab, p2_pairs=True)
+            with precompiled_cuda(spec.nvcc_arch, options=PREFILL_NVCC_OPTIONS), respect_manual_barriers():
+                lib = tvm.compile(tvm.IRModule({"kda_prefill_fused": f.with_attr("global_symbol", "kda_prefill_fused")}),
+                                  target=spec.tvm_target())
+            path = out_dir / f"kda_prefill_fused_p2_h{h}_bv{bv}_ab{ab}.so"
             lib.export_library(str(path))
             print(f"built {path}")
         for bv, ab in PREFILL_FUSED_PRE:
@@ -342,6 +352,10 @@ def run_prefill(lib_dir: Path, log: Path | None = None, fla_checks: bool = True,
             path = lib_dir / f"kda_prefill_fused_h{H}_bv{bv}_ab{ab}.so"
             if path.exists():
                 fns[f"fused_bv{bv}_ab{ab}"] = (tvm.runtime.load_module(str(path))["kda_prefill_fused"], None)
+        for bv, ab in PREFILL_FUSED_P2:
+            path = lib_dir / f"kda_prefill_fused_p2_h{H}_bv{bv}_ab{ab}.so"
+            if path.exists():
+                fns[f"fused_p2_bv{bv}_ab{ab}"] = (tvm.runtime.load_module(str(path))["kda_prefill_fused"], None)
         for bv, ab in PREFILL_FUSED_PRE:
             path = lib_dir / f"kda_prefill_fusedpre_h{H}_bv{bv}_ab{ab}.so"
             if path.exists():

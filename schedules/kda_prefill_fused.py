@@ -208,7 +208,7 @@ def _ex2(emulate: bool):
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int = 64,
                              a_batch: int = 8, lower_bound: float | None = None,
-                             emulate: bool = False):
+                             p2_pairs: bool = False, emulate: bool = False):
     """The fused chunked prefill, one block per (sequence, head, ``block_v`` columns of V).
     PrimFunc arguments::
 
@@ -237,6 +237,10 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
     q and k are divided by sqrt(Σ x² + 1e-6) per row after staging (L2_NORM_EPS of
     relax_modules/kda.py), the gate computed in place of the staged f before its cumsum, β from
     b; rows past the sequence end get g = 0 and β = 0 as before.
+
+    ``p2_pairs``: phase 2 in two rounds of two sub-blocks each (ka / qa of both staged at once;
+    the 6 and 14 column tiles of the rounds spread over the warps) instead of four rounds of
+    one: 4 barriers fewer per chunk; not yet timed on the GPU, so off by default.
 
     ``block_v`` (16, 32, 64 or 128): columns of V per block; fewer columns give more blocks
     (more SMs busy when B·H is small) at the cost of repeating phase 2 in every block.
@@ -277,7 +281,7 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
     O_LA = O_SS + BV * SN
     O_X = O_LA + C * LS                    # ka | qa in phase 2; vn | D^{-1} afterwards
     O_D = O_X + C * RS
-    XN = max(2 * SUB * KS, C * RS + C * DS)
+    XN = max((4 if p2_pairs else 2) * SUB * KS, C * RS + C * DS)
     O_BT = O_X + XN
     O_RN = O_BT + C          # 1/‖k‖, 1/‖q‖ of the chunk's rows (in-kernel preprocessing)
     PRE = lower_bound is not None
@@ -305,6 +309,29 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
 
     def vn(SM, j, n):
         return SM[O_X + j * RS + n]
+
+    @T.macro
+    def l_aqk_tile(SM, acc, af, bf, tx, I, nt, XO):
+        """Columns 8·nt … 8·nt+7 of L and Aqk for the rows of sub-block I (runtime values), ka /
+        qa staged at SM[XO …]; B = k e^{r−Γ} computed once per k-step for both products."""
+        for r in T.unroll(8):
+            acc[tx * EM, r] = T.float32(0)
+        for ks in T.unroll(K // 8):
+            bf[0] = tf32(kr(SM, nt * 8 + tx % 32 // 4, ks * 8 + tx % 4) * ex2(gm(SM, I * SUB, ks * 8 + tx % 4) - gm(SM, nt * 8 + tx % 32 // 4, ks * 8 + tx % 4)))
+            bf[1] = tf32(kr(SM, nt * 8 + tx % 32 // 4, ks * 8 + tx % 4 + 4) * ex2(gm(SM, I * SUB, ks * 8 + tx % 4 + 4) - gm(SM, nt * 8 + tx % 32 // 4, ks * 8 + tx % 4 + 4)))
+            frag_a(af, 0, lambda i, d: SM[XO + i * KS + d], tx % 32, ks * 8)
+            mma_rb(acc, tx * EM, 0, af, 0, bf, 0, lambda i, d: SM[XO + i * KS + d],
+                   lambda d, j: kr(SM, j, d) * ex2(gm(SM, I * SUB, d) - gm(SM, j, d)), tx % 32, ks * 8, nt * 8)
+            frag_a(af, 0, lambda i, d: SM[XO + (SUB + i) * KS + d], tx % 32, ks * 8)
+            mma_rb(acc, tx * EM, 4, af, 0, bf, 0, lambda i, d: SM[XO + (SUB + i) * KS + d],
+                   lambda d, j: kr(SM, j, d) * ex2(gm(SM, I * SUB, d) - gm(SM, j, d)), tx % 32, ks * 8, nt * 8)
+        # entry e: row I·16 + gr + 8(e//2), column 8·nt + 2·tg + e%2
+        for e in T.unroll(4):
+            if nt * 8 + tx % 4 * 2 + e % 2 < I * SUB + tx % 32 // 4 + e // 2 * 8:
+                SM[O_LA + (nt * 8 + tx % 4 * 2 + e % 2) * LS + I * SUB + tx % 32 // 4 + e // 2 * 8] = tf32(SM[O_BT + I * SUB + tx % 32 // 4 + e // 2 * 8] * acc[tx * EM, e])
+                SM[O_LA + (I * SUB + tx % 32 // 4 + e // 2 * 8) * LS + nt * 8 + tx % 4 * 2 + e % 2] = tf32(acc[tx * EM, 4 + e])
+            elif nt * 8 + tx % 4 * 2 + e % 2 == I * SUB + tx % 32 // 4 + e // 2 * 8:
+                SM[O_LA + (I * SUB + tx % 32 // 4 + e // 2 * 8) * LS + nt * 8 + tx % 4 * 2 + e % 2] = tf32(acc[tx * EM, 4 + e])
 
     @T.macro
     def gemm(acc, row, af, A, B, steps, tiles, lane, last):
@@ -425,39 +452,64 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
                             for i in T.unroll(C):
                                 run[0] = run[0] + gm(SM, i, tx) * T.float32(LOG2E)
                                 SM[O_G + i * KS + tx] = run[0]
-                # phase 2: L and Aqk, one 16-row sub-block I at a time (reference r = Γ_{16I})
-                for I in range(NSUB):
-                    if SYNC:
-                        T.tvm_storage_sync("shared")
-                    for tx in THR(NT):
-                        for it in T.unroll(SUB * K // NT):
-                            SM[O_X + (it * (NT // K) + tx // K) * KS + tx % K] = tf32(kr(SM, I * SUB + it * (NT // K) + tx // K, tx % K) * ex2(gm(SM, I * SUB + it * (NT // K) + tx // K, tx % K) - gm(SM, I * SUB, tx % K)))
-                            SM[O_X + (SUB + it * (NT // K) + tx // K) * KS + tx % K] = tf32(T.float32(scale) * qr(SM, I * SUB + it * (NT // K) + tx // K, tx % K) * ex2(gm(SM, I * SUB + it * (NT // K) + tx // K, tx % K) - gm(SM, I * SUB, tx % K)))
-                    if SYNC:
-                        T.tvm_storage_sync("shared")
-                    for tx in THR(NT):
-                        af = T.alloc_buffer((4,), "float32", scope="local")
-                        acc = T.alloc_buffer((RT, 8), "float32", scope="local")   # L tile, Aqk tile
-                        bf = T.alloc_buffer((2,), "float32", scope="local")
-                        if tx // 32 <= I * 2 + 1:
-                            for r in T.unroll(8):
-                                acc[tx * EM, r] = T.float32(0)
-                            for ks in T.unroll(K // 8):   # B = k e^{r−Γ}, columns 8·wi …, once for both
-                                bf[0] = tf32(kr(SM, tx // 32 * 8 + tx % 32 // 4, ks * 8 + tx % 4) * ex2(gm(SM, I * SUB, ks * 8 + tx % 4) - gm(SM, tx // 32 * 8 + tx % 32 // 4, ks * 8 + tx % 4)))
-                                bf[1] = tf32(kr(SM, tx // 32 * 8 + tx % 32 // 4, ks * 8 + tx % 4 + 4) * ex2(gm(SM, I * SUB, ks * 8 + tx % 4 + 4) - gm(SM, tx // 32 * 8 + tx % 32 // 4, ks * 8 + tx % 4 + 4)))
-                                frag_a(af, 0, lambda i, d: SM[O_X + i * KS + d], tx % 32, ks * 8)
-                                mma_rb(acc, tx * EM, 0, af, 0, bf, 0, lambda i, d: SM[O_X + i * KS + d],
-                                       lambda d, j: kr(SM, j, d) * ex2(gm(SM, I * SUB, d) - gm(SM, j, d)), tx % 32, ks * 8, tx // 32 * 8)
-                                frag_a(af, 0, lambda i, d: SM[O_X + (SUB + i) * KS + d], tx % 32, ks * 8)
-                                mma_rb(acc, tx * EM, 4, af, 0, bf, 0, lambda i, d: SM[O_X + (SUB + i) * KS + d],
-                                       lambda d, j: kr(SM, j, d) * ex2(gm(SM, I * SUB, d) - gm(SM, j, d)), tx % 32, ks * 8, tx // 32 * 8)
-                            # entry e: row I·16 + gr + 8(e//2), column 8·wi + 2·tg + e%2
-                            for e in T.unroll(4):
-                                if tx // 32 * 8 + tx % 4 * 2 + e % 2 < I * SUB + tx % 32 // 4 + e // 2 * 8:
-                                    SM[O_LA + (tx // 32 * 8 + tx % 4 * 2 + e % 2) * LS + I * SUB + tx % 32 // 4 + e // 2 * 8] = tf32(SM[O_BT + I * SUB + tx % 32 // 4 + e // 2 * 8] * acc[tx * EM, e])
-                                    SM[O_LA + (I * SUB + tx % 32 // 4 + e // 2 * 8) * LS + tx // 32 * 8 + tx % 4 * 2 + e % 2] = tf32(acc[tx * EM, 4 + e])
-                                elif tx // 32 * 8 + tx % 4 * 2 + e % 2 == I * SUB + tx % 32 // 4 + e // 2 * 8:
-                                    SM[O_LA + (I * SUB + tx % 32 // 4 + e // 2 * 8) * LS + tx // 32 * 8 + tx % 4 * 2 + e % 2] = tf32(acc[tx * EM, 4 + e])
+                if p2_pairs:
+                    # phase 2, paired: rounds R = 0, 1 of sub-blocks 2R, 2R+1 (reference r =
+                    # Γ_{16I}); tile t < 8R+6 of a round is (I, nt) = (2R, t) for t < 4R+2, else
+                    # (2R+1, t − 4R − 2); warp wi takes tiles wi and wi + 8
+                    for R in range(2):
+                        if SYNC:
+                            T.tvm_storage_sync("shared")
+                        for tx in THR(NT):
+                            for sb in T.unroll(2):
+                                for it in T.unroll(SUB * K // NT):
+                                    SM[O_X + sb * 2 * SUB * KS + (it * (NT // K) + tx // K) * KS + tx % K] = tf32(kr(SM, (R * 2 + sb) * SUB + it * (NT // K) + tx // K, tx % K) * ex2(gm(SM, (R * 2 + sb) * SUB + it * (NT // K) + tx // K, tx % K) - gm(SM, (R * 2 + sb) * SUB, tx % K)))
+                                    SM[O_X + sb * 2 * SUB * KS + (SUB + it * (NT // K) + tx // K) * KS + tx % K] = tf32(T.float32(scale) * qr(SM, (R * 2 + sb) * SUB + it * (NT // K) + tx // K, tx % K) * ex2(gm(SM, (R * 2 + sb) * SUB + it * (NT // K) + tx // K, tx % K) - gm(SM, (R * 2 + sb) * SUB, tx % K)))
+                        if SYNC:
+                            T.tvm_storage_sync("shared")
+                        for tx in THR(NT):
+                            af = T.alloc_buffer((4,), "float32", scope="local")
+                            acc = T.alloc_buffer((RT, 8), "float32", scope="local")   # L tile, Aqk tile
+                            bf = T.alloc_buffer((2,), "float32", scope="local")
+                            ti = T.alloc_buffer((2,), "int32", scope="local")        # sub-block, n-tile
+                            for tt in range(2):
+                                if tx // 32 + tt * NW < R * 8 + 6:
+                                    ti[0] = T.Select(tx // 32 + tt * NW < R * 4 + 2, R * 2, R * 2 + 1)
+                                    ti[1] = T.Select(tx // 32 + tt * NW < R * 4 + 2, tx // 32 + tt * NW, tx // 32 + tt * NW - R * 4 - 2)
+                                    l_aqk_tile(SM, acc, af, bf, tx, ti[0], ti[1], O_X + (ti[0] - R * 2) * 2 * SUB * KS)
+                else:
+                    # phase 2: L and Aqk, one 16-row sub-block I at a time (reference r = Γ_{16I})
+                    for I in range(NSUB):
+                        if SYNC:
+                            T.tvm_storage_sync("shared")
+                        for tx in THR(NT):
+                            for it in T.unroll(SUB * K // NT):
+                                SM[O_X + (it * (NT // K) + tx // K) * KS + tx % K] = tf32(kr(SM, I * SUB + it * (NT // K) + tx // K, tx % K) * ex2(gm(SM, I * SUB + it * (NT // K) + tx // K, tx % K) - gm(SM, I * SUB, tx % K)))
+                                SM[O_X + (SUB + it * (NT // K) + tx // K) * KS + tx % K] = tf32(T.float32(scale) * qr(SM, I * SUB + it * (NT // K) + tx // K, tx % K) * ex2(gm(SM, I * SUB + it * (NT // K) + tx // K, tx % K) - gm(SM, I * SUB, tx % K)))
+                        if SYNC:
+                            T.tvm_storage_sync("shared")
+                        for tx in THR(NT):
+                            af = T.alloc_buffer((4,), "float32", scope="local")
+                            acc = T.alloc_buffer((RT, 8), "float32", scope="local")   # L tile, Aqk tile
+                            bf = T.alloc_buffer((2,), "float32", scope="local")
+                            if tx // 32 <= I * 2 + 1:
+                                for r in T.unroll(8):
+                                    acc[tx * EM, r] = T.float32(0)
+                                for ks in T.unroll(K // 8):   # B = k e^{r−Γ}, columns 8·wi …, once for both
+                                    bf[0] = tf32(kr(SM, tx // 32 * 8 + tx % 32 // 4, ks * 8 + tx % 4) * ex2(gm(SM, I * SUB, ks * 8 + tx % 4) - gm(SM, tx // 32 * 8 + tx % 32 // 4, ks * 8 + tx % 4)))
+                                    bf[1] = tf32(kr(SM, tx // 32 * 8 + tx % 32 // 4, ks * 8 + tx % 4 + 4) * ex2(gm(SM, I * SUB, ks * 8 + tx % 4 + 4) - gm(SM, tx // 32 * 8 + tx % 32 // 4, ks * 8 + tx % 4 + 4)))
+                                    frag_a(af, 0, lambda i, d: SM[O_X + i * KS + d], tx % 32, ks * 8)
+                                    mma_rb(acc, tx * EM, 0, af, 0, bf, 0, lambda i, d: SM[O_X + i * KS + d],
+                                           lambda d, j: kr(SM, j, d) * ex2(gm(SM, I * SUB, d) - gm(SM, j, d)), tx % 32, ks * 8, tx // 32 * 8)
+                                    frag_a(af, 0, lambda i, d: SM[O_X + (SUB + i) * KS + d], tx % 32, ks * 8)
+                                    mma_rb(acc, tx * EM, 4, af, 0, bf, 0, lambda i, d: SM[O_X + (SUB + i) * KS + d],
+                                           lambda d, j: kr(SM, j, d) * ex2(gm(SM, I * SUB, d) - gm(SM, j, d)), tx % 32, ks * 8, tx // 32 * 8)
+                                # entry e: row I·16 + gr + 8(e//2), column 8·wi + 2·tg + e%2
+                                for e in T.unroll(4):
+                                    if tx // 32 * 8 + tx % 4 * 2 + e % 2 < I * SUB + tx % 32 // 4 + e // 2 * 8:
+                                        SM[O_LA + (tx // 32 * 8 + tx % 4 * 2 + e % 2) * LS + I * SUB + tx % 32 // 4 + e // 2 * 8] = tf32(SM[O_BT + I * SUB + tx % 32 // 4 + e // 2 * 8] * acc[tx * EM, e])
+                                        SM[O_LA + (I * SUB + tx % 32 // 4 + e // 2 * 8) * LS + tx // 32 * 8 + tx % 4 * 2 + e % 2] = tf32(acc[tx * EM, 4 + e])
+                                    elif tx // 32 * 8 + tx % 4 * 2 + e % 2 == I * SUB + tx % 32 // 4 + e // 2 * 8:
+                                        SM[O_LA + (I * SUB + tx % 32 // 4 + e // 2 * 8) * LS + tx // 32 * 8 + tx % 4 * 2 + e % 2] = tf32(acc[tx * EM, 4 + e])
                 # phase 3: D_I^{-1} (warps 6-7: block I = t // 16, column t % 16) ‖ the rows
                 #          16·wi … of (e^Γ k) S → R = β (v − ·) (warps 0-3) or of Y = scale
                 #          (e^Γ q) S (warps 4-7, kept in registers)

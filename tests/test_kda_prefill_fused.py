@@ -20,12 +20,13 @@ from tests.test_config import REAL, real_only
 from tests.test_kda_prefill_cuda import _inputs
 
 
-@pytest.mark.parametrize("block_v,a_batch,lens,initial_state", [
-    (16, 8, [1, 65, 15, 64], True),
-    (64, 4, [63, 129], False),
-    (128, 8, [129, 1], True),
+@pytest.mark.parametrize("block_v,a_batch,lens,initial_state,p2_pairs", [
+    (16, 8, [1, 65, 15, 64], True, False),
+    (64, 4, [63, 129], False, False),
+    (128, 8, [129, 1], True, False),
+    (32, 8, [1, 65, 15, 64], True, True),
 ])
-def test_emulated_fused_kernel_matches_reference(block_v, a_batch, lens, initial_state):
+def test_emulated_fused_kernel_matches_reference(block_v, a_batch, lens, initial_state, p2_pairs):
     import tvm
 
     H, K = 2, 128
@@ -34,7 +35,8 @@ def test_emulated_fused_kernel_matches_reference(block_v, a_batch, lens, initial
         pool[:] = 0
     ref_pool = pool.copy()
     o_ref = kda_prefill_reference(q, k, v, g, beta, cu, slots, ref_pool, 1, K ** -0.5)
-    f = kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=block_v, a_batch=a_batch, emulate=True)
+    f = kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=block_v, a_batch=a_batch,
+                                 p2_pairs=p2_pairs, emulate=True)
     lib = tvm.compile(tvm.IRModule({"f": f.with_attr("global_symbol", "f")}), target="llvm")
     A = tvm.runtime.tensor
     pt, o = A(pool), A(np.full(v.shape, np.nan, np.float32))
@@ -105,7 +107,8 @@ def test_fused_kernel_compiles_to_fatbin_for_sm90a(tmp_path):
         "from schedules.kda_prefill_fused import kda_prefill_fused_kernel\n"
         "f = kda_prefill_fused_kernel(3, 128, 128, 128 ** -0.5, block_v=128, a_batch=4)\n"
         "p = kda_prefill_fused_kernel(3, 128, 128, 128 ** -0.5, block_v=64, lower_bound=-5.0)\n"
-        "mod = tvm.IRModule({'f': f.with_attr('global_symbol', 'f'), 'p': p.with_attr('global_symbol', 'p')})", tmp_path,
+        "r = kda_prefill_fused_kernel(3, 128, 128, 128 ** -0.5, block_v=16, p2_pairs=True)\n"
+        "mod = tvm.IRModule({n: x.with_attr('global_symbol', n) for n, x in (('f', f), ('p', p), ('r', r))})", tmp_path,
         contexts="respect_manual_barriers()", keep_src=True)
     assert "fatbin" in out
     src = "".join(p.read_text() for p in (tmp_path / "src").glob("*.cu"))
