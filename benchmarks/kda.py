@@ -85,12 +85,12 @@ PREFILL_SHAPES = ((8192,), (2048, 2048, 2048, 2048))
 # a check passes at these max |ours − naive| (TF32 products; fla chunk_kda measures 1.5e-4 /
 # 1.5e-3 on the same checks, kda_prefill_fused_v1_h200_2026-11-30.json); NaN fails
 PREFILL_TOL_O, PREFILL_TOL_STATE = 2e-4, 3e-3
-# fused one-kernel prefill (schedules/kda_prefill_fused.py): (block_v, a_batch)
-PREFILL_FUSED = ((128, 4), (64, 8), (32, 8), (16, 8))
-# ... with phase 2 in two paired rounds (p2_pairs): (block_v, a_batch)
-PREFILL_FUSED_P2 = ((128, 4), (64, 8), (16, 8))
-# the fused kernel with its own L2 norms, gate and β (lower_bound mode): (block_v, a_batch)
-PREFILL_FUSED_PRE = ((128, 4), (64, 8))
+# fused one-kernel prefill (schedules/kda_prefill_fused.py): (name, block_v, a_batch, options)
+# — plain; with phase 2 in two paired rounds; with its own L2 norms, gate and β (fusedpre_*:
+# raw inputs, compared with fla's gated call)
+PREFILL_FUSED = ([("fused", bv, ab, {}) for bv, ab in ((128, 4), (64, 8), (32, 8), (16, 8))]
+                 + [("fused_p2", bv, ab, {"p2_pairs": True}) for bv, ab in ((128, 4), (64, 8), (16, 8))]
+                 + [("fusedpre", bv, ab, {"lower_bound": LOWER_BOUND}) for bv, ab in ((128, 4), (64, 8))])
 # the two-kernel pair as the model dispatches it (relax_modules/kda.py): block_v per head count
 PREFILL_TC_MODEL = {96: ((32, 8),), 12: ((16, 8),)}
 # TVM 0.27 passes ptxas --register-usage-level=10; level 5 as for the MoE kernels
@@ -103,7 +103,7 @@ def build_prefill(out_dir: Path, baseline: bool = True, all_tc: bool = True) -> 
     (block_v, a_batch) (``kda_prefill_tc_h{H}_bv{BV}_ab{AB}.so``: ``kda_prefill_intra_tc``, the
     same with ``hoist_loads`` ``kda_prefill_intra_tc_hoist``, ``kda_prefill_state_tc``; every
     variant of ``PREFILL_TC``, or only the model's with ``all_tc`` false) and the fused kernel
-    per (block_v, a_batch) (``kda_prefill_fused_h{H}_bv{BV}_ab{AB}.so``)."""
+    per entry of ``PREFILL_FUSED`` (``kda_prefill_{name}_h{H}_bv{BV}_ab{AB}.so``)."""
     import tvm
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -126,28 +126,12 @@ def build_prefill(out_dir: Path, baseline: bool = True, all_tc: bool = True) -> 
             path = out_dir / f"kda_prefill_h{h}_bv{bv}.so"
             lib.export_library(str(path))
             print(f"built {path}")
-        for bv, ab in PREFILL_FUSED:
-            f = kda_prefill_fused_kernel(h, K, V, K ** -0.5, block_v=bv, a_batch=ab)
+        for name, bv, ab, opts in PREFILL_FUSED:
+            f = kda_prefill_fused_kernel(h, K, V, K ** -0.5, block_v=bv, a_batch=ab, **opts)
             with precompiled_cuda(spec.nvcc_arch, options=PREFILL_NVCC_OPTIONS), respect_manual_barriers():
                 lib = tvm.compile(tvm.IRModule({"kda_prefill_fused": f.with_attr("global_symbol", "kda_prefill_fused")}),
                                   target=spec.tvm_target())
-            path = out_dir / f"kda_prefill_fused_h{h}_bv{bv}_ab{ab}.so"
-            lib.export_library(str(path))
-            print(f"built {path}")
-        for bv, ab in PREFILL_FUSED_P2:
-            f = kda_prefill_fused_kernel(h, K, V, K ** -0.5, block_v=bv, a_batch=ab, p2_pairs=True)
-            with precompiled_cuda(spec.nvcc_arch, options=PREFILL_NVCC_OPTIONS), respect_manual_barriers():
-                lib = tvm.compile(tvm.IRModule({"kda_prefill_fused": f.with_attr("global_symbol", "kda_prefill_fused")}),
-                                  target=spec.tvm_target())
-            path = out_dir / f"kda_prefill_fused_p2_h{h}_bv{bv}_ab{ab}.so"
-            lib.export_library(str(path))
-            print(f"built {path}")
-        for bv, ab in PREFILL_FUSED_PRE:
-            f = kda_prefill_fused_kernel(h, K, V, K ** -0.5, block_v=bv, a_batch=ab, lower_bound=LOWER_BOUND)
-            with precompiled_cuda(spec.nvcc_arch, options=PREFILL_NVCC_OPTIONS), respect_manual_barriers():
-                lib = tvm.compile(tvm.IRModule({"kda_prefill_fused": f.with_attr("global_symbol", "kda_prefill_fused")}),
-                                  target=spec.tvm_target())
-            path = out_dir / f"kda_prefill_fusedpre_h{h}_bv{bv}_ab{ab}.so"
+            path = out_dir / f"kda_prefill_{name}_h{h}_bv{bv}_ab{ab}.so"
             lib.export_library(str(path))
             print(f"built {path}")
         for bv, ab in PREFILL_TC if all_tc else PREFILL_TC_MODEL[h]:
@@ -348,18 +332,11 @@ def run_prefill(lib_dir: Path, log: Path | None = None, fla_checks: bool = True,
             if path.exists():
                 m = tvm.runtime.load_module(str(path))
                 fns[f"fp32_bv{bv}"] = (m["kda_prefill_intra"], m["kda_prefill_state"])
-        for bv, ab in PREFILL_FUSED:
-            path = lib_dir / f"kda_prefill_fused_h{H}_bv{bv}_ab{ab}.so"
-            if path.exists():
-                fns[f"fused_bv{bv}_ab{ab}"] = (tvm.runtime.load_module(str(path))["kda_prefill_fused"], None)
-        for bv, ab in PREFILL_FUSED_P2:
-            path = lib_dir / f"kda_prefill_fused_p2_h{H}_bv{bv}_ab{ab}.so"
-            if path.exists():
-                fns[f"fused_p2_bv{bv}_ab{ab}"] = (tvm.runtime.load_module(str(path))["kda_prefill_fused"], None)
-        for bv, ab in PREFILL_FUSED_PRE:
-            path = lib_dir / f"kda_prefill_fusedpre_h{H}_bv{bv}_ab{ab}.so"
-            if path.exists():
-                fns[f"fusedpre_bv{bv}_ab{ab}"] = (tvm.runtime.load_module(str(path))["kda_prefill_fused"], "pre")
+        for name, bv, ab, opts in PREFILL_FUSED:
+            path = lib_dir / f"kda_prefill_{name}_h{H}_bv{bv}_ab{ab}.so"
+            if path.exists():   # raw inputs ("pre") for the kernel with its own preprocessing
+                fns[f"{name}_bv{bv}_ab{ab}"] = (tvm.runtime.load_module(str(path))["kda_prefill_fused"],
+                                                "pre" if "lower_bound" in opts else None)
         for bv, ab in PREFILL_TC:
             path = lib_dir / f"kda_prefill_tc_h{H}_bv{bv}_ab{ab}.so"
             if not path.exists():   # the build decides which variants there are

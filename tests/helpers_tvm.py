@@ -7,6 +7,8 @@
 - :func:`nd` — numpy → ``tvm.runtime.Tensor`` on the CPU.
 - :func:`build_sm90a_fatbin` / :data:`needs_nvcc` — build kernels for cuda-sm90a in a
   subprocess (device code precompiled by nvcc) and report what the library holds.
+- :func:`nano_kda_prefill_vs_generic` — k3-nano's logits with a KDA prefill path under test
+  (kernels replaced by emulated stand-ins) and with the generic kernels.
 """
 
 from __future__ import annotations
@@ -128,3 +130,51 @@ def build_sm90a_fatbin(setup: str, tmp_path: Path, contexts: str = "", keep_src:
         f"print([b.content for b in inspect_library('{tmp_path}/k.so')])\n"
     )
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+
+
+def nano_kda_prefill_vs_generic(patched: dict, configure, seed: int = 0):
+    """k3-nano (float32, llvm) with the KDA layers' prefill kernels replaced — ``patched`` maps
+    names in ``relax_modules.kda`` to stand-ins (emulated CUDA kernels), ``configure(layer)``
+    switches each KDA layer to the path under test — against the generic model: two ragged
+    sequences of 3 and 1 chunks prefilled together, then one continued from its state.
+
+    Returns ``(script, outs, refs)``: the patched model's TVMScript (to check which kernels it
+    calls) and both models' all-token logits of the two prefill calls."""
+    import relax_modules.kda as kda_mod
+    from k3_compile.config import K3Config
+    from k3_compile.pipeline import ExportedModel, compile_llvm, export_model, load_checkpoint_params
+    from k3_compile.runtime.engine import Engine
+    from relax_modules.model import K3ForCausalLM
+
+    nano = str(Path(__file__).resolve().parents[1] / "models" / "k3-nano")
+    cfg = K3Config.from_file(nano)
+
+    def engine(exported):
+        vm = relax.VirtualMachine(compile_llvm(exported), tvm.cpu())
+        params = load_checkpoint_params(nano, exported, tvm.cpu())
+        return Engine(vm, params, cfg, tvm.cpu(), "float32", max_slots=4, num_pages=64,
+                      page_size=exported.page_size)
+
+    ref = engine(export_model(cfg, "float32"))
+    saved = {n: getattr(kda_mod, n) for n in patched}
+    try:
+        for n, f in patched.items():
+            setattr(kda_mod, n, f)
+        model = K3ForCausalLM(cfg, "float32")
+        layers = [m.self_attn for m in model.model.layers if isinstance(m.self_attn, kda_mod.KimiDeltaAttention)]
+        assert layers
+        for layer in layers:
+            configure(layer)
+        mod, params = model.export()
+        test = engine(ExportedModel(mod, [(n, tuple(int(s) for s in p.shape), p.dtype) for n, p in params],
+                                    cfg, "float32", model.page_size))
+    finally:
+        for n, f in saved.items():
+            setattr(kda_mod, n, f)
+    rng = np.random.default_rng(seed)
+    a, b, c = ([int(t) for t in rng.integers(3, 1000, size=n)] for n in (150, 40, 30))
+    out = []
+    for eng_ in (test, ref):
+        s1, s2 = eng_.add_sequence(), eng_.add_sequence()
+        out.append([eng_.prefill([s1, s2], [a, b], all_logits=True), eng_.prefill([s1], [c], all_logits=True)])
+    return mod.script(), out[0], out[1]

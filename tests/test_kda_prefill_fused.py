@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from helpers_tvm import build_sm90a_fatbin, needs_nvcc
+from helpers_tvm import build_sm90a_fatbin, nano_kda_prefill_vs_generic, needs_nvcc
 from schedules.kda_prefill_cuda import kda_prefill_reference
 from schedules.kda_prefill_fused import kda_prefill_fused_kernel
 from tests.test_config import REAL, real_only
@@ -152,49 +152,16 @@ def test_k3_dispatches_fused_prefill():
 def test_model_with_fused_prefill_matches_generic_model(preprocess):
     """The model's fused prefill path (relax_modules/kda.py: argument order, in-place state;
     with ``preprocess`` the kernel's own L2 norms, gate and β) with the kernel emulated on the
-    CPU gives k3-nano's logits of the generic model: two ragged sequences of 3 and 1 chunks
-    prefilled together, then one continued from its state."""
+    CPU gives k3-nano's logits of the generic model (``helpers_tvm.nano_kda_prefill_vs_generic``)."""
     import functools
 
-    import tvm
-    from tvm import relax
+    def configure(layer):
+        layer.tc_prefill = layer.fused_prefill = True
+        layer.fused_prefill_preprocess = preprocess
 
-    import relax_modules.kda as kda_mod
-    from k3_compile.config import K3Config
-    from k3_compile.pipeline import ExportedModel, compile_llvm, export_model, load_checkpoint_params
-    from k3_compile.runtime.engine import Engine
-    from relax_modules.model import K3ForCausalLM
-
-    nano = "models/k3-nano"
-    cfg = K3Config.from_file(nano)
-
-    def engine(exported):
-        vm = relax.VirtualMachine(compile_llvm(exported), tvm.cpu())
-        params = load_checkpoint_params(nano, exported, tvm.cpu())
-        return Engine(vm, params, cfg, tvm.cpu(), "float32", max_slots=4, num_pages=64,
-                      page_size=exported.page_size)
-
-    ref = engine(export_model(cfg, "float32"))
-    saved = kda_mod.kda_prefill_fused_kernel
-    try:
-        kda_mod.kda_prefill_fused_kernel = functools.partial(kda_prefill_fused_kernel, emulate=True)
-        model = K3ForCausalLM(cfg, "float32")
-        layers = [m.self_attn for m in model.model.layers if isinstance(m.self_attn, kda_mod.KimiDeltaAttention)]
-        assert layers
-        for layer in layers:
-            layer.tc_prefill = layer.fused_prefill = True
-            layer.fused_prefill_preprocess = preprocess
-        mod, params = model.export()
-        fused = engine(ExportedModel(mod, [(n, tuple(int(s) for s in p.shape), p.dtype) for n, p in params],
-                                     cfg, "float32", model.page_size))
-    finally:
-        kda_mod.kda_prefill_fused_kernel = saved
-    assert ("kda_prefill_fused_pre" in mod.script()) == preprocess
-    assert "kda_prefill_fused" in mod.script()
-    rng = np.random.default_rng(1)
-    a, b, c = ([int(t) for t in rng.integers(3, 1000, size=n)] for n in (150, 40, 30))
-    for eng_ in (ref, fused):
-        s1, s2 = eng_.add_sequence(), eng_.add_sequence()
-        eng_.out = [eng_.prefill([s1, s2], [a, b], all_logits=True), eng_.prefill([s1], [c], all_logits=True)]
-    for got, want in zip(fused.out, ref.out):
+    script, outs, refs = nano_kda_prefill_vs_generic(
+        {"kda_prefill_fused_kernel": functools.partial(kda_prefill_fused_kernel, emulate=True)}, configure, seed=1)
+    assert ("kda_prefill_fused_pre" in script) == preprocess
+    assert "kda_prefill_fused" in script and "kda_prefill_state_tc" not in script
+    for got, want in zip(outs, refs):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
