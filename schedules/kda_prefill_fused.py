@@ -76,7 +76,7 @@ from tvm.script import tirx as T
 
 from schedules.barriers import mark
 from schedules.kda_prefill_cuda import C, SUB, kda_prefill_reference  # noqa: F401
-from schedules.kda_prefill_tc import PREFETCH_SRC
+from schedules.kda_prefill_tc import mma_tf32_macros
 
 NT = 256                 # threads per block (8 warps)
 BLOCK_V = (16, 32, 64, 128)   # supported columns of V per block
@@ -133,16 +133,10 @@ def _macros(emulate: bool):
     (``prefetch.global.L2``): no-ops when emulated."""
     from tvm.backend.cuda.op import cuda_func_call
 
+    # fragment loads, the emulated mma and the L2 prefetch as the two-kernel form's
+    frag_a, mma_tc, prefetch = mma_tf32_macros(emulate)
     if emulate:
-        @T.macro
-        def frag_a(af, ab, A, lane, k0):
-            af[0] = T.float32(0)
-
-        @T.macro
-        def mma(acc, row, off, af, ab, A, B, lane, k0, n0):
-            for e in range(4):
-                for kk in range(8):
-                    acc[row, off + e] = acc[row, off + e] + A(lane // 4 + e // 2 * 8, k0 + kk) * B(k0 + kk, n0 + lane % 4 * 2 + e % 2)
+        mma = mma_tc   # the lane's four dot products, from A and B
 
         @T.macro
         def mma_rb(acc, row, off, af, ab, bf, bb, A, B, lane, k0, n0):
@@ -151,18 +145,7 @@ def _macros(emulate: bool):
         @T.macro
         def syncwarp():
             T.evaluate(0)
-
-        @T.macro
-        def prefetch(elem):
-            T.evaluate(0)
     else:
-        @T.macro
-        def frag_a(af, ab, A, lane, k0):
-            af[ab] = A(lane // 4, k0 + lane % 4)
-            af[ab + 1] = A(lane // 4 + 8, k0 + lane % 4)
-            af[ab + 2] = A(lane // 4, k0 + lane % 4 + 4)
-            af[ab + 3] = A(lane // 4 + 8, k0 + lane % 4 + 4)
-
         @T.macro
         def mma_rb(acc, row, off, af, ab, bf, bb, A, B, lane, k0, n0):
             cuda_func_call("k3_mma_tf32_raw", T.address_of(acc[row, off]), af[ab], af[ab + 1], af[ab + 2], af[ab + 3],
@@ -177,10 +160,6 @@ def _macros(emulate: bool):
         @T.macro
         def syncwarp():
             cuda_func_call("k3_syncwarp", source_code=SYNCWARP_SRC)
-
-        @T.macro
-        def prefetch(elem):
-            cuda_func_call("k3_prefetch_l2", T.address_of(elem), source_code=PREFETCH_SRC)
     return frag_a, mma, mma_rb, syncwarp, prefetch
 
 
@@ -311,6 +290,16 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
         return SM[O_X + j * RS + n]
 
     @T.macro
+    def gamma_cumsum(SM, tx):
+        """Γ = log2(e)·cumsum g in place, thread tx < K summing column tx."""
+        run = T.alloc_buffer((1,), "float32", scope="local")
+        if tx < K:
+            run[0] = T.float32(0)
+            for i in T.unroll(C):
+                run[0] = run[0] + gm(SM, i, tx) * T.float32(LOG2E)
+                SM[O_G + i * KS + tx] = run[0]
+
+    @T.macro
     def l_aqk_tile(SM, acc, af, bf, tx, I, nt, XO):
         """Columns 8·nt … 8·nt+7 of L and Aqk for the rows of sub-block I (runtime values), ka /
         qa staged at SM[XO …]; B = k e^{r−Γ} computed once per k-step for both products."""
@@ -432,13 +421,8 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
                     if SYNC:
                         T.tvm_storage_sync("shared")
                     for tx in THR(NT):
-                        run = T.alloc_buffer((1,), "float32", scope="local")
-                        if tx < K:
-                            run[0] = T.float32(0)
-                            for i in T.unroll(C):
-                                run[0] = run[0] + gm(SM, i, tx) * T.float32(LOG2E)
-                                SM[O_G + i * KS + tx] = run[0]
-                        else:
+                        gamma_cumsum(SM, tx)
+                        if tx >= K:
                             for i in T.unroll(2 * C):
                                 SM[O_KR + i * KS + tx - K] = SM[O_KR + i * KS + tx - K] * SM[O_RN + i]
                 else:
@@ -446,12 +430,7 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
                     if SYNC:
                         T.tvm_storage_sync("shared")
                     for tx in THR(NT):
-                        run = T.alloc_buffer((1,), "float32", scope="local")
-                        if tx < K:
-                            run[0] = T.float32(0)
-                            for i in T.unroll(C):
-                                run[0] = run[0] + gm(SM, i, tx) * T.float32(LOG2E)
-                                SM[O_G + i * KS + tx] = run[0]
+                        gamma_cumsum(SM, tx)
                 if p2_pairs:
                     # phase 2, paired: rounds R = 0, 1 of sub-blocks 2R, 2R+1 (reference r =
                     # Γ_{16I}); tile t < 8R+6 of a round is (I, nt) = (2R, t) for t < 4R+2, else

@@ -91,7 +91,7 @@ __device__ __forceinline__ void k3_prefetch_l2(const void* p) {
 """
 
 
-def _mma_macros(emulate: bool):
+def mma_tf32_macros(emulate: bool):
     """TVMScript macros for the warp-level m16n8k8 steps.
 
     ``load_a(af, ab, A, lane, k0)``: the lane's A fragment of A[0:16, k0:k0+8] into
@@ -185,7 +185,7 @@ def kda_prefill_state_tc_kernel(H: int, K: int, V: int, block_v: int = 32, a_bat
     NR = N8 * 4                 # accumulator registers per thread
     EG = 0 if emulate else 1    # A-fragment registers: a_batch k-steps on the GPU, unused emulated
     AFN = 4 + (4 * AB - 4) * EG
-    load_a, mma, prefetch = _mma_macros(emulate)
+    load_a, mma, prefetch = mma_tf32_macros(emulate)
 
     # element accessors; b = sequence, h = head, c = chunk of the sequence, wi = warp
     def row0(cu, b, c):
@@ -354,7 +354,7 @@ def kda_prefill_intra_tc_kernel(H: int, K: int, V: int, scale: float, hoist_load
     XO = C * C        # offset of the ka / qa / Tm region in ax
     QO = XO + SUB * KS  # offset of qa
     assert 2 * SUB * KS <= C * MS
-    load_a, mma, prefetch = _mma_macros(emulate)
+    load_a, mma, prefetch = mma_tf32_macros(emulate)
 
     def ldc(buf, t, n_tok, h, d):      # unconditional load, row clamped into the tensor
         return buf[T.min(T.Cast("int64", t), n_tok - 1), h, d]
