@@ -62,6 +62,10 @@ its kernel). A block needs ~14 µs per chunk at 16 columns and ~23 µs at 128 (l
 barriers, the four L / Aqk rounds), so with few heads and one sequence the two-kernel form,
 parallel over chunks, is faster (docs/DESIGN.md).
 
+Options of :func:`kda_prefill_fused_kernel` checked on the CPU but not yet timed on the GPU
+(so not used by the model yet): ``lower_bound`` (the L2 norms, gate and β inside the kernel,
+from the raw inputs) and ``p2_pairs`` (phase 2 in two rounds of two sub-blocks).
+
 ``emulate=True`` builds the same loop nest with the block / thread loops serial and every
 mma replaced by the dot products it computes for the lane (see
 ``schedules/kda_prefill_tc.py``), for CPU tests; every warp-synchronous step is its own loop
