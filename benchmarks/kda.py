@@ -86,10 +86,12 @@ PREFILL_SHAPES = ((8192,), (2048, 2048, 2048, 2048))
 # 1.5e-3 on the same checks, kda_prefill_fused_v1_h200_2026-11-30.json); NaN fails
 PREFILL_TOL_O, PREFILL_TOL_STATE = 2e-4, 3e-3
 # fused one-kernel prefill (schedules/kda_prefill_fused.py): (name, block_v, a_batch, options)
-# — plain; with phase 2 in two paired rounds; with its own L2 norms, gate and β (fusedpre_*:
+# — plain; with phase 2 in two paired rounds; with ldmatrix B loads in phase 3; with its own
+# L2 norms, gate and β (fusedpre_*:
 # raw inputs, compared with fla's gated call)
 PREFILL_FUSED = ([("fused", bv, ab, {}) for bv, ab in ((128, 4), (64, 8), (32, 8), (16, 8))]
                  + [("fused_p2", bv, ab, {"p2_pairs": True}) for bv, ab in ((128, 4), (64, 8), (16, 8))]
+                 + [("fused_ldsm", bv, ab, {"ldsm": True}) for bv, ab in ((128, 4), (64, 8))]
                  + [("fusedpre", bv, ab, {"lower_bound": LOWER_BOUND}) for bv, ab in ((128, 4), (64, 8))])
 # the two-kernel pair as the model dispatches it (relax_modules/kda.py): block_v per head count
 PREFILL_TC_MODEL = {96: ((32, 8),), 12: ((16, 8),)}

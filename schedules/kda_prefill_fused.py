@@ -64,7 +64,8 @@ parallel over chunks, is faster (docs/DESIGN.md).
 
 Options of :func:`kda_prefill_fused_kernel` checked on the CPU but not yet timed on the GPU
 (so not used by the model yet): ``lower_bound`` (the L2 norms, gate and β inside the kernel,
-from the raw inputs) and ``p2_pairs`` (phase 2 in two rounds of two sub-blocks).
+from the raw inputs), ``p2_pairs`` (phase 2 in two rounds of two sub-blocks) and ``ldsm``
+(phase 3's B fragments by ``ldmatrix.x4``).
 
 ``emulate=True`` builds the same loop nest with the block / thread loops serial and every
 mma replaced by the dot products it computes for the lane (see
@@ -104,6 +105,15 @@ __device__ __forceinline__ float k3_tf32(float x) {
   unsigned r;
   asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
   return __uint_as_float(r);
+}
+"""
+LDSM_SRC = r"""
+__device__ __forceinline__ void k3_ldsm_x4(float* d, const float* p) {
+  unsigned a = (unsigned)__cvta_generic_to_shared(p), r0, r1, r2, r3;
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(a) : "memory");
+  d[0] = __uint_as_float(r0); d[1] = __uint_as_float(r1);
+  d[2] = __uint_as_float(r2); d[3] = __uint_as_float(r3);
 }
 """
 EX2_SRC = r"""
@@ -167,6 +177,17 @@ def _macros(emulate: bool):
     return frag_a, mma, mma_rb, syncwarp, prefetch
 
 
+def ldsm_b_row(lane, n0, k0):
+    """The (n, k) of the row address lane ``lane`` gives ``ldmatrix.x4`` (b16) to load the TF32
+    B fragments of the n-tiles n0 and n0 + 8 at k-step k0 from a column-major B (n rows, k
+    contiguous, rows 16-byte aligned): an 8×8 b16 matrix is an 8×4 fp32 tile, and thread t
+    receives 32-bit word t % 4 of row t // 4 of each matrix — so matrices (n0, k0), (n0, k0+4),
+    (n0+8, k0), (n0+8, k0+4) give b0, b1 of n-tile n0 and b0, b1 of n-tile n0 + 8 (PTX ISA,
+    "Warp-level matrix load instruction: ldmatrix"; tests/test_kda_prefill_fused.py replays
+    the distribution lane by lane). Works on ints and TIR expressions."""
+    return n0 + lane // 8 // 2 * 8 + lane % 8, k0 + lane // 8 % 2 * 4
+
+
 def _tf32(emulate: bool):
     """x rounded to TF32 (``cvt.rna.tf32.f32``: 10-bit mantissa, to nearest, ties away), as the
     float the mma reads; the identity when emulated (the CPU tests check the index maps at
@@ -191,7 +212,7 @@ def _ex2(emulate: bool):
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int = 64,
                              a_batch: int = 8, lower_bound: float | None = None,
-                             p2_pairs: bool = False, emulate: bool = False):
+                             p2_pairs: bool = False, ldsm: bool = False, emulate: bool = False):
     """The fused chunked prefill, one block per (sequence, head, ``block_v`` columns of V).
     PrimFunc arguments::
 
@@ -224,6 +245,9 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
     ``p2_pairs``: phase 2 in two rounds of two sub-blocks each (ka / qa of both staged at once;
     the 6 and 14 column tiles of the rounds spread over the warps) instead of four rounds of
     one: 4 barriers fewer per chunk; not yet timed on the GPU, so off by default.
+
+    ``ldsm``: phase 3 reads its B fragments (the S copy) by ``ldmatrix.x4``, two n-tiles per
+    instruction instead of four 32-bit loads; not yet timed on the GPU, so off by default.
 
     ``block_v`` (16, 32, 64 or 128): columns of V per block; fewer columns give more blocks
     (more SMs busy when B·H is small) at the cost of repeating phase 2 in every block.
@@ -276,6 +300,8 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
     ex2 = _ex2(emulate)
     tf32 = _tf32(emulate)
     if not emulate:
+        from tvm.backend.cuda.op import cuda_func_call
+
         from schedules import mxfp4_ptx as ptx
 
     def kr(SM, r, d):   # raw k / q of chunk row r, Γ (log2 units)
@@ -339,6 +365,24 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
                 if kh * AB + ks < steps and (last is None or kh * AB + ks <= last):
                     for nt in T.unroll(tiles):
                         mma(acc, row, nt * 4, af, ks * 4 * (1 - EM), A, B, lane, (kh * AB + ks) * 8, nt * 8)
+
+    @T.macro
+    def gemm_s(SM, acc, row, af, bq, A, steps, tiles, lane):
+        """As ``gemm`` with B = the column-major S copy (B(d, n) = SM[O_SS + n·SN + d]); with
+        ``ldsm`` on the GPU its fragments come by ``ldmatrix.x4``, two n-tiles at a time."""
+        if ldsm and SYNC:
+            for kh in T.unroll(steps // AB):
+                for ks in T.unroll(AB):
+                    frag_a(af, ks * 4, A, lane, (kh * AB + ks) * 8)
+                for ks in T.unroll(AB):
+                    for np_ in T.unroll(tiles // 2):
+                        cuda_func_call("k3_ldsm_x4", T.address_of(bq[0]), T.address_of(SM[
+                            O_SS + ldsm_b_row(lane, np_ * 16, (kh * AB + ks) * 8)[0] * SN
+                            + ldsm_b_row(lane, np_ * 16, (kh * AB + ks) * 8)[1]]), source_code=LDSM_SRC)
+                        mma_rb(acc, row, np_ * 8, af, ks * 4, bq, 0, A, None, lane, (kh * AB + ks) * 8, np_ * 16)
+                        mma_rb(acc, row, np_ * 8 + 4, af, ks * 4, bq, 2, A, None, lane, (kh * AB + ks) * 8, np_ * 16 + 8)
+        else:
+            gemm(acc, row, af, A, lambda d, n: SM[O_SS + n * SN + d], steps, tiles, lane, None)
 
     @T.macro
     def fused_body(q, k, v, g, beta, A_log, dt_bias, cu, slots, S, layer, o, n_tok, n_cu):
@@ -503,6 +547,7 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
                     af = T.alloc_buffer((AFN,), "float32", scope="local")
                     x = T.alloc_buffer((RT, SUB), "float32", scope="local")
                     vl = T.alloc_buffer((RT, NR), "float32", scope="local")
+                    bq = T.alloc_buffer((4,), "float32", scope="local")   # ldmatrix.x4 fragments
                     c0[0] = cu[blk // (H * NVB)] + c * C
                     c0[1] = cu[blk // (H * NVB) + 1]
                     if tx >= NT - C:
@@ -520,14 +565,14 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
                         for nt in T.unroll(N8):
                             for e in T.unroll(4):
                                 vl[tx * EM, nt * 4 + e] = ld(v, c0[0] + tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8, c0[1], n_tok, blk // NVB % H, blk % NVB * BV + nt * 8 + tx % 4 * 2 + e % 2)
-                        gemm(Y, tx * EM, af, lambda i, d: tf32(kr(SM, tx // 32 * 16 + i, d) * ex2(gm(SM, tx // 32 * 16 + i, d))),
-                             lambda d, n: SM[O_SS + n * SN + d], K // 8, N8, tx % 32, None)
+                        gemm_s(SM, Y, tx * EM, af, bq, lambda i, d: tf32(kr(SM, tx // 32 * 16 + i, d) * ex2(gm(SM, tx // 32 * 16 + i, d))),
+                               K // 8, N8, tx % 32)
                         for nt in T.unroll(N8):
                             for e in T.unroll(4):
                                 SM[O_X + (tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8) * RS + nt * 8 + tx % 4 * 2 + e % 2] = SM[O_BT + tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8] * (vl[tx * EM, nt * 4 + e] - Y[tx * EM, nt * 4 + e])
                     else:
-                        gemm(Y, tx * EM, af, lambda i, d: tf32(T.float32(scale) * qr(SM, (tx // 32 - 4) * 16 + i, d) * ex2(gm(SM, (tx // 32 - 4) * 16 + i, d))),
-                             lambda d, n: SM[O_SS + n * SN + d], K // 8, N8, tx % 32, None)
+                        gemm_s(SM, Y, tx * EM, af, bq, lambda i, d: tf32(T.float32(scale) * qr(SM, (tx // 32 - 4) * 16 + i, d) * ex2(gm(SM, (tx // 32 - 4) * 16 + i, d))),
+                               K // 8, N8, tx % 32)
                 # phase 4: vn_I = D_I^{-1} (R_I − Σ_{J<I} L_IJ vn_J), in place of R; warp wi
                 #          owns the n-tiles wi, wi + 8, … (warps past them idle)
                 if SYNC:

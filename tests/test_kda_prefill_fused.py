@@ -89,6 +89,32 @@ def test_emulated_fused_kernel_with_preprocessing_matches_reference():
     np.testing.assert_allclose(pt.numpy(), ref_pool, atol=1e-5)
 
 
+def test_ldsm_rows_give_the_tf32_b_fragments():
+    """``ldsm_b_row`` (the ``ldsm`` option's ldmatrix.x4 row addresses) replayed lane by lane:
+    matrix m of ldmatrix.x4 takes its 8 row addresses from lanes 8m … 8m+7 and gives thread t
+    the 32-bit word t % 4 of its row t // 4; the four registers must be the mma's B fragment
+    (b0 = B[k0 + tg, n0 + gr], b1 = B[k0 + tg + 4, n0 + gr]) of n-tiles n0 and n0 + 8, for a
+    column-major B (PTX ISA: ldmatrix, and the m16n8k8 .tf32 fragment layout)."""
+    from schedules.kda_prefill_fused import ldsm_b_row
+
+    rng = np.random.default_rng(0)
+    Bm = rng.standard_normal((40, 40))        # B[k, n]
+    colmajor = Bm.T.copy()                    # row n holds B[:, n], k contiguous
+    for n0, k0 in ((0, 0), (16, 8), (24, 24)):
+        rows = [ldsm_b_row(lane, n0, k0) for lane in range(32)]
+        for t in range(32):
+            got = []
+            for m in range(4):
+                n, k = rows[8 * m + t // 4]
+                got.append(colmajor[n, k + t % 4])
+            gr, tg = t // 4, t % 4
+            want = [Bm[k0 + tg, n0 + gr], Bm[k0 + tg + 4, n0 + gr],
+                    Bm[k0 + tg, n0 + 8 + gr], Bm[k0 + tg + 4, n0 + 8 + gr]]
+            assert got == want, (n0, k0, t)
+        # each 16-byte row read starts 16-byte aligned when the row stride is a multiple of 4
+        assert all(k % 4 == 0 for _, k in rows)
+
+
 def test_fused_kernel_rejects_unsupported_sizes():
     with pytest.raises(ValueError, match="K = V = 128"):
         kda_prefill_fused_kernel(2, 64, 64, 0.125)
@@ -107,13 +133,14 @@ def test_fused_kernel_compiles_to_fatbin_for_sm90a(tmp_path):
         "from schedules.kda_prefill_fused import kda_prefill_fused_kernel\n"
         "f = kda_prefill_fused_kernel(3, 128, 128, 128 ** -0.5, block_v=128, a_batch=4)\n"
         "p = kda_prefill_fused_kernel(3, 128, 128, 128 ** -0.5, block_v=64, lower_bound=-5.0)\n"
-        "r = kda_prefill_fused_kernel(3, 128, 128, 128 ** -0.5, block_v=16, p2_pairs=True)\n"
+        "r = kda_prefill_fused_kernel(3, 128, 128, 128 ** -0.5, block_v=16, p2_pairs=True, ldsm=True)\n"
         "mod = tvm.IRModule({n: x.with_attr('global_symbol', n) for n, x in (('f', f), ('p', p), ('r', r))})", tmp_path,
         contexts="respect_manual_barriers()", keep_src=True)
     assert "fatbin" in out
     src = "".join(p.read_text() for p in (tmp_path / "src").glob("*.cu"))
     for ptx in ("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32", "cvt.rna.tf32.f32",
-                "ex2.approx.ftz.f32", "cp.async.cg.shared.global", "prefetch.global.L2"):
+                "ex2.approx.ftz.f32", "cp.async.cg.shared.global", "prefetch.global.L2",
+                "ldmatrix.sync.aligned.m8n8.x4.shared.b16"):
         assert ptx in src, ptx
     assert src.count("k3_mma_tf32_raw(") > 10
     assert src.count("__syncwarp()") == 1   # one device function, called between warp steps
