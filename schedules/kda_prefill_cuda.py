@@ -63,7 +63,11 @@ NT = 256     # threads per block
 SUB = 16     # sub-block of rows for the factored exponentials
 
 
-def _loops(emulate: bool):
+def block_thread_loops(emulate: bool):
+    """``(blocks, threads, shared scope)`` for the hand-written CUDA kernels: ``blocks(n)`` /
+    ``threads(n)`` bind blockIdx.x / threadIdx.x and tiles live in dynamic shared memory; with
+    ``emulate`` both are serial loops and the tiles ordinary (global) buffers, so that the same
+    loop nest compiles for llvm and each phase runs for every thread before the next."""
     if emulate:
         return (lambda n: T.serial(n)), (lambda n: T.serial(n)), "global"
     return ((lambda n: T.thread_binding(n, thread="blockIdx.x")),
@@ -91,7 +95,7 @@ def kda_prefill_intra_kernel(H: int, K: int, V: int, scale: float, emulate: bool
     """
     if K != 128 or V != 128:
         raise ValueError("the prefill kernels are written for K = V = 128")
-    BLK, THR, SH = _loops(emulate)
+    BLK, THR, SH = block_thread_loops(emulate)
     SYNC = not emulate
     KP = K + 1  # padded row stride of tiles read down a column by a warp
     NSUB = C // SUB
@@ -289,7 +293,7 @@ def kda_prefill_state_kernel(H: int, K: int, V: int, block_v: int = 32, emulate:
     BV = block_v
     if K != 128 or V % BV or BV % 2 or (C * BV) % (2 * NT) or (K * BV) % (2 * NT):
         raise ValueError(f"unsupported block_v={BV} for K={K}, V={V}")
-    BLK, THR, SH = _loops(emulate)
+    BLK, THR, SH = block_thread_loops(emulate)
     SYNC = not emulate
     KP = K + 1
     NVB = V // BV

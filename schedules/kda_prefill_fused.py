@@ -80,7 +80,7 @@ import functools
 from tvm.script import tirx as T
 
 from schedules.barriers import mark
-from schedules.kda_prefill_cuda import C, SUB, kda_prefill_reference  # noqa: F401
+from schedules.kda_prefill_cuda import C, SUB, block_thread_loops, kda_prefill_reference  # noqa: F401
 from schedules.kda_prefill_tc import mma_tf32_macros
 
 NT = 256                 # threads per block (8 warps)
@@ -125,13 +125,6 @@ __device__ __forceinline__ float k3_ex2(float x) {
 """
 LOG2E = 1.4426950408889634
 L2_NORM_EPS = 1e-6       # spec §3 step 2 (relax_modules/kda.py, fla's l2norm)
-
-
-def _loops(emulate: bool):
-    if emulate:
-        return (lambda n: T.serial(n)), (lambda n: T.serial(n)), "global"
-    return ((lambda n: T.thread_binding(n, thread="blockIdx.x")),
-            (lambda n: T.thread_binding(n, thread="threadIdx.x")), "shared.dyn")
 
 
 def _macros(emulate: bool):
@@ -208,6 +201,11 @@ def _ex2(emulate: bool):
     return lambda x: cuda_func_call("k3_ex2", x, source_code=EX2_SRC, return_type="float32")
 
 
+def ld(buf, t, end, n_tok, h, d):
+    """buf[t, h, d] as an expression, 0 for rows t ≥ end (the row index clamped into the tensor,
+    so the load itself is always in bounds)."""
+    return T.Select(t < end, buf[T.min(T.Cast("int64", t), n_tok - 1), h, d], T.float32(0))
+
 
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int = 64,
@@ -269,7 +267,7 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
     NW = NT // 32            # warps
     NTW = (N8 + NW - 1) // NW  # vn n-tiles per warp in phase 4
     NSUB = C // SUB
-    BLK, THR, SH = _loops(emulate)
+    BLK, THR, SH = block_thread_loops(emulate)
     SYNC = not emulate
     RT = NT if emulate else 1   # rows of the per-thread register buffers
     EM = 1 if emulate else 0    # register row of thread tx: tx·EM
@@ -518,25 +516,8 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
                             af = T.alloc_buffer((4,), "float32", scope="local")
                             acc = T.alloc_buffer((RT, 8), "float32", scope="local")   # L tile, Aqk tile
                             bf = T.alloc_buffer((2,), "float32", scope="local")
-                            if tx // 32 <= I * 2 + 1:
-                                for r in T.unroll(8):
-                                    acc[tx * EM, r] = T.float32(0)
-                                for ks in T.unroll(K // 8):   # B = k e^{r−Γ}, columns 8·wi …, once for both
-                                    bf[0] = tf32(kr(SM, tx // 32 * 8 + tx % 32 // 4, ks * 8 + tx % 4) * ex2(gm(SM, I * SUB, ks * 8 + tx % 4) - gm(SM, tx // 32 * 8 + tx % 32 // 4, ks * 8 + tx % 4)))
-                                    bf[1] = tf32(kr(SM, tx // 32 * 8 + tx % 32 // 4, ks * 8 + tx % 4 + 4) * ex2(gm(SM, I * SUB, ks * 8 + tx % 4 + 4) - gm(SM, tx // 32 * 8 + tx % 32 // 4, ks * 8 + tx % 4 + 4)))
-                                    frag_a(af, 0, lambda i, d: SM[O_X + i * KS + d], tx % 32, ks * 8)
-                                    mma_rb(acc, tx * EM, 0, af, 0, bf, 0, lambda i, d: SM[O_X + i * KS + d],
-                                           lambda d, j: kr(SM, j, d) * ex2(gm(SM, I * SUB, d) - gm(SM, j, d)), tx % 32, ks * 8, tx // 32 * 8)
-                                    frag_a(af, 0, lambda i, d: SM[O_X + (SUB + i) * KS + d], tx % 32, ks * 8)
-                                    mma_rb(acc, tx * EM, 4, af, 0, bf, 0, lambda i, d: SM[O_X + (SUB + i) * KS + d],
-                                           lambda d, j: kr(SM, j, d) * ex2(gm(SM, I * SUB, d) - gm(SM, j, d)), tx % 32, ks * 8, tx // 32 * 8)
-                                # entry e: row I·16 + gr + 8(e//2), column 8·wi + 2·tg + e%2
-                                for e in T.unroll(4):
-                                    if tx // 32 * 8 + tx % 4 * 2 + e % 2 < I * SUB + tx % 32 // 4 + e // 2 * 8:
-                                        SM[O_LA + (tx // 32 * 8 + tx % 4 * 2 + e % 2) * LS + I * SUB + tx % 32 // 4 + e // 2 * 8] = tf32(SM[O_BT + I * SUB + tx % 32 // 4 + e // 2 * 8] * acc[tx * EM, e])
-                                        SM[O_LA + (I * SUB + tx % 32 // 4 + e // 2 * 8) * LS + tx // 32 * 8 + tx % 4 * 2 + e % 2] = tf32(acc[tx * EM, 4 + e])
-                                    elif tx // 32 * 8 + tx % 4 * 2 + e % 2 == I * SUB + tx % 32 // 4 + e // 2 * 8:
-                                        SM[O_LA + (I * SUB + tx % 32 // 4 + e // 2 * 8) * LS + tx // 32 * 8 + tx % 4 * 2 + e % 2] = tf32(acc[tx * EM, 4 + e])
+                            if tx // 32 <= I * 2 + 1:   # warp wi: columns 8·wi …
+                                l_aqk_tile(SM, acc, af, bf, tx, I, tx // 32, O_X)
                 # phase 3: D_I^{-1} (warps 6-7: block I = t // 16, column t % 16) ‖ the rows
                 #          16·wi … of (e^Γ k) S → R = β (v − ·) (warps 0-3) or of Y = scale
                 #          (e^Γ q) S (warps 4-7, kept in registers)
@@ -679,9 +660,3 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
             fused_body(q, k, v, g, beta, None, None, cu, slots, S, layer, o, n_tok, n_cu)
 
     return kda_prefill_fused if emulate else mark(kda_prefill_fused)
-
-
-def ld(buf, t, end, n_tok, h, d):
-    """buf[t, h, d] as an expression, 0 for rows t ≥ end (the row index clamped into the tensor,
-    so the load itself is always in bounds)."""
-    return T.Select(t < end, buf[T.min(T.Cast("int64", t), n_tok - 1), h, d], T.float32(0))

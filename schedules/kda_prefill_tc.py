@@ -62,7 +62,7 @@ import functools
 from tvm.script import tirx as T
 
 from schedules.barriers import mark
-from schedules.kda_prefill_cuda import (C, SUB, kda_prefill_reference,  # noqa: F401
+from schedules.kda_prefill_cuda import (C, SUB, block_thread_loops, kda_prefill_reference,  # noqa: F401
                                         max_chunks, prefill_scratch_shapes)
 
 NT = 256         # threads per block (8 warps)
@@ -139,13 +139,6 @@ def mma_tf32_macros(emulate: bool):
     return load_a, mma, prefetch
 
 
-def _loops(emulate: bool):
-    if emulate:
-        return (lambda n: T.serial(n)), (lambda n: T.serial(n)), "global"
-    return ((lambda n: T.thread_binding(n, thread="blockIdx.x")),
-            (lambda n: T.thread_binding(n, thread="threadIdx.x")), "shared.dyn")
-
-
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def kda_prefill_state_tc_kernel(H: int, K: int, V: int, block_v: int = 32, a_batch: int = 8,
                                 emulate: bool = False):
@@ -175,7 +168,7 @@ def kda_prefill_state_tc_kernel(H: int, K: int, V: int, block_v: int = 32, a_bat
                          "(K = 128, 8 | block_v ≤ 64, a_batch 4, 8 or 16)")
     AB = a_batch
     ABB = min(AB, C // 8)
-    BLK, THR, SH = _loops(emulate)
+    BLK, THR, SH = block_thread_loops(emulate)
     SYNC = not emulate
     RT = NT if emulate else 1   # rows of the per-thread register buffers
     EM = 1 if emulate else 0    # register row of thread tx: tx·EM
@@ -343,7 +336,7 @@ def kda_prefill_intra_tc_kernel(H: int, K: int, V: int, scale: float, hoist_load
     """
     if K != 128 or V != 128:
         raise ValueError("the prefill kernels are written for K = V = 128")
-    BLK, THR, SH = _loops(emulate)
+    BLK, THR, SH = block_thread_loops(emulate)
     SYNC = not emulate
     RT = NT if emulate else 1
     EM = 1 if emulate else 0
