@@ -39,6 +39,14 @@ CONV_Q, CONV_K, CONV_V = 0, 1, 2  # index into conv_state dim 2
 FUSED_PREFILL_MIN_HEADS = 48
 
 
+def fused_prefill_tiling(heads: int) -> tuple[int, int]:
+    """(block_v, a_batch) of the fused KDA prefill for ``heads`` KDA heads: 128 columns (one
+    block per head, ~23 µs per chunk on the H200) from 96 heads; below, 64 (two blocks per
+    head, ~17 µs per chunk at 12 heads) keeps ≥ 96 blocks busy — not measured at 48. a_batch 4
+    at 128 columns keeps ptxas at 255 registers without spills."""
+    return (128, 4) if heads >= 96 else (64, 8)
+
+
 class ShortConv1d(nn.Module):
     """Holds ``*_conv1d.weight`` ``[H*K, 1, W]`` float32 (depthwise, no bias)."""
 
@@ -90,9 +98,7 @@ class KimiDeltaAttention(nn.Module):
         # (128 columns) vs 6.8 ms two-kernel; 12 heads at best 1.79 ms fused (16 columns) vs
         # 1.39 ms two-kernel (with four sequences 0.56 ms fused at 64 columns vs 1.07 ms).
         self.fused_prefill = self.tc_prefill and H >= FUSED_PREFILL_MIN_HEADS
-        # 128 columns (one block per head: ~23 µs per chunk) at 96+ heads; below, 64 (two blocks
-        # per head, ~17 µs per chunk at 12 heads) keeps ≥ 96 blocks busy — not measured at 48
-        self.fused_block_v = 128 if H >= 96 else 64
+        self.fused_block_v, self.fused_a_batch = fused_prefill_tiling(H)
         # the fused kernel's own L2 norms, gate and β (lower_bound mode) instead of the graph's
         # ops: written and checked on the CPU, not yet timed on the GPU, so off by default
         self.fused_prefill_preprocess = False
@@ -134,6 +140,15 @@ class KimiDeltaAttention(nn.Module):
         """x / sqrt(Σ x² + 1e-6) over the last axis (f32)."""
         return x / op.sqrt(op.sum(op.square(x), axis=-1, keepdims=True) + L2_NORM_EPS)
 
+    def _gate_input(self, x):
+        """f = f_b(f_a(x)) [T, H, K] f32, the decay gate's input (step 3)."""
+        return op.astype(op.reshape(self.f_b_proj(self.f_a_proj(x)), (x.shape[0], self.H, self.K)),
+                         "float32")
+
+    def _beta_logits(self, x):
+        """b_proj(x) [T, H] f32, β before its sigmoid (step 4)."""
+        return op.astype(self.b_proj(x), "float32")
+
     def _decay_gate(self, f):
         """Step 3: log-space per-channel decay g [T, H, K] f32 from f = f_b(f_a(x)) [T, H, K]."""
         a = op.reshape(op.exp(self.A_log), (1, self.H, 1))
@@ -165,24 +180,21 @@ class KimiDeltaAttention(nn.Module):
             return out, kda_state, conv_state
         if not decode and self.fused_prefill and self.fused_prefill_preprocess:
             # steps 2-5 in one kernel (L2 norms, gate and β inside)
-            f = op.astype(op.reshape(self.f_b_proj(self.f_a_proj(x)), (T, H, K)), "float32")
-            b = op.astype(self.b_proj(x), "float32")
             kda_state, o = op.tensor_ir_inplace_op(
                 kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=self.fused_block_v,
-                                         a_batch=4 if self.fused_block_v == 128 else 8,
-                                         lower_bound=self.lower_bound), "kda_prefill_fused_pre",
-                [q, k, v, f, b, self.A_log, self.dt_bias, meta.cu_seqlens, meta.seq_slots, kda_state,
-                 _i32(kda_index)],
+                                         a_batch=self.fused_a_batch, lower_bound=self.lower_bound),
+                "kda_prefill_fused_pre",
+                [q, k, v, self._gate_input(x), self._beta_logits(x), self.A_log, self.dt_bias,
+                 meta.cu_seqlens, meta.seq_slots, kda_state, _i32(kda_index)],
                 [9, -1], [nn.Tensor.placeholder(kda_state.shape, "float32"),
                           nn.Tensor.placeholder((T, H, K), "float32")])
             return self._output(x, o), kda_state, conv_state
         # 2. q, k L2-normalized per head (eps 1e-6); q scaled by K^-1/2 (inside the kernel)
         q, k = self._l2_normalize(q), self._l2_normalize(k)
         # 3. decay gate in log space, per channel
-        f = op.astype(op.reshape(self.f_b_proj(self.f_a_proj(x)), (T, H, K)), "float32")
-        g = self._decay_gate(f)
+        g = self._decay_gate(self._gate_input(x))
         # 4. β = σ(b_proj x) per head
-        beta = op.sigmoid(op.astype(self.b_proj(x), "float32"))
+        beta = op.sigmoid(self._beta_logits(x))
         # 5. the delta-rule recurrence on S = kda_state[kda_index, slot] (in place)
         scale = K ** -0.5
         o_ty = nn.Tensor.placeholder((T, H, K), "float32")
@@ -195,7 +207,7 @@ class KimiDeltaAttention(nn.Module):
         elif self.fused_prefill:
             kda_state, o = op.tensor_ir_inplace_op(
                 kda_prefill_fused_kernel(H, K, K, scale, block_v=self.fused_block_v,
-                                         a_batch=4 if self.fused_block_v == 128 else 8), "kda_prefill_fused",
+                                         a_batch=self.fused_a_batch), "kda_prefill_fused",
                 [q, k, v, g, beta, meta.cu_seqlens, meta.seq_slots, kda_state, _i32(kda_index)],
                 [7, -1], [s_ty, o_ty])
         elif self.tc_prefill:

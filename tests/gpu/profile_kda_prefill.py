@@ -21,19 +21,18 @@ def build(out: Path, H: int) -> None:
     import tvm
 
     from k3_compile.device_code import precompiled_cuda
+    from relax_modules.kda import fused_prefill_tiling
     from schedules.barriers import respect_manual_barriers
+    from schedules.kda_prefill_fused import kda_prefill_fused_kernel
     from schedules.kda_prefill_tc import kda_prefill_intra_tc_kernel, kda_prefill_state_tc_kernel
     from targets import get_target
 
     spec = get_target("cuda-sm90a")
     bv = 32 if H >= 48 else 16
-    from schedules.kda_prefill_fused import kda_prefill_fused_kernel
-
     fs = {"intra": kda_prefill_intra_tc_kernel(H, K, K, K ** -0.5),
           "state": kda_prefill_state_tc_kernel(H, K, K, block_v=bv, a_batch=8),
           # as relax_modules/kda.py dispatches it
-          "fused": kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=128 if H >= 96 else 64,
-                                            a_batch=4 if H >= 96 else 8)}
+          "fused": kda_prefill_fused_kernel(H, K, K, K ** -0.5, *fused_prefill_tiling(H))}
     mod = tvm.IRModule({n: f.with_attr("global_symbol", n) for n, f in fs.items()})
     with precompiled_cuda(spec.nvcc_arch, options=("--ptxas-options=--register-usage-level=5",)), \
             respect_manual_barriers():
