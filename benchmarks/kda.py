@@ -86,13 +86,18 @@ PREFILL_SHAPES = ((8192,), (2048, 2048, 2048, 2048))
 # 1.5e-3 on the same checks, kda_prefill_fused_v1_h200_2026-11-30.json); NaN fails
 PREFILL_TOL_O, PREFILL_TOL_STATE = 2e-4, 3e-3
 # fused one-kernel prefill (schedules/kda_prefill_fused.py): (name, block_v, a_batch, options)
-# — plain; with phase 2 in two paired rounds; with ldmatrix B loads in phase 3; with its own
-# L2 norms, gate and β (fusedpre_*:
-# raw inputs, compared with fla's gated call)
+# — plain; with phase 2 in two paired rounds; with ldmatrix B loads in phase 3; both (p2l);
+# with its own L2 norms, gate and β (fusedpre_*: raw inputs, compared with fla's gated call)
 PREFILL_FUSED = ([("fused", bv, ab, {}) for bv, ab in ((128, 4), (64, 8), (32, 8), (16, 8))]
                  + [("fused_p2", bv, ab, {"p2_pairs": True}) for bv, ab in ((128, 4), (64, 8), (16, 8))]
                  + [("fused_ldsm", bv, ab, {"ldsm": True}) for bv, ab in ((128, 4), (64, 8))]
-                 + [("fusedpre", bv, ab, {"lower_bound": LOWER_BOUND}) for bv, ab in ((128, 4), (64, 8))])
+                 + [("fused_p2l", bv, ab, {"p2_pairs": True, "ldsm": True}) for bv, ab in ((128, 4), (64, 8))]
+                 + [("fusedpre", bv, ab, {"lower_bound": LOWER_BOUND}) for bv, ab in ((128, 4), (64, 8))]
+                 + [("fusedpre_p2l", bv, ab, {"lower_bound": LOWER_BOUND, "p2_pairs": True, "ldsm": True})
+                    for bv, ab in ((128, 4), (64, 8))])
+# the split form (schedules/kda_prefill_fused.py: kda_prefill_split_intra_kernel for every
+# chunk in parallel, then the fused kernel's phases 3-5 with ``split``): (block_v, a_batch)
+PREFILL_SPLIT = ((16, 8), (32, 8), (64, 8), (128, 4))
 # the two-kernel pair as the model dispatches it (relax_modules/kda.py): block_v per head count
 PREFILL_TC_MODEL = {96: ((32, 8),), 12: ((16, 8),)}
 # TVM 0.27 passes ptxas --register-usage-level=10; level 5 as for the MoE kernels
@@ -112,7 +117,7 @@ def build_prefill(out_dir: Path, baseline: bool = True, all_tc: bool = True) -> 
     from k3_compile.device_code import precompiled_cuda
     from schedules.barriers import respect_manual_barriers
     from schedules.kda_prefill_cuda import kda_prefill_intra_kernel, kda_prefill_state_kernel
-    from schedules.kda_prefill_fused import kda_prefill_fused_kernel
+    from schedules.kda_prefill_fused import kda_prefill_fused_kernel, kda_prefill_split_intra_kernel
     from schedules.kda_prefill_tc import kda_prefill_intra_tc_kernel, kda_prefill_state_tc_kernel
     from targets import get_target
 
@@ -134,6 +139,16 @@ def build_prefill(out_dir: Path, baseline: bool = True, all_tc: bool = True) -> 
                 lib = tvm.compile(tvm.IRModule({"kda_prefill_fused": f.with_attr("global_symbol", "kda_prefill_fused")}),
                                   target=spec.tvm_target())
             path = out_dir / f"kda_prefill_{name}_h{h}_bv{bv}_ab{ab}.so"
+            lib.export_library(str(path))
+            print(f"built {path}")
+        for bv, ab in PREFILL_SPLIT:
+            fi = kda_prefill_split_intra_kernel(h, K, K ** -0.5)
+            fs = kda_prefill_fused_kernel(h, K, V, K ** -0.5, block_v=bv, a_batch=ab, split=True)
+            with precompiled_cuda(spec.nvcc_arch, options=PREFILL_NVCC_OPTIONS), respect_manual_barriers():
+                lib = tvm.compile(tvm.IRModule({"kda_prefill_split_intra": fi.with_attr("global_symbol", "kda_prefill_split_intra"),
+                                                "kda_prefill_split_state": fs.with_attr("global_symbol", "kda_prefill_split_state")}),
+                                  target=spec.tvm_target())
+            path = out_dir / f"kda_prefill_split_h{h}_bv{bv}_ab{ab}.so"
             lib.export_library(str(path))
             print(f"built {path}")
         for bv, ab in PREFILL_TC if all_tc else PREFILL_TC_MODEL[h]:
@@ -339,6 +354,11 @@ def run_prefill(lib_dir: Path, log: Path | None = None, fla_checks: bool = True,
             if path.exists():   # raw inputs ("pre") for the kernel with its own preprocessing
                 fns[f"{name}_bv{bv}_ab{ab}"] = (tvm.runtime.load_module(str(path))["kda_prefill_fused"],
                                                 "pre" if "lower_bound" in opts else None)
+        for bv, ab in PREFILL_SPLIT:
+            path = lib_dir / f"kda_prefill_split_h{H}_bv{bv}_ab{ab}.so"
+            if path.exists():
+                m = tvm.runtime.load_module(str(path))
+                fns[f"split_bv{bv}_ab{ab}"] = (m["kda_prefill_split_intra"], ("split", m["kda_prefill_split_state"]))
         for bv, ab in PREFILL_TC:
             path = lib_dir / f"kda_prefill_tc_h{H}_bv{bv}_ab{ab}.so"
             if not path.exists():   # the build decides which variants there are
@@ -369,6 +389,18 @@ def run_prefill(lib_dir: Path, log: Path | None = None, fla_checks: bool = True,
                 args = ([A(raw[n]) for n in ("q", "k", "v", "f", "b")] + [A(A_log), A(dt_bias)]
                         + [A(cu), A(slots), A(pool), 0, A(o)])
                 return lambda: fi(*args)
+            if isinstance(fs, tuple):   # the split form: intra for all chunks, then phases 3-5
+                Tn = pre["q"].shape[0]
+                sp = [torch.empty(Tn, H, n, device=dev) for n in (K, 64, 16)]   # Γ, L / Aqk, D^{-1}
+                a_i = [A(pre[n]) for n in ("q", "k", "g", "beta")] + [A(cu)] + [A(x) for x in sp]
+                a_s = ([A(pre[n]) for n in ("q", "k", "v")] + [A(x) for x in sp]
+                       + [A(pre["beta"]), A(cu), A(slots), A(pool), 0, A(o)])
+                fs = fs[1]
+                if part == "intra":
+                    return lambda: fi(*a_i)
+                if part == "state":
+                    return lambda: fs(*a_s)
+                return lambda: (fi(*a_i), fs(*a_s))
             a_i = [A(pre[n]) for n in ("k", "q", "v", "g", "beta")] + [A(cu)] + [A(scr[n]) for n in SN]
             a_s = [A(scr[n]) for n in SN] + [A(cu), A(slots), A(pool)]
             o_t = A(o)
@@ -443,13 +475,19 @@ def run_prefill(lib_dir: Path, log: Path | None = None, fla_checks: bool = True,
             tc = [n for n in per if n.startswith("tc")]
             fused = [n for n in per if n.startswith("fused_")]
             fused_pre = [n for n in per if n.startswith("fusedpre_")]
-            best = min(tc + fused, key=per.get)
+            split = [n for n in per if n.startswith("split_")]
+            best = min(tc + fused + split, key=per.get)
             row = {"kind": "time", "heads": H, "lens": list(lens), "ours_ms": per[best], "best": best,
                    "variants_ms": per,
                    "fused_ms": min([per[n] for n in fused], default=None),
                    "fused_pre_ms": min([per[n] for n in fused_pre], default=None),
                    "two_kernel_ms": min([per[n] for n in tc], default=None),
+                   "split_ms": min([per[n] for n in split], default=None),
                    "fp32_ms": min([per[n] for n in per if n.startswith("fp32")], default=None)}
+            if split:
+                best_split = min(split, key=per.get)
+                row["split_intra_ms"] = tm(ours(best_split, pre, cu, pool, slots, o, scr, "intra"))
+                row["split_state_ms"] = tm(ours(best_split, pre, cu, pool, slots, o, scr, "state"))
             if tc:
                 best_tc = min(tc, key=per.get)
                 row.update({
@@ -487,7 +525,9 @@ def run_prefill(lib_dir: Path, log: Path | None = None, fla_checks: bool = True,
                       "fused_speedup_vs_fla": ratio("fla_ms", "fused_ms"),
                       # kernel against kernel, both with L2 norms, gate and β inside
                       "fused_pre_speedup_vs_fla_bf16_gated": ratio("fla_bf16_gated_ms", "fused_pre_ms"),
-                      "two_kernel_speedup_vs_fla": ratio("fla_ms", "two_kernel_ms")})
+                      "two_kernel_speedup_vs_fla": ratio("fla_ms", "two_kernel_ms"),
+                      "split_speedup_vs_fla": ratio("fla_ms", "split_ms"),
+                      "split_speedup_vs_fla_bf16_gated": ratio("fla_bf16_gated_ms", "split_ms")})
             later.append(("time", fla_time))
     for kind in ("long", "time", "check"):
         for k_, fn in later:

@@ -123,6 +123,12 @@ __device__ __forceinline__ float k3_ex2(float x) {
   return y;
 }
 """
+WARP_SUM_SRC = r"""
+__device__ __forceinline__ float k3_warp_sum(float x) {
+  for (int m = 16; m > 0; m >>= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
+  return x;
+}
+"""
 LOG2E = 1.4426950408889634
 L2_NORM_EPS = 1e-6       # spec §3 step 2 (relax_modules/kda.py, fla's l2norm)
 
@@ -201,6 +207,16 @@ def _ex2(emulate: bool):
     return lambda x: cuda_func_call("k3_ex2", x, source_code=EX2_SRC, return_type="float32")
 
 
+def _warp_sum(emulate: bool):
+    """The sum of x over the warp's 32 lanes, in every lane (``shfl.xor`` butterfly); not
+    available emulated (callers take another path there)."""
+    if emulate:
+        return None
+    from tvm.backend.cuda.op import cuda_func_call
+
+    return lambda x: cuda_func_call("k3_warp_sum", x, source_code=WARP_SUM_SRC, return_type="float32")
+
+
 def ld(buf, t, end, n_tok, h, d):
     """buf[t, h, d] as an expression, 0 for rows t ≥ end (the row index clamped into the tensor,
     so the load itself is always in bounds)."""
@@ -210,7 +226,8 @@ def ld(buf, t, end, n_tok, h, d):
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int = 64,
                              a_batch: int = 8, lower_bound: float | None = None,
-                             p2_pairs: bool = False, ldsm: bool = False, emulate: bool = False):
+                             p2_pairs: bool = False, ldsm: bool = False, split: bool = False,
+                             emulate: bool = False):
     """The fused chunked prefill, one block per (sequence, head, ``block_v`` columns of V).
     PrimFunc arguments::
 
@@ -247,11 +264,55 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
     ``ldsm``: phase 3 reads its B fragments (the S copy) by ``ldmatrix.x4``, two n-tiles per
     instruction instead of four 32-bit loads; not yet timed on the GPU, so off by default.
 
+    ``split``: the second kernel of the split form: Γ, the L / Aqk tile and D^{-1} of every chunk
+    come from :func:`kda_prefill_split_intra_kernel` (computed for all chunks in parallel), so a
+    chunk here is phases 3-5 only (4 barriers instead of 13). Arguments::
+
+        q, k, v                          as above
+        gam         [T, H, K]        float32   Γ (log2 units), from kda_prefill_split_intra_kernel
+        la          [T, H, C]        float32   L / Aqk rows, from kda_prefill_split_intra_kernel
+        dinv        [T, H, 16]       float32   D^{-1} rows, from kda_prefill_split_intra_kernel
+        beta, cu_seqlens, seq_slots, kda_state, layer, o   as above (kda_state: argument index 9)
+
     ``block_v`` (16, 32, 64 or 128): columns of V per block; fewer columns give more blocks
     (more SMs busy when B·H is small) at the cost of repeating phase 2 in every block.
     ``a_batch`` (4 or 8): k-steps whose A fragments are loaded before their mmas in phases 3
     and 5. Raises ValueError for other head sizes or tilings.
     """
+    if split and (lower_bound is not None or p2_pairs):
+        raise ValueError("split: the L2 norms, gate and β and phase 2 belong to kda_prefill_split_intra_kernel")
+    return _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulate,
+                  "state" if split else "fused")
+
+
+@functools.cache
+def kda_prefill_split_intra_kernel(H: int, K: int, scale: float, p2_pairs: bool = True,
+                                   emulate: bool = False):
+    """The first kernel of the split form: phases 1-2 and D^{-1} of the fused kernel for every
+    chunk of every sequence in parallel, one block per (chunk, head) — the state-independent
+    part, so that :func:`kda_prefill_fused_kernel` with ``split`` does only phases 3-5 per chunk
+    (for few heads and one long sequence, where the fused kernel's 13 barriers per chunk set
+    the time). PrimFunc arguments::
+
+        q, k        [T, H, K]        float32   L2-normalized (q unscaled)
+        g           [T, H, K]        float32   log decay, lower-bound gate (−5.5 ≤ g ≤ 0)
+        beta        [T, H]           float32
+        cu_seqlens  [B+1]            int32     token offsets of the sequences
+        gam         [T, H, K]        float32   out: Γ = log2(e)·cumsum g within each chunk
+        la          [T, H, C]        float32   out: row i of the chunk's L / Aqk tile (Aqk on and
+                                               below the diagonal, Lᵀ above: L[j][i] at [i][j];
+                                               reference r = Γ_{16I} per 16-row block, TF32)
+        dinv        [T, H, 16]       float32   out: row i of D_I^{-1} = (I + L_II)^{-1}, I = i // 16
+
+    Rows are tokens (row i of chunk c of sequence b is token cu[b] + 64c + i); rows past a
+    sequence's end are not written. Grid: (T // 64 + B + 1)·H blocks, those past the last chunk
+    idle. Raises ValueError for K ≠ 128."""
+    return _build(H, K, K, scale, 16, 8, None, p2_pairs, False, emulate, "intra")
+
+
+def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulate, stage):
+    """The kernels of this module (``stage``: "fused", "intra" or "state") over one set of
+    shared-memory regions and macros."""
     if K != 128 or V != 128:
         raise ValueError(f"the fused KDA prefill is written for K = V = 128, got K={K}, V={V}")
     if lower_bound is not None and not -5.5 <= lower_bound < 0:
@@ -283,20 +344,21 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
     # one shared buffer, regions at fixed offsets (floats; 16-byte aligned rows for cp.async)
     O_KR, O_QR, O_G = 0, C * KS, 2 * C * KS
     O_SS = 3 * C * KS
-    O_LA = O_SS + BV * SN
+    O_LA = O_SS + (0 if stage == "intra" else BV * SN)
     O_X = O_LA + C * LS                    # ka | qa in phase 2; vn | D^{-1} afterwards
     O_D = O_X + C * RS
     XN = max((4 if p2_pairs else 2) * SUB * KS, C * RS + C * DS)
     O_BT = O_X + XN
-    O_RN = O_BT + C          # 1/‖k‖, 1/‖q‖ of the chunk's rows (in-kernel preprocessing)
+    O_RN = O_BT + C          # emulated preprocessing: 1/‖k‖, 1/‖q‖ of the chunk's rows
     PRE = lower_bound is not None
     LB = float(lower_bound) if PRE else 0.0
-    NSM = O_RN + (2 * C if PRE else 0)
+    NSM = O_RN + (2 * C if PRE and emulate else 0)   # the emulated norms go through O_RN
     if not emulate and NSM * 4 > 227 * 1024:
         raise ValueError(f"block_v={BV} needs {NSM * 4} bytes of shared memory (> 227 KB)")
     frag_a, mma, mma_rb, syncwarp, prefetch = _macros(emulate)
     ex2 = _ex2(emulate)
     tf32 = _tf32(emulate)
+    warp_sum = _warp_sum(emulate)
     if not emulate:
         from tvm.backend.cuda.op import cuda_func_call
 
@@ -314,6 +376,11 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
     def la(SM, i, j):
         return SM[O_LA + i * LS + j]
 
+    def g_last(c0):   # the chunk's last row (for Γ_last), c0 = (chunk start, sequence end)
+        # fused: rows past the end were staged as g = 0, so row C − 1 holds Γ of the last token;
+        # split: they are zero-filled Γ, so the last token's row is read
+        return C - 1 if stage != "state" else T.min(C, c0[1] - c0[0]) - 1
+
     def vn(SM, j, n):
         return SM[O_X + j * RS + n]
 
@@ -326,6 +393,49 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
             for i in T.unroll(C):
                 run[0] = run[0] + gm(SM, i, tx) * T.float32(LOG2E)
                 SM[O_G + i * KS + tx] = run[0]
+
+    @T.macro
+    def gamma_cumsum_gated(SM, tx, c0, end, alog, dt_bias, h):
+        """``gamma_cumsum`` of the gate g = lb·σ(e^{A_log}(f + dt_bias)) (spec §3 step 3) of the
+        staged f, thread tx < K summing column tx; rows at or past ``end`` (token c0 + i) give
+        g = 0. σ(x) = 1 / (1 + 2^{−x·log2 e}) with ``ex2.approx``."""
+        gs = T.alloc_buffer((3,), "float32", scope="local")   # running sum, e^{A_log}, dt_bias
+        if tx < K:
+            gs[0] = T.float32(0)
+            gs[1] = T.exp(alog)
+            gs[2] = dt_bias[h * K + tx]
+            for i in T.unroll(C):
+                gs[0] = gs[0] + T.Select(c0 + i < end, T.float32(LB * LOG2E) / (T.float32(1) + ex2(
+                    T.float32(-LOG2E) * gs[1] * (gm(SM, i, tx) + gs[2]))), T.float32(0))
+                SM[O_G + i * KS + tx] = gs[0]
+
+    @T.macro
+    def row_norms(SM, tx, step):
+        """The staged k rows (0 … C−1) and q rows (C … 2C−1, the region after k's) divided by
+        sqrt(Σ x² + 1e-6) in place (spec §3 step 2), warp 4 + w taking rows 32w … 32w+31, lane l
+        columns 4l … 4l+3, the squares summed across the warp by ``shfl.xor``. Emulated (no
+        shuffles): step 0 writes each row's inverse norm to SM[O_RN …], step 1 scales."""
+        nx = T.alloc_buffer((5,), "float32", scope="local")
+        if tx >= NT - 4 * 32:
+            if SYNC:
+                for rr in T.unroll(2 * C // 4):
+                    for u in T.unroll(4):
+                        nx[u] = SM[O_KR + ((tx // 32 - (NW - 4)) * (2 * C // 4) + rr) * KS + tx % 32 * 4 + u]
+                    nx[4] = T.rsqrt(warp_sum(nx[0] * nx[0] + nx[1] * nx[1] + nx[2] * nx[2] + nx[3] * nx[3])
+                                    + T.float32(L2_NORM_EPS))
+                    for u in T.unroll(4):
+                        SM[O_KR + ((tx // 32 - (NW - 4)) * (2 * C // 4) + rr) * KS + tx % 32 * 4 + u] = nx[u] * nx[4]
+            elif step == 0:
+                if tx % 32 == 0:
+                    for rr in range(2 * C // 4):
+                        nx[0] = T.float32(0)
+                        for d in range(K):
+                            nx[0] = nx[0] + SM[O_KR + ((tx // 32 - (NW - 4)) * (2 * C // 4) + rr) * KS + d] * SM[O_KR + ((tx // 32 - (NW - 4)) * (2 * C // 4) + rr) * KS + d]
+                        SM[O_RN + (tx // 32 - (NW - 4)) * (2 * C // 4) + rr] = T.rsqrt(nx[0] + T.float32(L2_NORM_EPS))
+            else:
+                for rr in range(2 * C // 4):
+                    for u in range(4):
+                        SM[O_KR + ((tx // 32 - (NW - 4)) * (2 * C // 4) + rr) * KS + tx % 32 * 4 + u] = SM[O_KR + ((tx // 32 - (NW - 4)) * (2 * C // 4) + rr) * KS + tx % 32 * 4 + u] * SM[O_RN + (tx // 32 - (NW - 4)) * (2 * C // 4) + rr]
 
     @T.macro
     def l_aqk_tile(SM, acc, af, bf, tx, I, nt, XO):
@@ -383,7 +493,191 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
             gemm(acc, row, af, A, lambda d, n: SM[O_SS + n * SN + d], steps, tiles, lane, None)
 
     @T.macro
-    def fused_body(q, k, v, g, beta, A_log, dt_bias, cu, slots, S, layer, o, n_tok, n_cu):
+    def stage_chunk(SM, tx, c0, q, k, g, beta, la_g, dinv_g, h, n_tok):
+        """Phase 1's copies of the chunk at token c0[0] of a sequence ending at c0[1] (c0[2]: a
+        scratch row): raw k, q and g (Γ in the split form's second kernel, and its L / Aqk and
+        D^{-1} rows) → shared memory by 16-byte ``cp.async`` (rows past the sequence end
+        zero-filled; emulated: plain loads), then β. The caller waits for the copies."""
+        for it in T.unroll(C * K // 4 // NT):
+            # row (it·NT + tx) // (K/4) of the chunk, clamped into the sequence
+            c0[2] = T.min(c0[0] + (it * NT + tx) // (K // 4), c0[1] - 1)
+            if SYNC:
+                ptx.cp_async16(T.address_of(SM[O_KR + (it * NT + tx) // (K // 4) * KS + tx % (K // 4) * 4]),
+                               T.address_of(k[c0[2], h, tx % (K // 4) * 4]),
+                               c0[0] + (it * NT + tx) // (K // 4) < c0[1])
+                ptx.cp_async16(T.address_of(SM[O_QR + (it * NT + tx) // (K // 4) * KS + tx % (K // 4) * 4]),
+                               T.address_of(q[c0[2], h, tx % (K // 4) * 4]),
+                               c0[0] + (it * NT + tx) // (K // 4) < c0[1])
+                ptx.cp_async16(T.address_of(SM[O_G + (it * NT + tx) // (K // 4) * KS + tx % (K // 4) * 4]),
+                               T.address_of(g[c0[2], h, tx % (K // 4) * 4]),
+                               c0[0] + (it * NT + tx) // (K // 4) < c0[1])
+            else:
+                for u in range(4):
+                    SM[O_KR + (it * NT + tx) // (K // 4) * KS + tx % (K // 4) * 4 + u] = ld(k, c0[0] + (it * NT + tx) // (K // 4), c0[1], n_tok, h, tx % (K // 4) * 4 + u)
+                    SM[O_QR + (it * NT + tx) // (K // 4) * KS + tx % (K // 4) * 4 + u] = ld(q, c0[0] + (it * NT + tx) // (K // 4), c0[1], n_tok, h, tx % (K // 4) * 4 + u)
+                    SM[O_G + (it * NT + tx) // (K // 4) * KS + tx % (K // 4) * 4 + u] = ld(g, c0[0] + (it * NT + tx) // (K // 4), c0[1], n_tok, h, tx % (K // 4) * 4 + u)
+        if stage == "state":
+            for it in T.unroll(C * C // 4 // NT):
+                c0[2] = T.min(c0[0] + (it * NT + tx) // (C // 4), c0[1] - 1)
+                if SYNC:
+                    ptx.cp_async16(T.address_of(SM[O_LA + (it * NT + tx) // (C // 4) * LS + tx % (C // 4) * 4]),
+                                   T.address_of(la_g[c0[2], h, tx % (C // 4) * 4]),
+                                   c0[0] + (it * NT + tx) // (C // 4) < c0[1])
+                else:
+                    for u in range(4):
+                        SM[O_LA + (it * NT + tx) // (C // 4) * LS + tx % (C // 4) * 4 + u] = ld(la_g, c0[0] + (it * NT + tx) // (C // 4), c0[1], n_tok, h, tx % (C // 4) * 4 + u)
+            for it in T.unroll(C * SUB // 4 // NT):
+                c0[2] = T.min(c0[0] + (it * NT + tx) // (SUB // 4), c0[1] - 1)
+                if SYNC:
+                    ptx.cp_async16(T.address_of(SM[O_D + (it * NT + tx) // (SUB // 4) * DS + tx % (SUB // 4) * 4]),
+                                   T.address_of(dinv_g[c0[2], h, tx % (SUB // 4) * 4]),
+                                   c0[0] + (it * NT + tx) // (SUB // 4) < c0[1])
+                else:
+                    for u in range(4):
+                        SM[O_D + (it * NT + tx) // (SUB // 4) * DS + tx % (SUB // 4) * 4 + u] = ld(dinv_g, c0[0] + (it * NT + tx) // (SUB // 4), c0[1], n_tok, h, tx % (SUB // 4) * 4 + u)
+        if SYNC:
+            ptx.commit()
+        if tx < C:
+            if PRE:   # β = σ(b)
+                SM[O_BT + tx] = T.Select(c0[0] + tx < c0[1], T.sigmoid(beta[T.min(c0[0] + tx, c0[1] - 1), h]), T.float32(0))
+            else:
+                SM[O_BT + tx] = T.Select(c0[0] + tx < c0[1], beta[T.min(c0[0] + tx, c0[1] - 1), h], T.float32(0))
+
+    @T.macro
+    def gamma_and_norms(SM, c0s, end, h, A_log, dt_bias):
+        """Phase 1b of the chunk at token c0s of a sequence ending at end (head h)."""
+        # phase 1b: Γ = log2(e)·cumsum g in place (threads tx < K: column tx); with PRE
+        #           the gate g = lb·σ(e^{A_log}(f + dt_bias)) of each staged f first
+        #           (same thread, 0 for rows past the sequence end) ‖ the L2 norms of
+        #           the 2C staged k, q rows (warps 4-7, 32 rows each; ``row_norms``)
+        if SYNC:
+            T.tvm_storage_sync("shared")
+        if PRE:
+            for tx in THR(NT):
+                gamma_cumsum_gated(SM, tx, c0s, end,
+                                   A_log[h], dt_bias, h)
+                row_norms(SM, tx, 0)
+            if not SYNC:   # emulated: the norms of every row first, then the scaling
+                for tx in THR(NT):
+                    row_norms(SM, tx, 1)
+        else:
+            for tx in THR(NT):
+                gamma_cumsum(SM, tx)
+
+    @T.macro
+    def phase2(SM):
+        """Phase 2: the L / Aqk tile of the staged chunk (barrier first)."""
+        if p2_pairs:
+            # phase 2, paired: rounds R = 0, 1 of sub-blocks 2R, 2R+1 (reference r =
+            # Γ_{16I}); tile t < 8R+6 of a round is (I, nt) = (2R, t) for t < 4R+2, else
+            # (2R+1, t − 4R − 2); warp wi takes tiles wi and wi + 8
+            for R in range(2):
+                if SYNC:
+                    T.tvm_storage_sync("shared")
+                for tx in THR(NT):
+                    for sb in T.unroll(2):
+                        for it in T.unroll(SUB * K // NT):
+                            SM[O_X + sb * 2 * SUB * KS + (it * (NT // K) + tx // K) * KS + tx % K] = tf32(kr(SM, (R * 2 + sb) * SUB + it * (NT // K) + tx // K, tx % K) * ex2(gm(SM, (R * 2 + sb) * SUB + it * (NT // K) + tx // K, tx % K) - gm(SM, (R * 2 + sb) * SUB, tx % K)))
+                            SM[O_X + sb * 2 * SUB * KS + (SUB + it * (NT // K) + tx // K) * KS + tx % K] = tf32(T.float32(scale) * qr(SM, (R * 2 + sb) * SUB + it * (NT // K) + tx // K, tx % K) * ex2(gm(SM, (R * 2 + sb) * SUB + it * (NT // K) + tx // K, tx % K) - gm(SM, (R * 2 + sb) * SUB, tx % K)))
+                if SYNC:
+                    T.tvm_storage_sync("shared")
+                for tx in THR(NT):
+                    af = T.alloc_buffer((4,), "float32", scope="local")
+                    acc = T.alloc_buffer((RT, 8), "float32", scope="local")   # L tile, Aqk tile
+                    bf = T.alloc_buffer((2,), "float32", scope="local")
+                    ti = T.alloc_buffer((2,), "int32", scope="local")        # sub-block, n-tile
+                    for tt in range(2):
+                        if tx // 32 + tt * NW < R * 8 + 6:
+                            ti[0] = T.Select(tx // 32 + tt * NW < R * 4 + 2, R * 2, R * 2 + 1)
+                            ti[1] = T.Select(tx // 32 + tt * NW < R * 4 + 2, tx // 32 + tt * NW, tx // 32 + tt * NW - R * 4 - 2)
+                            l_aqk_tile(SM, acc, af, bf, tx, ti[0], ti[1], O_X + (ti[0] - R * 2) * 2 * SUB * KS)
+        else:
+            # phase 2: L and Aqk, one 16-row sub-block I at a time (reference r = Γ_{16I})
+            for I in range(NSUB):
+                if SYNC:
+                    T.tvm_storage_sync("shared")
+                for tx in THR(NT):
+                    for it in T.unroll(SUB * K // NT):
+                        SM[O_X + (it * (NT // K) + tx // K) * KS + tx % K] = tf32(kr(SM, I * SUB + it * (NT // K) + tx // K, tx % K) * ex2(gm(SM, I * SUB + it * (NT // K) + tx // K, tx % K) - gm(SM, I * SUB, tx % K)))
+                        SM[O_X + (SUB + it * (NT // K) + tx // K) * KS + tx % K] = tf32(T.float32(scale) * qr(SM, I * SUB + it * (NT // K) + tx // K, tx % K) * ex2(gm(SM, I * SUB + it * (NT // K) + tx // K, tx % K) - gm(SM, I * SUB, tx % K)))
+                if SYNC:
+                    T.tvm_storage_sync("shared")
+                for tx in THR(NT):
+                    af = T.alloc_buffer((4,), "float32", scope="local")
+                    acc = T.alloc_buffer((RT, 8), "float32", scope="local")   # L tile, Aqk tile
+                    bf = T.alloc_buffer((2,), "float32", scope="local")
+                    if tx // 32 <= I * 2 + 1:   # warp wi: columns 8·wi …
+                        l_aqk_tile(SM, acc, af, bf, tx, I, tx // 32, O_X)
+
+    @T.macro
+    def d_inverse(SM, tx, x):
+        """D_I^{-1} = (I + L_II)^{-1} of the four diagonal 16×16 blocks of L (forward
+        substitution, threads NT − C …: block I = t // 16, column t % 16) → SM[O_D …], TF32."""
+        if tx >= NT - C:
+            for i in T.unroll(SUB):
+                x[tx * EM, i] = T.Select(i == (tx - (NT - C)) % SUB, T.float32(1), T.float32(0))
+            for j in T.unroll(SUB):
+                for i in T.unroll(SUB):
+                    if i > j:
+                        x[tx * EM, i] = x[tx * EM, i] - la(SM, (tx - (NT - C)) // SUB * SUB + j, (tx - (NT - C)) // SUB * SUB + i) * x[tx * EM, j]
+            for i in T.unroll(SUB):
+                SM[O_D + ((tx - (NT - C)) // SUB * SUB + i) * DS + (tx - (NT - C)) % SUB] = tf32(x[tx * EM, i])
+
+    @T.macro
+    def intra_body(q, k, g, beta, cu, gam, la_g, dinv_g, n_tok, n_cu):
+        """The split form's first kernel over its buffers: one block per (chunk, head)."""
+        for blk in BLK(((n_tok + C - 1) // C + n_cu - 1) * H):
+            SM = T.alloc_buffer((NSM,), "float32", scope=SH)
+            meta = T.alloc_buffer((2,), "int32", scope=SH)   # chunk start, sequence end (0, 0: none)
+            if not SYNC:   # emulated: a read of shared memory that nothing wrote gives NaN
+                for i in range(NSM):
+                    SM[i] = T.float32("nan")
+            # phase 0: which (sequence, chunk) this block is (thread 0 walks cu_seqlens)
+            for tx in THR(NT):
+                acc = T.alloc_buffer((1,), "int32", scope="local")   # chunks before sequence bb
+                if tx == 0:
+                    acc[0] = 0
+                    meta[0] = 0
+                    meta[1] = 0
+                    for bb in range(n_cu - 1):
+                        if T.Cast("int32", blk // H) >= acc[0] and T.Cast("int32", blk // H) < acc[0] + (cu[bb + 1] - cu[bb] + C - 1) // C:
+                            meta[0] = cu[bb] + (T.Cast("int32", blk // H) - acc[0]) * C
+                            meta[1] = cu[bb + 1]
+                        acc[0] = acc[0] + (cu[bb + 1] - cu[bb] + C - 1) // C
+            # phase 1: raw k, q, g, β as in the fused kernel (blocks past the last chunk copy nothing)
+            if SYNC:
+                T.tvm_storage_sync("shared")
+            for tx in THR(NT):
+                c0 = T.alloc_buffer((3,), "int32", scope="local")
+                c0[0] = meta[0]
+                c0[1] = meta[1]
+                if c0[0] < c0[1]:
+                    stage_chunk(SM, tx, c0, q, k, g, beta, None, None, blk % H, n_tok)
+                if SYNC:
+                    ptx.wait(0)
+            gamma_and_norms(SM, meta[0], meta[1], blk % H, None, None)
+            phase2(SM)
+            if SYNC:
+                T.tvm_storage_sync("shared")
+            for tx in THR(NT):
+                x = T.alloc_buffer((RT, SUB), "float32", scope="local")
+                d_inverse(SM, tx, x)
+            # the chunk's rows of Γ, the L / Aqk tile and D^{-1} → global (rows in the sequence)
+            if SYNC:
+                T.tvm_storage_sync("shared")
+            for tx in THR(NT):
+                for it in T.unroll(C * K // NT):
+                    if meta[0] + (it * NT + tx) // K < meta[1]:
+                        gam[meta[0] + (it * NT + tx) // K, blk % H, tx % K] = gm(SM, (it * NT + tx) // K, tx % K)
+                for it in T.unroll(C * C // NT):
+                    if meta[0] + (it * NT + tx) // C < meta[1]:
+                        la_g[meta[0] + (it * NT + tx) // C, blk % H, tx % C] = la(SM, (it * NT + tx) // C, tx % C)
+                for it in T.unroll(C * SUB // NT):
+                    if meta[0] + (it * NT + tx) // SUB < meta[1]:
+                        dinv_g[meta[0] + (it * NT + tx) // SUB, blk % H, tx % SUB] = SM[O_D + (it * NT + tx) // SUB * DS + tx % SUB]
+
+    @T.macro
+    def fused_body(q, k, v, g, beta, A_log, dt_bias, la_g, dinv_g, cu, slots, S, layer, o, n_tok, n_cu):
         """The kernel over its buffers; ``g`` / ``beta`` are f / b and ``A_log`` / ``dt_bias``
         are read when ``PRE`` (None otherwise)."""
         for blk in BLK((n_cu - 1) * (H * NVB)):
@@ -409,115 +703,21 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
                     c0 = T.alloc_buffer((3,), "int32", scope="local")  # chunk start, sequence end, row
                     c0[0] = cu[blk // (H * NVB)] + c * C
                     c0[1] = cu[blk // (H * NVB) + 1]
-                    for it in T.unroll(C * K // 4 // NT):
-                        # row (it·NT + tx) // (K/4) of the chunk, clamped into the sequence
-                        c0[2] = T.min(c0[0] + (it * NT + tx) // (K // 4), c0[1] - 1)
-                        if SYNC:
-                            ptx.cp_async16(T.address_of(SM[O_KR + (it * NT + tx) // (K // 4) * KS + tx % (K // 4) * 4]),
-                                           T.address_of(k[c0[2], blk // NVB % H, tx % (K // 4) * 4]),
-                                           c0[0] + (it * NT + tx) // (K // 4) < c0[1])
-                            ptx.cp_async16(T.address_of(SM[O_QR + (it * NT + tx) // (K // 4) * KS + tx % (K // 4) * 4]),
-                                           T.address_of(q[c0[2], blk // NVB % H, tx % (K // 4) * 4]),
-                                           c0[0] + (it * NT + tx) // (K // 4) < c0[1])
-                            ptx.cp_async16(T.address_of(SM[O_G + (it * NT + tx) // (K // 4) * KS + tx % (K // 4) * 4]),
-                                           T.address_of(g[c0[2], blk // NVB % H, tx % (K // 4) * 4]),
-                                           c0[0] + (it * NT + tx) // (K // 4) < c0[1])
-                        else:
-                            for u in range(4):
-                                SM[O_KR + (it * NT + tx) // (K // 4) * KS + tx % (K // 4) * 4 + u] = ld(k, c0[0] + (it * NT + tx) // (K // 4), c0[1], n_tok, blk // NVB % H, tx % (K // 4) * 4 + u)
-                                SM[O_QR + (it * NT + tx) // (K // 4) * KS + tx % (K // 4) * 4 + u] = ld(q, c0[0] + (it * NT + tx) // (K // 4), c0[1], n_tok, blk // NVB % H, tx % (K // 4) * 4 + u)
-                                SM[O_G + (it * NT + tx) // (K // 4) * KS + tx % (K // 4) * 4 + u] = ld(g, c0[0] + (it * NT + tx) // (K // 4), c0[1], n_tok, blk // NVB % H, tx % (K // 4) * 4 + u)
-                    if SYNC:
-                        ptx.commit()
-                    if tx < C:
-                        if PRE:   # β = σ(b)
-                            SM[O_BT + tx] = T.Select(c0[0] + tx < c0[1], T.sigmoid(beta[T.min(c0[0] + tx, c0[1] - 1), blk // NVB % H]), T.float32(0))
-                        else:
-                            SM[O_BT + tx] = T.Select(c0[0] + tx < c0[1], beta[T.min(c0[0] + tx, c0[1] - 1), blk // NVB % H], T.float32(0))
+                    stage_chunk(SM, tx, c0, q, k, g, beta, la_g, dinv_g, blk // NVB % H, n_tok)
                     if c0[0] + C + tx // 4 < c0[1]:
                         prefetch(q[c0[0] + C + tx // 4, blk // NVB % H, tx % 4 * 32])
                         prefetch(k[c0[0] + C + tx // 4, blk // NVB % H, tx % 4 * 32])
                         prefetch(g[c0[0] + C + tx // 4, blk // NVB % H, tx % 4 * 32])
                         if tx % 4 * 32 < BV:
                             prefetch(v[c0[0] + C + tx // 4, blk // NVB % H, blk % NVB * BV + tx % 4 * 32])
+                        if stage == "state" and tx % 4 < 2:
+                            prefetch(la_g[c0[0] + C + tx // 4, blk // NVB % H, tx % 4 * 32])
                     if SYNC:
                         ptx.wait(0)
-                if PRE:
-                    # phase 1a: 1/sqrt(Σx² + 1e-6) of k row tx (tx < C) and q row tx − C (tx < 2C)
-                    #           ‖ the gate g = lb·σ(e^{A_log}(f + dt_bias)) in place of the staged
-                    #           f, column tx − 2C (0 for rows past the sequence end)
-                    if SYNC:
-                        T.tvm_storage_sync("shared")
-                    for tx in THR(NT):
-                        c0 = T.alloc_buffer((2,), "int32", scope="local")
-                        ss = T.alloc_buffer((4,), "float32", scope="local")
-                        c0[0] = cu[blk // (H * NVB)] + c * C
-                        c0[1] = cu[blk // (H * NVB) + 1]
-                        if tx < 2 * C:
-                            for u in T.unroll(4):
-                                ss[u] = T.float32(0)
-                            for d in T.unroll(K):
-                                ss[d % 4] = ss[d % 4] + SM[O_KR + tx * KS + d] * SM[O_KR + tx * KS + d]
-                            SM[O_RN + tx] = T.rsqrt(ss[0] + ss[1] + ss[2] + ss[3] + T.float32(L2_NORM_EPS))
-                        else:
-                            for i in T.unroll(C):
-                                SM[O_G + i * KS + tx - 2 * C] = T.Select(c0[0] + i < c0[1], T.float32(LB) * T.sigmoid(T.exp(A_log[blk // NVB % H]) * (gm(SM, i, tx - 2 * C) + dt_bias[blk // NVB % H * K + tx - 2 * C])), T.float32(0))
-                    # phase 1b: Γ = log2(e)·cumsum g in place (thread tx < K: column tx) ‖ k, q
-                    #           rows scaled by their inverse norms (column tx − K)
-                    if SYNC:
-                        T.tvm_storage_sync("shared")
-                    for tx in THR(NT):
-                        gamma_cumsum(SM, tx)
-                        if tx >= K:
-                            for i in T.unroll(2 * C):
-                                SM[O_KR + i * KS + tx - K] = SM[O_KR + i * KS + tx - K] * SM[O_RN + i]
-                else:
-                    # phase 1b: Γ = log2(e)·cumsum g in place (thread tx < K: column tx)
-                    if SYNC:
-                        T.tvm_storage_sync("shared")
-                    for tx in THR(NT):
-                        gamma_cumsum(SM, tx)
-                if p2_pairs:
-                    # phase 2, paired: rounds R = 0, 1 of sub-blocks 2R, 2R+1 (reference r =
-                    # Γ_{16I}); tile t < 8R+6 of a round is (I, nt) = (2R, t) for t < 4R+2, else
-                    # (2R+1, t − 4R − 2); warp wi takes tiles wi and wi + 8
-                    for R in range(2):
-                        if SYNC:
-                            T.tvm_storage_sync("shared")
-                        for tx in THR(NT):
-                            for sb in T.unroll(2):
-                                for it in T.unroll(SUB * K // NT):
-                                    SM[O_X + sb * 2 * SUB * KS + (it * (NT // K) + tx // K) * KS + tx % K] = tf32(kr(SM, (R * 2 + sb) * SUB + it * (NT // K) + tx // K, tx % K) * ex2(gm(SM, (R * 2 + sb) * SUB + it * (NT // K) + tx // K, tx % K) - gm(SM, (R * 2 + sb) * SUB, tx % K)))
-                                    SM[O_X + sb * 2 * SUB * KS + (SUB + it * (NT // K) + tx // K) * KS + tx % K] = tf32(T.float32(scale) * qr(SM, (R * 2 + sb) * SUB + it * (NT // K) + tx // K, tx % K) * ex2(gm(SM, (R * 2 + sb) * SUB + it * (NT // K) + tx // K, tx % K) - gm(SM, (R * 2 + sb) * SUB, tx % K)))
-                        if SYNC:
-                            T.tvm_storage_sync("shared")
-                        for tx in THR(NT):
-                            af = T.alloc_buffer((4,), "float32", scope="local")
-                            acc = T.alloc_buffer((RT, 8), "float32", scope="local")   # L tile, Aqk tile
-                            bf = T.alloc_buffer((2,), "float32", scope="local")
-                            ti = T.alloc_buffer((2,), "int32", scope="local")        # sub-block, n-tile
-                            for tt in range(2):
-                                if tx // 32 + tt * NW < R * 8 + 6:
-                                    ti[0] = T.Select(tx // 32 + tt * NW < R * 4 + 2, R * 2, R * 2 + 1)
-                                    ti[1] = T.Select(tx // 32 + tt * NW < R * 4 + 2, tx // 32 + tt * NW, tx // 32 + tt * NW - R * 4 - 2)
-                                    l_aqk_tile(SM, acc, af, bf, tx, ti[0], ti[1], O_X + (ti[0] - R * 2) * 2 * SUB * KS)
-                else:
-                    # phase 2: L and Aqk, one 16-row sub-block I at a time (reference r = Γ_{16I})
-                    for I in range(NSUB):
-                        if SYNC:
-                            T.tvm_storage_sync("shared")
-                        for tx in THR(NT):
-                            for it in T.unroll(SUB * K // NT):
-                                SM[O_X + (it * (NT // K) + tx // K) * KS + tx % K] = tf32(kr(SM, I * SUB + it * (NT // K) + tx // K, tx % K) * ex2(gm(SM, I * SUB + it * (NT // K) + tx // K, tx % K) - gm(SM, I * SUB, tx % K)))
-                                SM[O_X + (SUB + it * (NT // K) + tx // K) * KS + tx % K] = tf32(T.float32(scale) * qr(SM, I * SUB + it * (NT // K) + tx // K, tx % K) * ex2(gm(SM, I * SUB + it * (NT // K) + tx // K, tx % K) - gm(SM, I * SUB, tx % K)))
-                        if SYNC:
-                            T.tvm_storage_sync("shared")
-                        for tx in THR(NT):
-                            af = T.alloc_buffer((4,), "float32", scope="local")
-                            acc = T.alloc_buffer((RT, 8), "float32", scope="local")   # L tile, Aqk tile
-                            bf = T.alloc_buffer((2,), "float32", scope="local")
-                            if tx // 32 <= I * 2 + 1:   # warp wi: columns 8·wi …
-                                l_aqk_tile(SM, acc, af, bf, tx, I, tx // 32, O_X)
+                if stage == "fused":
+                    gamma_and_norms(SM, cu[blk // (H * NVB)] + c * C, cu[blk // (H * NVB) + 1], blk // NVB % H,
+                                    A_log, dt_bias)
+                    phase2(SM)
                 # phase 3: D_I^{-1} (warps 6-7: block I = t // 16, column t % 16) ‖ the rows
                 #          16·wi … of (e^Γ k) S → R = β (v − ·) (warps 0-3) or of Y = scale
                 #          (e^Γ q) S (warps 4-7, kept in registers)
@@ -531,15 +731,8 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
                     bq = T.alloc_buffer((4,), "float32", scope="local")   # ldmatrix.x4 fragments
                     c0[0] = cu[blk // (H * NVB)] + c * C
                     c0[1] = cu[blk // (H * NVB) + 1]
-                    if tx >= NT - C:
-                        for i in T.unroll(SUB):
-                            x[tx * EM, i] = T.Select(i == (tx - (NT - C)) % SUB, T.float32(1), T.float32(0))
-                        for j in T.unroll(SUB):
-                            for i in T.unroll(SUB):
-                                if i > j:
-                                    x[tx * EM, i] = x[tx * EM, i] - la(SM, (tx - (NT - C)) // SUB * SUB + j, (tx - (NT - C)) // SUB * SUB + i) * x[tx * EM, j]
-                        for i in T.unroll(SUB):
-                            SM[O_D + ((tx - (NT - C)) // SUB * SUB + i) * DS + (tx - (NT - C)) % SUB] = tf32(x[tx * EM, i])
+                    if stage == "fused":
+                        d_inverse(SM, tx, x)
                     for r in T.unroll(NR):
                         Y[tx * EM, r] = T.float32(0)
                     if tx // 32 < 4:
@@ -601,9 +794,9 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
                     c0[1] = cu[blk // (H * NVB) + 1]
                     for nt in T.unroll(N8):
                         for e in T.unroll(4):
-                            Sr[tx * EM, nt * 4 + e] = Sr[tx * EM, nt * 4 + e] * ex2(gm(SM, C - 1, tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8))
+                            Sr[tx * EM, nt * 4 + e] = Sr[tx * EM, nt * 4 + e] * ex2(gm(SM, g_last(c0), tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8))
                     gemm(Sr, tx * EM, af,
-                         lambda i, j: tf32(kr(SM, j, tx // 32 * 16 + i) * ex2(gm(SM, C - 1, tx // 32 * 16 + i) - gm(SM, j, tx // 32 * 16 + i))),
+                         lambda i, j: tf32(kr(SM, j, tx // 32 * 16 + i) * ex2(gm(SM, g_last(c0), tx // 32 * 16 + i) - gm(SM, j, tx // 32 * 16 + i))),
                          lambda j, n: vn(SM, j, n), C // 8, N8, tx % 32, None)
                     for nt in T.unroll(N8):
                         for e in T.unroll(4):
@@ -622,7 +815,43 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
                     for e in T.unroll(4):
                         S[layer, slots[blk // (H * NVB)], blk // NVB % H, tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8, blk % NVB * BV + nt * 8 + tx % 4 * 2 + e % 2] = Sr[tx * EM, nt * 4 + e]
 
-    if PRE:
+    if stage == "intra":
+        @T.prim_func(private=True)
+        def kda_prefill_split_intra(q_h: T.handle, k_h: T.handle, g_h: T.handle, beta_h: T.handle,
+                                    cu_h: T.handle, gam_h: T.handle, la_h: T.handle, dinv_h: T.handle):
+            T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
+            n_tok, n_cu = T.int64(), T.int64()
+            q = T.match_buffer(q_h, (n_tok, H, K), "float32")
+            k = T.match_buffer(k_h, (n_tok, H, K), "float32")
+            g = T.match_buffer(g_h, (n_tok, H, K), "float32")
+            beta = T.match_buffer(beta_h, (n_tok, H), "float32")
+            cu = T.match_buffer(cu_h, (n_cu,), "int32")
+            gam = T.match_buffer(gam_h, (n_tok, H, K), "float32")
+            la_g = T.match_buffer(la_h, (n_tok, H, C), "float32")
+            dinv_g = T.match_buffer(dinv_h, (n_tok, H, SUB), "float32")
+            intra_body(q, k, g, beta, cu, gam, la_g, dinv_g, n_tok, n_cu)
+        fn = kda_prefill_split_intra
+    elif stage == "state":
+        @T.prim_func(private=True)
+        def kda_prefill_split_state(q_h: T.handle, k_h: T.handle, v_h: T.handle, gam_h: T.handle,
+                                    la_h: T.handle, dinv_h: T.handle, beta_h: T.handle, cu_h: T.handle,
+                                    slots_h: T.handle, state_h: T.handle, layer: T.int32, o_h: T.handle):
+            T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
+            n_tok, n_cu, n_seq, n_layer, n_slot = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
+            q = T.match_buffer(q_h, (n_tok, H, K), "float32")
+            k = T.match_buffer(k_h, (n_tok, H, K), "float32")
+            v = T.match_buffer(v_h, (n_tok, H, V), "float32")
+            gam = T.match_buffer(gam_h, (n_tok, H, K), "float32")
+            la_g = T.match_buffer(la_h, (n_tok, H, C), "float32")
+            dinv_g = T.match_buffer(dinv_h, (n_tok, H, SUB), "float32")
+            beta = T.match_buffer(beta_h, (n_tok, H), "float32")
+            cu = T.match_buffer(cu_h, (n_cu,), "int32")
+            slots = T.match_buffer(slots_h, (n_seq,), "int32")
+            S = T.match_buffer(state_h, (n_layer, n_slot, H, K, V), "float32")
+            o = T.match_buffer(o_h, (n_tok, H, V), "float32")
+            fused_body(q, k, v, gam, beta, None, None, la_g, dinv_g, cu, slots, S, layer, o, n_tok, n_cu)
+        fn = kda_prefill_split_state
+    elif PRE:
         @T.prim_func(private=True)
         def kda_prefill_fused(q_h: T.handle, k_h: T.handle, v_h: T.handle, f_h: T.handle,
                               b_h: T.handle, alog_h: T.handle, dtb_h: T.handle, cu_h: T.handle,
@@ -640,7 +869,8 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
             slots = T.match_buffer(slots_h, (n_seq,), "int32")
             S = T.match_buffer(state_h, (n_layer, n_slot, H, K, V), "float32")
             o = T.match_buffer(o_h, (n_tok, H, V), "float32")
-            fused_body(q, k, v, f, b, A_log, dt_bias, cu, slots, S, layer, o, n_tok, n_cu)
+            fused_body(q, k, v, f, b, A_log, dt_bias, None, None, cu, slots, S, layer, o, n_tok, n_cu)
+        fn = kda_prefill_fused
     else:
         @T.prim_func(private=True)
         def kda_prefill_fused(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle,
@@ -657,6 +887,7 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
             slots = T.match_buffer(slots_h, (n_seq,), "int32")
             S = T.match_buffer(state_h, (n_layer, n_slot, H, K, V), "float32")
             o = T.match_buffer(o_h, (n_tok, H, V), "float32")
-            fused_body(q, k, v, g, beta, None, None, cu, slots, S, layer, o, n_tok, n_cu)
+            fused_body(q, k, v, g, beta, None, None, None, None, cu, slots, S, layer, o, n_tok, n_cu)
+        fn = kda_prefill_fused
 
-    return kda_prefill_fused if emulate else mark(kda_prefill_fused)
+    return fn if emulate else mark(fn)

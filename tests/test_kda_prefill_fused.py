@@ -15,7 +15,7 @@ import pytest
 
 from helpers_tvm import build_sm90a_fatbin, nano_kda_prefill_vs_generic, needs_nvcc
 from schedules.kda_prefill_cuda import kda_prefill_reference
-from schedules.kda_prefill_fused import kda_prefill_fused_kernel
+from schedules.kda_prefill_fused import kda_prefill_fused_kernel, kda_prefill_split_intra_kernel
 from tests.test_config import REAL, real_only
 from tests.test_kda_prefill_cuda import _inputs
 
@@ -46,6 +46,47 @@ def test_emulated_fused_kernel_matches_reference(block_v, a_batch, lens, initial
     np.testing.assert_allclose(o, o_ref, atol=1e-5)
     np.testing.assert_allclose(pool, ref_pool, atol=1e-5)
     # the slot of no sequence and the other layer are untouched
+    untouched = np.ones(pool.shape[:2], bool)
+    untouched[1, slots] = False
+    np.testing.assert_array_equal(pool[untouched], ref_pool[untouched])
+
+
+@pytest.mark.parametrize("block_v,lens,initial_state", [
+    (16, [1, 65, 15, 64, 130], True),
+    (64, [63, 129], False),
+])
+def test_emulated_split_form_matches_reference(block_v, lens, initial_state):
+    """The split form: every chunk's Γ, L / Aqk and D^{-1} by the intra kernel, then phases 3-5
+    per chunk; rows of the scratch outside the sequences' tokens never exist (token-indexed),
+    rows the intra kernel does not own stay untouched (NaN here, not read)."""
+    import tvm
+
+    H, K = 2, 128
+    q, k, v, g, beta, cu, slots, pool = _inputs(lens, H, seed=block_v + 1)
+    if not initial_state:
+        pool[:] = 0
+    ref_pool = pool.copy()
+    o_ref = kda_prefill_reference(q, k, v, g, beta, cu, slots, ref_pool, 1, K ** -0.5)
+    build = lambda f: tvm.compile(tvm.IRModule({"f": f.with_attr("global_symbol", "f")}), target="llvm")  # noqa: E731
+    intra = build(kda_prefill_split_intra_kernel(H, K, K ** -0.5, emulate=True))
+    state = build(kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=block_v, a_batch=8, split=True,
+                                           emulate=True))
+    A = tvm.runtime.tensor
+    Tn = q.shape[0]
+    gam, la, dinv = (A(np.full((Tn, H, n), np.nan, np.float32)) for n in (K, 64, 16))
+    intra["f"](A(q), A(k), A(g), A(beta), A(cu), gam, la, dinv)
+    # Γ is the within-chunk cumsum of g in log2 units: check it against NumPy directly
+    starts = [c for b in range(len(lens)) for c in range(cu[b], cu[b + 1], 64)]
+    ends = [min(c + 64, cu[b + 1]) for b in range(len(lens)) for c in range(cu[b], cu[b + 1], 64)]
+    gam_ref = np.concatenate([np.cumsum(g[a:e], axis=0) for a, e in zip(starts, ends)]) / np.log(2)
+    np.testing.assert_allclose(gam.numpy(), gam_ref, rtol=1e-5, atol=1e-4)
+    assert not np.isnan(la.numpy()).any() and not np.isnan(dinv.numpy()).any()
+    pt, o = A(pool), A(np.full(v.shape, np.nan, np.float32))
+    state["f"](A(q), A(k), A(v), gam, la, dinv, A(beta), A(cu), A(slots), pt, 1, o)
+    o, pool = o.numpy(), pt.numpy()
+    assert not np.isnan(o).any()
+    np.testing.assert_allclose(o, o_ref, atol=1e-5)
+    np.testing.assert_allclose(pool, ref_pool, atol=1e-5)
     untouched = np.ones(pool.shape[:2], bool)
     untouched[1, slots] = False
     np.testing.assert_array_equal(pool[untouched], ref_pool[untouched])
