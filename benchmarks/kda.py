@@ -86,18 +86,18 @@ PREFILL_SHAPES = ((8192,), (2048, 2048, 2048, 2048))
 # 1.5e-3 on the same checks, kda_prefill_fused_v1_h200_2026-11-30.json); NaN fails
 PREFILL_TOL_O, PREFILL_TOL_STATE = 2e-4, 3e-3
 # fused one-kernel prefill (schedules/kda_prefill_fused.py): (name, block_v, a_batch, options)
-# — plain; with phase 2 in two paired rounds; with ldmatrix B loads in phase 3; both (p2l);
-# with its own L2 norms, gate and β (fusedpre_*: raw inputs, compared with fla's gated call)
+# — plain; with phase 2 in two paired rounds and ldmatrix B loads in phase 3 (p2l, as the model
+# dispatches it); the same with its own L2 norms, gate and β (fusedpre_*: raw inputs, compared
+# with fla's gated call). p2_pairs and ldsm alone: kda_prefill_p2_ldsm_h200_2026-11-30.json
 PREFILL_FUSED = ([("fused", bv, ab, {}) for bv, ab in ((128, 4), (64, 8), (32, 8), (16, 8))]
-                 + [("fused_p2", bv, ab, {"p2_pairs": True}) for bv, ab in ((128, 4), (64, 8), (16, 8))]
-                 + [("fused_ldsm", bv, ab, {"ldsm": True}) for bv, ab in ((128, 4), (64, 8))]
                  + [("fused_p2l", bv, ab, {"p2_pairs": True, "ldsm": True}) for bv, ab in ((128, 4), (64, 8))]
-                 + [("fusedpre", bv, ab, {"lower_bound": LOWER_BOUND}) for bv, ab in ((128, 4), (64, 8))]
                  + [("fusedpre_p2l", bv, ab, {"lower_bound": LOWER_BOUND, "p2_pairs": True, "ldsm": True})
                     for bv, ab in ((128, 4), (64, 8))])
 # the split form (schedules/kda_prefill_fused.py: kda_prefill_split_intra_kernel for every
-# chunk in parallel, then the fused kernel's phases 3-5 with ``split``): (block_v, a_batch)
-PREFILL_SPLIT = ((16, 8), (32, 8), (64, 8), (128, 4))
+# chunk in parallel, then the fused kernel's phases 3-5 with ``split``): (name, block_v,
+# a_batch, options); splitpre_*: L2 norms, gate and β in the intra kernel (raw inputs)
+PREFILL_SPLIT = ([("split", bv, ab, {}) for bv, ab in ((16, 8), (32, 8), (64, 8), (128, 4))]
+                 + [("splitpre", bv, 8, {"lower_bound": LOWER_BOUND}) for bv in (16, 32, 64)])
 # the two-kernel pair as the model dispatches it (relax_modules/kda.py): block_v per head count
 PREFILL_TC_MODEL = {96: ((32, 8),), 12: ((16, 8),)}
 # TVM 0.27 passes ptxas --register-usage-level=10; level 5 as for the MoE kernels
@@ -141,14 +141,14 @@ def build_prefill(out_dir: Path, baseline: bool = True, all_tc: bool = True) -> 
             path = out_dir / f"kda_prefill_{name}_h{h}_bv{bv}_ab{ab}.so"
             lib.export_library(str(path))
             print(f"built {path}")
-        for bv, ab in PREFILL_SPLIT:
-            fi = kda_prefill_split_intra_kernel(h, K, K ** -0.5)
-            fs = kda_prefill_fused_kernel(h, K, V, K ** -0.5, block_v=bv, a_batch=ab, split=True)
+        for name, bv, ab, opts in PREFILL_SPLIT:
+            fi = kda_prefill_split_intra_kernel(h, K, K ** -0.5, **opts)
+            fs = kda_prefill_fused_kernel(h, K, V, K ** -0.5, block_v=bv, a_batch=ab, split=True, **opts)
             with precompiled_cuda(spec.nvcc_arch, options=PREFILL_NVCC_OPTIONS), respect_manual_barriers():
                 lib = tvm.compile(tvm.IRModule({"kda_prefill_split_intra": fi.with_attr("global_symbol", "kda_prefill_split_intra"),
                                                 "kda_prefill_split_state": fs.with_attr("global_symbol", "kda_prefill_split_state")}),
                                   target=spec.tvm_target())
-            path = out_dir / f"kda_prefill_split_h{h}_bv{bv}_ab{ab}.so"
+            path = out_dir / f"kda_prefill_{name}_h{h}_bv{bv}_ab{ab}.so"
             lib.export_library(str(path))
             print(f"built {path}")
         for bv, ab in PREFILL_TC if all_tc else PREFILL_TC_MODEL[h]:
@@ -354,11 +354,12 @@ def run_prefill(lib_dir: Path, log: Path | None = None, fla_checks: bool = True,
             if path.exists():   # raw inputs ("pre") for the kernel with its own preprocessing
                 fns[f"{name}_bv{bv}_ab{ab}"] = (tvm.runtime.load_module(str(path))["kda_prefill_fused"],
                                                 "pre" if "lower_bound" in opts else None)
-        for bv, ab in PREFILL_SPLIT:
-            path = lib_dir / f"kda_prefill_split_h{H}_bv{bv}_ab{ab}.so"
+        for name, bv, ab, opts in PREFILL_SPLIT:
+            path = lib_dir / f"kda_prefill_{name}_h{H}_bv{bv}_ab{ab}.so"
             if path.exists():
                 m = tvm.runtime.load_module(str(path))
-                fns[f"split_bv{bv}_ab{ab}"] = (m["kda_prefill_split_intra"], ("split", m["kda_prefill_split_state"]))
+                fns[f"{name}_bv{bv}_ab{ab}"] = (m["kda_prefill_split_intra"],
+                                                ("split", m["kda_prefill_split_state"], "lower_bound" in opts))
         for bv, ab in PREFILL_TC:
             path = lib_dir / f"kda_prefill_tc_h{H}_bv{bv}_ab{ab}.so"
             if not path.exists():   # the build decides which variants there are
@@ -379,7 +380,8 @@ def run_prefill(lib_dir: Path, log: Path | None = None, fla_checks: bool = True,
             cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32, device=dev)
             return raw, pre, cu
 
-        def ours(name, pre, cu, pool, slots, o, scr, part="both", fns=fns, raw=None, A_log=A_log, dt_bias=dt_bias):
+        def ours(name, pre, cu, pool, slots, o, scr, part="both", fns=fns, raw=None, A_log=A_log, dt_bias=dt_bias,
+                 H=H):
             fi, fs = fns[name]
             A = tvm.runtime.from_dlpack
             if fs is None:   # the fused kernel: q, k, v, g, beta, cu, slots, state, layer, o
@@ -390,12 +392,18 @@ def run_prefill(lib_dir: Path, log: Path | None = None, fla_checks: bool = True,
                         + [A(cu), A(slots), A(pool), 0, A(o)])
                 return lambda: fi(*args)
             if isinstance(fs, tuple):   # the split form: intra for all chunks, then phases 3-5
-                Tn = pre["q"].shape[0]
-                sp = [torch.empty(Tn, H, n, device=dev) for n in (K, 64, 16)]   # Γ, L / Aqk, D^{-1}
-                a_i = [A(pre[n]) for n in ("q", "k", "g", "beta")] + [A(cu)] + [A(x) for x in sp]
-                a_s = ([A(pre[n]) for n in ("q", "k", "v")] + [A(x) for x in sp]
-                       + [A(pre["beta"]), A(cu), A(slots), A(pool), 0, A(o)])
-                fs = fs[1]
+                _, fs, raw_in = fs
+                Tn, B = pre["q"].shape[0], cu.shape[0] - 1
+                # e^Γ k, scale e^Γ q, e^{Γ_last−Γ} k, L / Aqk, D^{-1}; e^{Γ_last} per chunk
+                ka, qa, kd, la, dinv = (torch.empty(Tn, H, n, device=dev) for n in (K, K, K, 64, 16))
+                gl = torch.empty(Tn // 64 + B, H, K, device=dev)
+                outs = [A(x) for x in (ka, qa, kd, gl, la, dinv)]
+                if raw_in:
+                    a_i = [A(raw[n]) for n in ("q", "k", "f", "b")] + [A(A_log), A(dt_bias), A(cu)] + outs
+                else:
+                    a_i = [A(pre[n]) for n in ("q", "k", "g", "beta")] + [A(cu)] + outs
+                a_s = ([A(x) for x in (ka, qa, kd)] + [A(pre["v"])] + [A(x) for x in (gl, la, dinv)]
+                       + [A(raw["b"] if raw_in else pre["beta"]), A(cu), A(slots), A(pool), 0, A(o)])
                 if part == "intra":
                     return lambda: fi(*a_i)
                 if part == "state":
@@ -472,10 +480,15 @@ def run_prefill(lib_dir: Path, log: Path | None = None, fla_checks: bool = True,
             scr = scratch(Tn, B)
             tm = lambda f: time_cuda(f, iters=5, warmup=2, per_sample=3)  # noqa: E731
             per = {name: tm(ours(name, pre, cu, pool, slots, o, scr, raw=raw)) for name in fns}
+            # the L2 norms, gate and β as separate ops (torch eager: a proxy of the graph's ops)
+            torch_pre_ms = tm(lambda raw=raw, A_log=A_log, dt_bias=dt_bias, H=H: (
+                l2(raw["q"]), l2(raw["k"]), torch.sigmoid(raw["b"]),
+                LOWER_BOUND * torch.sigmoid(torch.exp(A_log)[None, :, None] * (raw["f"] + dt_bias.view(1, H, K)))))
             tc = [n for n in per if n.startswith("tc")]
             fused = [n for n in per if n.startswith("fused_")]
             fused_pre = [n for n in per if n.startswith("fusedpre_")]
             split = [n for n in per if n.startswith("split_")]
+            split_pre = [n for n in per if n.startswith("splitpre_")]
             best = min(tc + fused + split, key=per.get)
             row = {"kind": "time", "heads": H, "lens": list(lens), "ours_ms": per[best], "best": best,
                    "variants_ms": per,
@@ -483,6 +496,8 @@ def run_prefill(lib_dir: Path, log: Path | None = None, fla_checks: bool = True,
                    "fused_pre_ms": min([per[n] for n in fused_pre], default=None),
                    "two_kernel_ms": min([per[n] for n in tc], default=None),
                    "split_ms": min([per[n] for n in split], default=None),
+                   "split_pre_ms": min([per[n] for n in split_pre], default=None),
+                   "torch_preprocess_ms": torch_pre_ms,
                    "fp32_ms": min([per[n] for n in per if n.startswith("fp32")], default=None)}
             if split:
                 best_split = min(split, key=per.get)
@@ -527,7 +542,9 @@ def run_prefill(lib_dir: Path, log: Path | None = None, fla_checks: bool = True,
                       "fused_pre_speedup_vs_fla_bf16_gated": ratio("fla_bf16_gated_ms", "fused_pre_ms"),
                       "two_kernel_speedup_vs_fla": ratio("fla_ms", "two_kernel_ms"),
                       "split_speedup_vs_fla": ratio("fla_ms", "split_ms"),
-                      "split_speedup_vs_fla_bf16_gated": ratio("fla_bf16_gated_ms", "split_ms")})
+                      "split_speedup_vs_fla_bf16_gated": ratio("fla_bf16_gated_ms", "split_ms"),
+                      # kernels against kernel, both with L2 norms, gate and β inside
+                      "split_pre_speedup_vs_fla_bf16_gated": ratio("fla_bf16_gated_ms", "split_pre_ms")})
             later.append(("time", fla_time))
     for kind in ("long", "time", "check"):
         for k_, fn in later:

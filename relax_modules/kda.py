@@ -22,7 +22,8 @@ from relax_modules.common import ForwardMeta
 from relax_modules.layers import Linear
 from schedules.kda_decode_cuda import decode_tiling, kda_decode_fused_kernel
 from schedules.kda_prefill_cuda import C as TC_CHUNK
-from schedules.kda_prefill_fused import kda_prefill_fused_kernel
+from schedules.kda_prefill_cuda import max_chunks
+from schedules.kda_prefill_fused import kda_prefill_fused_kernel, kda_prefill_split_intra_kernel
 from schedules.kda_prefill_tc import kda_prefill_intra_tc_kernel, kda_prefill_state_tc_kernel
 from schedules.kda_generic import (
     kda_chunk_prefill_kernel,
@@ -35,16 +36,24 @@ from schedules.kda_generic import (
 L2_NORM_EPS = 1e-6  # spec §3 step 2 (fla's l2norm eps)
 CONV_Q, CONV_K, CONV_V = 0, 1, 2  # index into conv_state dim 2
 # heads from which the fused one-kernel prefill is dispatched (one block per sequence and head
-# must fill a good part of the GPU's SMs; 132 on the H200)
+# must fill a good part of the GPU's SMs; 132 on the H200); the split form below
 FUSED_PREFILL_MIN_HEADS = 48
+PREFILL_FORMS = ("generic", "two_kernel", "fused", "split")
 
 
-def fused_prefill_tiling(heads: int) -> tuple[int, int]:
-    """(block_v, a_batch) of the fused KDA prefill for ``heads`` KDA heads: 128 columns (one
-    block per head, ~23 µs per chunk on the H200) from 96 heads; below, 64 (two blocks per
-    head, ~17 µs per chunk at 12 heads) keeps ≥ 96 blocks busy — not measured at 48. a_batch 4
-    at 128 columns keeps ptxas at 255 registers without spills."""
-    return (128, 4) if heads >= 96 else (64, 8)
+def prefill_dispatch(heads: int) -> tuple[str, int, int]:
+    """(form, block_v, a_batch) of the tensor-core KDA prefill for ``heads`` KDA heads (K = V =
+    128): the fused one-kernel form (schedules/kda_prefill_fused.py: one block per sequence,
+    head and block_v columns, ~22 µs per chunk at 128 columns on the H200) from 48 heads — 128
+    columns from 96 heads, 64 below (not measured at 48) —; the split form (Γ, L / Aqk and
+    D^{-1} of all chunks in parallel first, then phases 3-5 per chunk) below 48, at 16 columns.
+    a_batch 4 at 128 columns keeps ptxas at 255 registers without spills. H200 figures:
+    benchmarks/results/kda_prefill_split_h200_2026-11-30.json."""
+    if heads >= 96:
+        return "fused", 128, 4
+    if heads >= FUSED_PREFILL_MIN_HEADS:
+        return "fused", 64, 8
+    return "split", 16, 8
 
 
 class ShortConv1d(nn.Module):
@@ -91,17 +100,16 @@ class KimiDeltaAttention(nn.Module):
         # models keep the exact fp32 generic kernel.
         self.tc_prefill = (gpu and tuned and dtype == "bfloat16" and config.kda_head_dim == 128
                            and lb is not None and -5.5 <= lb < 0)
-        # Of the two tensor-core forms: the fused one-kernel prefill (schedules/kda_prefill_fused.py,
-        # one block per sequence, head and block_v columns) where the heads fill the GPU, the
-        # two-kernel form (parallel over chunks) below that. H200, 8192 tokens, one sequence
-        # (benchmarks/results/kda_prefill_fused_h200_2026-11-30.json): 96 heads 2.95 ms fused
-        # (128 columns) vs 6.8 ms two-kernel; 12 heads at best 1.79 ms fused (16 columns) vs
-        # 1.39 ms two-kernel (with four sequences 0.56 ms fused at 64 columns vs 1.07 ms).
-        self.fused_prefill = self.tc_prefill and H >= FUSED_PREFILL_MIN_HEADS
-        self.fused_block_v, self.fused_a_batch = fused_prefill_tiling(H)
-        # the fused kernel's own L2 norms, gate and β (lower_bound mode) instead of the graph's
-        # ops: written and checked on the CPU, not yet timed on the GPU, so off by default
-        self.fused_prefill_preprocess = False
+        # Which prefill kernels (PREFILL_FORMS): "generic" (schedules/kda_generic.py), the
+        # tensor-core "two_kernel" form (kda_prefill_tc.py, kept as a baseline), "fused" or
+        # "split" (kda_prefill_fused.py) by head count (``prefill_dispatch``), with
+        # ``prefill_tiling`` = (block_v, a_batch); ``prefill_preprocess_in_kernel``: the fused /
+        # split kernels do the L2 norms, gate and β themselves (from the raw q, k, gate input and
+        # β logits) instead of the graph's ops
+        form, bv, ab = prefill_dispatch(H)
+        self.prefill_form = form if self.tc_prefill else "generic"
+        self.prefill_tiling = (bv, ab)
+        self.prefill_preprocess_in_kernel = True
         self.eps = config.rms_norm_eps
         self.dtype = dtype
         hidden, HK = config.hidden_size, H * K
@@ -178,16 +186,9 @@ class KimiDeltaAttention(nn.Module):
         if decode and self.decode_tiling is not None:
             out, kda_state = self._fused_decode(x, q, k, v, meta, kda_state, kda_index)
             return out, kda_state, conv_state
-        if not decode and self.fused_prefill and self.fused_prefill_preprocess:
-            # steps 2-5 in one kernel (L2 norms, gate and β inside)
-            kda_state, o = op.tensor_ir_inplace_op(
-                kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=self.fused_block_v,
-                                         a_batch=self.fused_a_batch, lower_bound=self.lower_bound),
-                "kda_prefill_fused_pre",
-                [q, k, v, self._gate_input(x), self._beta_logits(x), self.A_log, self.dt_bias,
-                 meta.cu_seqlens, meta.seq_slots, kda_state, _i32(kda_index)],
-                [9, -1], [nn.Tensor.placeholder(kda_state.shape, "float32"),
-                          nn.Tensor.placeholder((T, H, K), "float32")])
+        if not decode and self.prefill_form in ("fused", "split") and self.prefill_preprocess_in_kernel:
+            # steps 2-5 in the kernels (L2 norms, gate and β inside)
+            kda_state, o = self._tc_prefill_raw(x, q, k, v, meta, kda_state, kda_index)
             return self._output(x, o), kda_state, conv_state
         # 2. q, k L2-normalized per head (eps 1e-6); q scaled by K^-1/2 (inside the kernel)
         q, k = self._l2_normalize(q), self._l2_normalize(k)
@@ -204,13 +205,16 @@ class KimiDeltaAttention(nn.Module):
                 kda_decode_kernel(H, K, K, scale, gpu=self.gpu), "kda_decode",
                 [q, k, v, g, beta, meta.seq_slots, kda_state, _i32(kda_index)],
                 [6, -1], [s_ty, o_ty])
-        elif self.fused_prefill:
+        elif self.prefill_form == "fused":
+            bv, ab = self.prefill_tiling
             kda_state, o = op.tensor_ir_inplace_op(
-                kda_prefill_fused_kernel(H, K, K, scale, block_v=self.fused_block_v,
-                                         a_batch=self.fused_a_batch), "kda_prefill_fused",
+                kda_prefill_fused_kernel(H, K, K, scale, block_v=bv, a_batch=ab, p2_pairs=True, ldsm=True),
+                "kda_prefill_fused",
                 [q, k, v, g, beta, meta.cu_seqlens, meta.seq_slots, kda_state, _i32(kda_index)],
                 [7, -1], [s_ty, o_ty])
-        elif self.tc_prefill:
+        elif self.prefill_form == "split":
+            kda_state, o = self._split_prefill([q, k, g, beta], v, beta, meta, kda_state, kda_index, None)
+        elif self.prefill_form == "two_kernel":
             kda_state, o = self._tc_prefill(q, k, v, g, beta, meta, kda_state, kda_index, scale)
         else:
             kda_state, o = op.tensor_ir_inplace_op(
@@ -219,6 +223,50 @@ class KimiDeltaAttention(nn.Module):
                  _i32(kda_index)],
                 [7, -1], [s_ty, o_ty])
         return self._output(x, o), kda_state, conv_state
+
+    def _tc_prefill_raw(self, x, q, k, v, meta, kda_state, kda_index):
+        """Steps 2-5 in the fused or split kernels from the raw q, k [T, H, K] (after the short
+        conv), v, the gate input f_b(f_a(x)) and the β logits b_proj(x). Returns
+        ``(kda_state, o [T, H, K] f32)``."""
+        T, H, K = q.shape[0], self.H, self.K
+        f, b = self._gate_input(x), self._beta_logits(x)
+        bv, ab = self.prefill_tiling
+        if self.prefill_form == "split":
+            return self._split_prefill([q, k, f, b, self.A_log, self.dt_bias], v, b, meta, kda_state,
+                                       kda_index, self.lower_bound)
+        return op.tensor_ir_inplace_op(
+            kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=bv, a_batch=ab, p2_pairs=True, ldsm=True,
+                                     lower_bound=self.lower_bound),
+            "kda_prefill_fused_pre",
+            [q, k, v, f, b, self.A_log, self.dt_bias, meta.cu_seqlens, meta.seq_slots, kda_state,
+             _i32(kda_index)],
+            [9, -1], [nn.Tensor.placeholder(kda_state.shape, "float32"),
+                      nn.Tensor.placeholder((T, H, K), "float32")])
+
+    def _split_prefill(self, intra_in, v, beta, meta, kda_state, kda_index, lower_bound):
+        """Step 5 (with ``lower_bound`` also 2-4) in the split form: the intra kernel over all
+        chunks (``intra_in``: q, k, g, β — or the raw q, k, f, b, A_log, dt_bias), then phases
+        3-5 per chunk with the state in place (``beta``: β, or its logits b). Returns
+        ``(kda_state, o [T, H, K] f32)``."""
+        T, H, K = v.shape[0], self.H, self.K
+        B = meta.seq_slots.shape[0]
+        f32 = "float32"
+        bv, ab = self.prefill_tiling
+        intra = kda_prefill_split_intra_kernel(H, K, K ** -0.5, lower_bound=lower_bound)
+        # e^Γ k, scale e^Γ q, e^{Γ_last−Γ} k, e^{Γ_last} per chunk, L / Aqk and D^{-1} rows; ka
+        # is written in place into an uninitialized buffer (a call_tir_inplace needs one in-place
+        # output; the kernel writes every row of a sequence token)
+        outs = [nn.Tensor.placeholder(shape, f32) for shape in
+                ((T, H, K), (T, H, K), (T, H, K), (max_chunks(T, B), H, K), (T, H, TC_CHUNK), (T, H, 16))]
+        ka, qa, kd, gl, la, dinv = op.tensor_ir_inplace_op(
+            intra, "kda_prefill_split_intra" + ("_pre" if lower_bound is not None else ""),
+            intra_in + [meta.cu_seqlens, op.empty((T, H, K), f32)], [len(intra_in) + 1] + [-1] * 5, outs)
+        return op.tensor_ir_inplace_op(
+            kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=bv, a_batch=ab, split=True,
+                                     lower_bound=lower_bound),
+            "kda_prefill_split_state" + ("_pre" if lower_bound is not None else ""),
+            [ka, qa, kd, v, gl, la, dinv, beta, meta.cu_seqlens, meta.seq_slots, kda_state, _i32(kda_index)],
+            [10, -1], [nn.Tensor.placeholder(kda_state.shape, f32), nn.Tensor.placeholder((T, H, K), f32)])
 
     def _tc_prefill(self, q, k, v, g, beta, meta, kda_state, kda_index, scale):
         """Step 5 on tensor cores: the intra-chunk kernel (w, u, qg, kg, Aqk per chunk row,

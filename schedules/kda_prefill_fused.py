@@ -259,35 +259,39 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
 
     ``p2_pairs``: phase 2 in two rounds of two sub-blocks each (ka / qa of both staged at once;
     the 6 and 14 column tiles of the rounds spread over the warps) instead of four rounds of
-    one: 4 barriers fewer per chunk; not yet timed on the GPU, so off by default.
+    one: 4 barriers fewer per chunk (H200: 3-6% faster).
 
     ``ldsm``: phase 3 reads its B fragments (the S copy) by ``ldmatrix.x4``, two n-tiles per
-    instruction instead of four 32-bit loads; not yet timed on the GPU, so off by default.
+    instruction instead of four 32-bit loads (H200: 1-2% faster with ``p2_pairs``).
 
-    ``split``: the second kernel of the split form: Γ, the L / Aqk tile and D^{-1} of every chunk
-    come from :func:`kda_prefill_split_intra_kernel` (computed for all chunks in parallel), so a
-    chunk here is phases 3-5 only (4 barriers instead of 13). Arguments::
+    ``split``: the second kernel of the split form: every operand that involves Γ, the L / Aqk
+    tile and D^{-1} of each chunk come from :func:`kda_prefill_split_intra_kernel` (computed
+    for all chunks in parallel), so a chunk here is phases 3-5 only, on staged operands (4
+    barriers instead of 13, no exponentials). Arguments::
 
-        q, k, v                          as above
-        gam         [T, H, K]        float32   Γ (log2 units), from kda_prefill_split_intra_kernel
-        la          [T, H, C]        float32   L / Aqk rows, from kda_prefill_split_intra_kernel
-        dinv        [T, H, 16]       float32   D^{-1} rows, from kda_prefill_split_intra_kernel
-        beta, cu_seqlens, seq_slots, kda_state, layer, o   as above (kda_state: argument index 9)
+        ka, qa, kd  [T, H, K]        float32   e^Γ k, scale·e^Γ q, e^{Γ_last−Γ} k (intra kernel)
+        v           [T, H, V]        float32
+        gl          [NC, H, K]       float32   e^{Γ_last} per chunk (intra kernel)
+        la          [T, H, C]        float32   L / Aqk rows (intra kernel)
+        dinv        [T, H, 16]       float32   D^{-1} rows (intra kernel)
+        beta, cu_seqlens, seq_slots, kda_state, layer, o   as above (kda_state: argument index 10)
+
+    with ``lower_bound`` set, ``beta`` holds the β logits b (β = σ(b) here).
 
     ``block_v`` (16, 32, 64 or 128): columns of V per block; fewer columns give more blocks
     (more SMs busy when B·H is small) at the cost of repeating phase 2 in every block.
     ``a_batch`` (4 or 8): k-steps whose A fragments are loaded before their mmas in phases 3
     and 5. Raises ValueError for other head sizes or tilings.
     """
-    if split and (lower_bound is not None or p2_pairs):
-        raise ValueError("split: the L2 norms, gate and β and phase 2 belong to kda_prefill_split_intra_kernel")
+    if split and p2_pairs:
+        raise ValueError("split: phase 2 belongs to kda_prefill_split_intra_kernel (p2_pairs there)")
     return _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulate,
                   "state" if split else "fused")
 
 
 @functools.cache
-def kda_prefill_split_intra_kernel(H: int, K: int, scale: float, p2_pairs: bool = True,
-                                   emulate: bool = False):
+def kda_prefill_split_intra_kernel(H: int, K: int, scale: float, lower_bound: float | None = None,
+                                   p2_pairs: bool = True, emulate: bool = False):
     """The first kernel of the split form: phases 1-2 and D^{-1} of the fused kernel for every
     chunk of every sequence in parallel, one block per (chunk, head) — the state-independent
     part, so that :func:`kda_prefill_fused_kernel` with ``split`` does only phases 3-5 per chunk
@@ -298,16 +302,22 @@ def kda_prefill_split_intra_kernel(H: int, K: int, scale: float, p2_pairs: bool 
         g           [T, H, K]        float32   log decay, lower-bound gate (−5.5 ≤ g ≤ 0)
         beta        [T, H]           float32
         cu_seqlens  [B+1]            int32     token offsets of the sequences
-        gam         [T, H, K]        float32   out: Γ = log2(e)·cumsum g within each chunk
+        ka, qa, kd  [T, H, K]        float32   out: e^Γ k, scale·e^Γ q, e^{Γ_last−Γ} k (TF32),
+                                               Γ = cumsum g within the chunk, Γ_last its last row
+        gl          [NC, H, K]       float32   out: e^{Γ_last} of chunk ci (ci = Σ_{b'<b} ⌈len_b'/64⌉
+                                               + c), NC ≥ kda_prefill_cuda.max_chunks(T, B)
         la          [T, H, C]        float32   out: row i of the chunk's L / Aqk tile (Aqk on and
                                                below the diagonal, Lᵀ above: L[j][i] at [i][j];
                                                reference r = Γ_{16I} per 16-row block, TF32)
         dinv        [T, H, 16]       float32   out: row i of D_I^{-1} = (I + L_II)^{-1}, I = i // 16
 
+    With ``lower_bound`` the inputs are raw as for the fused kernel's (q, k before the L2 norms,
+    f and b, then A_log [H] and dt_bias [H·K] before cu_seqlens), and the norms, gate and β are
+    computed here (the state kernel then takes the logits b: ``split`` with ``lower_bound``).
     Rows are tokens (row i of chunk c of sequence b is token cu[b] + 64c + i); rows past a
     sequence's end are not written. Grid: (T // 64 + B + 1)·H blocks, those past the last chunk
-    idle. Raises ValueError for K ≠ 128."""
-    return _build(H, K, K, scale, 16, 8, None, p2_pairs, False, emulate, "intra")
+    idle. Raises ValueError for K ≠ 128 or lb outside [−5.5, 0)."""
+    return _build(H, K, K, scale, 16, 8, lower_bound, p2_pairs, False, emulate, "intra")
 
 
 def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulate, stage):
@@ -349,8 +359,11 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
     O_D = O_X + C * RS
     XN = max((4 if p2_pairs else 2) * SUB * KS, C * RS + C * DS)
     O_BT = O_X + XN
-    O_RN = O_BT + C          # emulated preprocessing: 1/‖k‖, 1/‖q‖ of the chunk's rows
-    PRE = lower_bound is not None
+    O_GL = O_BT + C          # split state kernel: e^{Γ_last} of the chunk's K columns
+    O_RN = O_GL + (K if stage == "state" else 0)   # emulated preprocessing: 1/‖k‖, 1/‖q‖ of the rows
+    SPL = stage == "state"
+    SIGB = lower_bound is not None                 # β = σ(b) from logits
+    PRE = SIGB and not SPL                         # L2 norms and gate in this kernel
     LB = float(lower_bound) if PRE else 0.0
     NSM = O_RN + (2 * C if PRE and emulate else 0)   # the emulated norms go through O_RN
     if not emulate and NSM * 4 > 227 * 1024:
@@ -376,10 +389,22 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
     def la(SM, i, j):
         return SM[O_LA + i * LS + j]
 
-    def g_last(c0):   # the chunk's last row (for Γ_last), c0 = (chunk start, sequence end)
-        # fused: rows past the end were staged as g = 0, so row C − 1 holds Γ of the last token;
-        # split: they are zero-filled Γ, so the last token's row is read
-        return C - 1 if stage != "state" else T.min(C, c0[1] - c0[0]) - 1
+    # the mma operands that involve Γ, as computed here (fused) or as the split form's intra
+    # kernel stored them (TF32 already, staged in the k / q / Γ regions)
+    def a_k(SM, r0, i, d):   # phase 3: (e^Γ k)[r0 + i, d]
+        return SM[O_KR + (r0 + i) * KS + d] if SPL else tf32(kr(SM, r0 + i, d) * ex2(gm(SM, r0 + i, d)))
+
+    def a_q(SM, r0, i, d):   # phase 3: scale (e^Γ q)[r0 + i, d]
+        return SM[O_QR + (r0 + i) * KS + d] if SPL else tf32(T.float32(scale) * qr(SM, r0 + i, d) * ex2(gm(SM, r0 + i, d)))
+
+    def a_kd(SM, r0, i, j):  # phase 5: (e^{Γ_last − Γ} k)[j, r0 + i]
+        return SM[O_G + j * KS + r0 + i] if SPL else tf32(kr(SM, j, r0 + i) * ex2(gm(SM, C - 1, r0 + i) - gm(SM, j, r0 + i)))
+
+    def chunk_index(cb, tx, c):   # split: row of gl for chunk c of the block's sequence
+        return cb[tx * EM, 0] + c if SPL else 0
+
+    def decay(SM, d):        # phase 5: e^{Γ_last} of column d
+        return SM[O_GL + d] if SPL else ex2(gm(SM, C - 1, d))
 
     def vn(SM, j, n):
         return SM[O_X + j * RS + n]
@@ -493,11 +518,12 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
             gemm(acc, row, af, A, lambda d, n: SM[O_SS + n * SN + d], steps, tiles, lane, None)
 
     @T.macro
-    def stage_chunk(SM, tx, c0, q, k, g, beta, la_g, dinv_g, h, n_tok):
+    def stage_chunk(SM, tx, c0, q, k, g, beta, la_g, dinv_g, gl_g, ci, h, n_tok):
         """Phase 1's copies of the chunk at token c0[0] of a sequence ending at c0[1] (c0[2]: a
-        scratch row): raw k, q and g (Γ in the split form's second kernel, and its L / Aqk and
-        D^{-1} rows) → shared memory by 16-byte ``cp.async`` (rows past the sequence end
-        zero-filled; emulated: plain loads), then β. The caller waits for the copies."""
+        scratch row): raw k, q and g (in the split form's state kernel: e^Γ k, scale e^Γ q and
+        e^{Γ_last−Γ} k, and the L / Aqk and D^{-1} rows and e^{Γ_last} of its chunk ``ci``) →
+        shared memory by 16-byte ``cp.async`` (rows past the sequence end zero-filled; emulated:
+        plain loads), then β. The caller waits for the copies."""
         for it in T.unroll(C * K // 4 // NT):
             # row (it·NT + tx) // (K/4) of the chunk, clamped into the sequence
             c0[2] = T.min(c0[0] + (it * NT + tx) // (K // 4), c0[1] - 1)
@@ -535,10 +561,16 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                 else:
                     for u in range(4):
                         SM[O_D + (it * NT + tx) // (SUB // 4) * DS + tx % (SUB // 4) * 4 + u] = ld(dinv_g, c0[0] + (it * NT + tx) // (SUB // 4), c0[1], n_tok, h, tx % (SUB // 4) * 4 + u)
+            if tx < K // 4:
+                if SYNC:
+                    ptx.cp_async16(T.address_of(SM[O_GL + tx * 4]), T.address_of(gl_g[ci, h, tx * 4]), True)
+                else:
+                    for u in range(4):
+                        SM[O_GL + tx * 4 + u] = gl_g[ci, h, tx * 4 + u]
         if SYNC:
             ptx.commit()
         if tx < C:
-            if PRE:   # β = σ(b)
+            if SIGB:   # β = σ(b)
                 SM[O_BT + tx] = T.Select(c0[0] + tx < c0[1], T.sigmoid(beta[T.min(c0[0] + tx, c0[1] - 1), h]), T.float32(0))
             else:
                 SM[O_BT + tx] = T.Select(c0[0] + tx < c0[1], beta[T.min(c0[0] + tx, c0[1] - 1), h], T.float32(0))
@@ -624,7 +656,7 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                 SM[O_D + ((tx - (NT - C)) // SUB * SUB + i) * DS + (tx - (NT - C)) % SUB] = tf32(x[tx * EM, i])
 
     @T.macro
-    def intra_body(q, k, g, beta, cu, gam, la_g, dinv_g, n_tok, n_cu):
+    def intra_body(q, k, g, beta, A_log, dt_bias, cu, ka_g, qa_g, kd_g, gl_g, la_g, dinv_g, n_tok, n_cu):
         """The split form's first kernel over its buffers: one block per (chunk, head)."""
         for blk in BLK(((n_tok + C - 1) // C + n_cu - 1) * H):
             SM = T.alloc_buffer((NSM,), "float32", scope=SH)
@@ -652,23 +684,29 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                 c0[0] = meta[0]
                 c0[1] = meta[1]
                 if c0[0] < c0[1]:
-                    stage_chunk(SM, tx, c0, q, k, g, beta, None, None, blk % H, n_tok)
+                    stage_chunk(SM, tx, c0, q, k, g, beta, None, None, None, 0, blk % H, n_tok)
                 if SYNC:
                     ptx.wait(0)
-            gamma_and_norms(SM, meta[0], meta[1], blk % H, None, None)
+            gamma_and_norms(SM, meta[0], meta[1], blk % H, A_log, dt_bias)
             phase2(SM)
             if SYNC:
                 T.tvm_storage_sync("shared")
             for tx in THR(NT):
                 x = T.alloc_buffer((RT, SUB), "float32", scope="local")
                 d_inverse(SM, tx, x)
-            # the chunk's rows of Γ, the L / Aqk tile and D^{-1} → global (rows in the sequence)
+            # out: the chunk's rows of e^Γ k, scale e^Γ q, e^{Γ_last−Γ} k (TF32, as the fused
+            # kernel computes its operands), L / Aqk and D^{-1}; e^{Γ_last} as row blk // H of gl
             if SYNC:
                 T.tvm_storage_sync("shared")
             for tx in THR(NT):
                 for it in T.unroll(C * K // NT):
                     if meta[0] + (it * NT + tx) // K < meta[1]:
-                        gam[meta[0] + (it * NT + tx) // K, blk % H, tx % K] = gm(SM, (it * NT + tx) // K, tx % K)
+                        ka_g[meta[0] + (it * NT + tx) // K, blk % H, tx % K] = tf32(kr(SM, (it * NT + tx) // K, tx % K) * ex2(gm(SM, (it * NT + tx) // K, tx % K)))
+                        qa_g[meta[0] + (it * NT + tx) // K, blk % H, tx % K] = tf32(T.float32(scale) * qr(SM, (it * NT + tx) // K, tx % K) * ex2(gm(SM, (it * NT + tx) // K, tx % K)))
+                        kd_g[meta[0] + (it * NT + tx) // K, blk % H, tx % K] = tf32(kr(SM, (it * NT + tx) // K, tx % K) * ex2(gm(SM, C - 1, tx % K) - gm(SM, (it * NT + tx) // K, tx % K)))
+                if tx < K:
+                    if meta[0] < meta[1]:
+                        gl_g[blk // H, blk % H, tx] = ex2(gm(SM, C - 1, tx))
                 for it in T.unroll(C * C // NT):
                     if meta[0] + (it * NT + tx) // C < meta[1]:
                         la_g[meta[0] + (it * NT + tx) // C, blk % H, tx % C] = la(SM, (it * NT + tx) // C, tx % C)
@@ -677,7 +715,7 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                         dinv_g[meta[0] + (it * NT + tx) // SUB, blk % H, tx % SUB] = SM[O_D + (it * NT + tx) // SUB * DS + tx % SUB]
 
     @T.macro
-    def fused_body(q, k, v, g, beta, A_log, dt_bias, la_g, dinv_g, cu, slots, S, layer, o, n_tok, n_cu):
+    def fused_body(q, k, v, g, beta, A_log, dt_bias, la_g, dinv_g, gl_g, cu, slots, S, layer, o, n_tok, n_cu):
         """The kernel over its buffers; ``g`` / ``beta`` are f / b and ``A_log`` / ``dt_bias``
         are read when ``PRE`` (None otherwise)."""
         for blk in BLK((n_cu - 1) * (H * NVB)):
@@ -685,6 +723,7 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
             Sr = T.alloc_buffer((RT, NR), "float32", scope="local")  # S rows 16·wi …, fp32
             Y = T.alloc_buffer((RT, NR), "float32", scope="local")   # (e^Γ k) S rows / Y, then o
             Z = T.alloc_buffer((RT, 4 * NTW), "float32", scope="local")  # vn tiles between warp steps
+            cb = T.alloc_buffer((RT, 1), "int32", scope="local")   # split: chunks before the sequence
             if not SYNC:   # emulated: a read of shared memory that nothing wrote gives NaN
                 for i in range(NSM):
                     SM[i] = T.float32("nan")
@@ -694,6 +733,10 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                     for e in T.unroll(4):
                         Sr[tx * EM, nt * 4 + e] = S[layer, slots[blk // (H * NVB)], blk // NVB % H, tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8, blk % NVB * BV + nt * 8 + tx % 4 * 2 + e % 2]
                         SM[O_SS + (nt * 8 + tx % 4 * 2 + e % 2) * SN + tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8] = tf32(Sr[tx * EM, nt * 4 + e])
+                if SPL:   # the chunk index of the intra kernel's block = Σ_{b' < b} ⌈len_b' / C⌉ + c
+                    cb[tx * EM, 0] = 0
+                    for bb in range(blk // (H * NVB)):
+                        cb[tx * EM, 0] = cb[tx * EM, 0] + (cu[bb + 1] - cu[bb] + C - 1) // C
             for c in range((cu[blk // (H * NVB) + 1] - cu[blk // (H * NVB)] + C - 1) // C):
                 # phase 1: raw k, q, g of the chunk → shared memory (16-byte cp.async, rows
                 #          past the sequence end zero-filled), β; the next chunk's rows into L2
@@ -703,7 +746,8 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                     c0 = T.alloc_buffer((3,), "int32", scope="local")  # chunk start, sequence end, row
                     c0[0] = cu[blk // (H * NVB)] + c * C
                     c0[1] = cu[blk // (H * NVB) + 1]
-                    stage_chunk(SM, tx, c0, q, k, g, beta, la_g, dinv_g, blk // NVB % H, n_tok)
+                    stage_chunk(SM, tx, c0, q, k, g, beta, la_g, dinv_g, gl_g, chunk_index(cb, tx, c),
+                                blk // NVB % H, n_tok)
                     if c0[0] + C + tx // 4 < c0[1]:
                         prefetch(q[c0[0] + C + tx // 4, blk // NVB % H, tx % 4 * 32])
                         prefetch(k[c0[0] + C + tx // 4, blk // NVB % H, tx % 4 * 32])
@@ -739,13 +783,13 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                         for nt in T.unroll(N8):
                             for e in T.unroll(4):
                                 vl[tx * EM, nt * 4 + e] = ld(v, c0[0] + tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8, c0[1], n_tok, blk // NVB % H, blk % NVB * BV + nt * 8 + tx % 4 * 2 + e % 2)
-                        gemm_s(SM, Y, tx * EM, af, bq, lambda i, d: tf32(kr(SM, tx // 32 * 16 + i, d) * ex2(gm(SM, tx // 32 * 16 + i, d))),
+                        gemm_s(SM, Y, tx * EM, af, bq, lambda i, d: a_k(SM, tx // 32 * 16, i, d),
                                K // 8, N8, tx % 32)
                         for nt in T.unroll(N8):
                             for e in T.unroll(4):
                                 SM[O_X + (tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8) * RS + nt * 8 + tx % 4 * 2 + e % 2] = SM[O_BT + tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8] * (vl[tx * EM, nt * 4 + e] - Y[tx * EM, nt * 4 + e])
                     else:
-                        gemm_s(SM, Y, tx * EM, af, bq, lambda i, d: tf32(T.float32(scale) * qr(SM, (tx // 32 - 4) * 16 + i, d) * ex2(gm(SM, (tx // 32 - 4) * 16 + i, d))),
+                        gemm_s(SM, Y, tx * EM, af, bq, lambda i, d: a_q(SM, (tx // 32 - 4) * 16, i, d),
                                K // 8, N8, tx % 32)
                 # phase 4: vn_I = D_I^{-1} (R_I − Σ_{J<I} L_IJ vn_J), in place of R; warp wi
                 #          owns the n-tiles wi, wi + 8, … (warps past them idle)
@@ -794,9 +838,9 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                     c0[1] = cu[blk // (H * NVB) + 1]
                     for nt in T.unroll(N8):
                         for e in T.unroll(4):
-                            Sr[tx * EM, nt * 4 + e] = Sr[tx * EM, nt * 4 + e] * ex2(gm(SM, g_last(c0), tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8))
+                            Sr[tx * EM, nt * 4 + e] = Sr[tx * EM, nt * 4 + e] * decay(SM, tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8)
                     gemm(Sr, tx * EM, af,
-                         lambda i, j: tf32(kr(SM, j, tx // 32 * 16 + i) * ex2(gm(SM, g_last(c0), tx // 32 * 16 + i) - gm(SM, j, tx // 32 * 16 + i))),
+                         lambda i, j: a_kd(SM, tx // 32 * 16, i, j),
                          lambda j, n: vn(SM, j, n), C // 8, N8, tx % 32, None)
                     for nt in T.unroll(N8):
                         for e in T.unroll(4):
@@ -815,33 +859,62 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                     for e in T.unroll(4):
                         S[layer, slots[blk // (H * NVB)], blk // NVB % H, tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8, blk % NVB * BV + nt * 8 + tx % 4 * 2 + e % 2] = Sr[tx * EM, nt * 4 + e]
 
-    if stage == "intra":
+    if stage == "intra" and PRE:
+        @T.prim_func(private=True)
+        def kda_prefill_split_intra_pre(q_h: T.handle, k_h: T.handle, f_h: T.handle, b_h: T.handle,
+                                        alog_h: T.handle, dtb_h: T.handle, cu_h: T.handle,
+                                        ka_h: T.handle, qa_h: T.handle, kd_h: T.handle, gl_h: T.handle,
+                                        la_h: T.handle, dinv_h: T.handle):
+            T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
+            n_tok, n_cu, n_ch = T.int64(), T.int64(), T.int64()
+            q = T.match_buffer(q_h, (n_tok, H, K), "float32")
+            k = T.match_buffer(k_h, (n_tok, H, K), "float32")
+            f = T.match_buffer(f_h, (n_tok, H, K), "float32")
+            b = T.match_buffer(b_h, (n_tok, H), "float32")
+            A_log = T.match_buffer(alog_h, (H,), "float32")
+            dt_bias = T.match_buffer(dtb_h, (H * K,), "float32")
+            cu = T.match_buffer(cu_h, (n_cu,), "int32")
+            ka = T.match_buffer(ka_h, (n_tok, H, K), "float32")
+            qa = T.match_buffer(qa_h, (n_tok, H, K), "float32")
+            kd = T.match_buffer(kd_h, (n_tok, H, K), "float32")
+            gl = T.match_buffer(gl_h, (n_ch, H, K), "float32")
+            la_g = T.match_buffer(la_h, (n_tok, H, C), "float32")
+            dinv_g = T.match_buffer(dinv_h, (n_tok, H, SUB), "float32")
+            intra_body(q, k, f, b, A_log, dt_bias, cu, ka, qa, kd, gl, la_g, dinv_g, n_tok, n_cu)
+        fn = kda_prefill_split_intra_pre
+    elif stage == "intra":
         @T.prim_func(private=True)
         def kda_prefill_split_intra(q_h: T.handle, k_h: T.handle, g_h: T.handle, beta_h: T.handle,
-                                    cu_h: T.handle, gam_h: T.handle, la_h: T.handle, dinv_h: T.handle):
+                                    cu_h: T.handle, ka_h: T.handle, qa_h: T.handle, kd_h: T.handle,
+                                    gl_h: T.handle, la_h: T.handle, dinv_h: T.handle):
             T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
-            n_tok, n_cu = T.int64(), T.int64()
+            n_tok, n_cu, n_ch = T.int64(), T.int64(), T.int64()
             q = T.match_buffer(q_h, (n_tok, H, K), "float32")
             k = T.match_buffer(k_h, (n_tok, H, K), "float32")
             g = T.match_buffer(g_h, (n_tok, H, K), "float32")
             beta = T.match_buffer(beta_h, (n_tok, H), "float32")
             cu = T.match_buffer(cu_h, (n_cu,), "int32")
-            gam = T.match_buffer(gam_h, (n_tok, H, K), "float32")
+            ka = T.match_buffer(ka_h, (n_tok, H, K), "float32")
+            qa = T.match_buffer(qa_h, (n_tok, H, K), "float32")
+            kd = T.match_buffer(kd_h, (n_tok, H, K), "float32")
+            gl = T.match_buffer(gl_h, (n_ch, H, K), "float32")
             la_g = T.match_buffer(la_h, (n_tok, H, C), "float32")
             dinv_g = T.match_buffer(dinv_h, (n_tok, H, SUB), "float32")
-            intra_body(q, k, g, beta, cu, gam, la_g, dinv_g, n_tok, n_cu)
+            intra_body(q, k, g, beta, None, None, cu, ka, qa, kd, gl, la_g, dinv_g, n_tok, n_cu)
         fn = kda_prefill_split_intra
     elif stage == "state":
         @T.prim_func(private=True)
-        def kda_prefill_split_state(q_h: T.handle, k_h: T.handle, v_h: T.handle, gam_h: T.handle,
-                                    la_h: T.handle, dinv_h: T.handle, beta_h: T.handle, cu_h: T.handle,
-                                    slots_h: T.handle, state_h: T.handle, layer: T.int32, o_h: T.handle):
+        def kda_prefill_split_state(ka_h: T.handle, qa_h: T.handle, kd_h: T.handle, v_h: T.handle,
+                                    gl_h: T.handle, la_h: T.handle, dinv_h: T.handle, beta_h: T.handle,
+                                    cu_h: T.handle, slots_h: T.handle, state_h: T.handle, layer: T.int32,
+                                    o_h: T.handle):
             T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
-            n_tok, n_cu, n_seq, n_layer, n_slot = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
-            q = T.match_buffer(q_h, (n_tok, H, K), "float32")
-            k = T.match_buffer(k_h, (n_tok, H, K), "float32")
+            n_tok, n_cu, n_ch, n_seq, n_layer, n_slot = T.int64(), T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
+            ka = T.match_buffer(ka_h, (n_tok, H, K), "float32")
+            qa = T.match_buffer(qa_h, (n_tok, H, K), "float32")
+            kd = T.match_buffer(kd_h, (n_tok, H, K), "float32")
             v = T.match_buffer(v_h, (n_tok, H, V), "float32")
-            gam = T.match_buffer(gam_h, (n_tok, H, K), "float32")
+            gl = T.match_buffer(gl_h, (n_ch, H, K), "float32")
             la_g = T.match_buffer(la_h, (n_tok, H, C), "float32")
             dinv_g = T.match_buffer(dinv_h, (n_tok, H, SUB), "float32")
             beta = T.match_buffer(beta_h, (n_tok, H), "float32")
@@ -849,7 +922,7 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
             slots = T.match_buffer(slots_h, (n_seq,), "int32")
             S = T.match_buffer(state_h, (n_layer, n_slot, H, K, V), "float32")
             o = T.match_buffer(o_h, (n_tok, H, V), "float32")
-            fused_body(q, k, v, gam, beta, None, None, la_g, dinv_g, cu, slots, S, layer, o, n_tok, n_cu)
+            fused_body(qa, ka, v, kd, beta, None, None, la_g, dinv_g, gl, cu, slots, S, layer, o, n_tok, n_cu)
         fn = kda_prefill_split_state
     elif PRE:
         @T.prim_func(private=True)
@@ -869,7 +942,7 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
             slots = T.match_buffer(slots_h, (n_seq,), "int32")
             S = T.match_buffer(state_h, (n_layer, n_slot, H, K, V), "float32")
             o = T.match_buffer(o_h, (n_tok, H, V), "float32")
-            fused_body(q, k, v, f, b, A_log, dt_bias, None, None, cu, slots, S, layer, o, n_tok, n_cu)
+            fused_body(q, k, v, f, b, A_log, dt_bias, None, None, None, cu, slots, S, layer, o, n_tok, n_cu)
         fn = kda_prefill_fused
     else:
         @T.prim_func(private=True)
@@ -887,7 +960,7 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
             slots = T.match_buffer(slots_h, (n_seq,), "int32")
             S = T.match_buffer(state_h, (n_layer, n_slot, H, K, V), "float32")
             o = T.match_buffer(o_h, (n_tok, H, V), "float32")
-            fused_body(q, k, v, g, beta, None, None, None, None, cu, slots, S, layer, o, n_tok, n_cu)
+            fused_body(q, k, v, g, beta, None, None, None, None, None, cu, slots, S, layer, o, n_tok, n_cu)
         fn = kda_prefill_fused
 
     return fn if emulate else mark(fn)

@@ -51,38 +51,52 @@ def test_emulated_fused_kernel_matches_reference(block_v, a_batch, lens, initial
     np.testing.assert_array_equal(pool[untouched], ref_pool[untouched])
 
 
-@pytest.mark.parametrize("block_v,lens,initial_state", [
-    (16, [1, 65, 15, 64, 130], True),
-    (64, [63, 129], False),
+@pytest.mark.parametrize("block_v,lens,initial_state,preprocess", [
+    (16, [1, 65, 15, 64, 130], True, False),
+    (64, [63, 129], False, False),
+    (32, [1, 70, 64], True, True),
 ])
-def test_emulated_split_form_matches_reference(block_v, lens, initial_state):
-    """The split form: every chunk's Γ, L / Aqk and D^{-1} by the intra kernel, then phases 3-5
-    per chunk; rows of the scratch outside the sequences' tokens never exist (token-indexed),
-    rows the intra kernel does not own stay untouched (NaN here, not read)."""
+def test_emulated_split_form_matches_reference(block_v, lens, initial_state, preprocess):
+    """The split form: every chunk's Γ-scaled operands, L / Aqk and D^{-1} by the intra kernel
+    (with ``preprocess`` also the L2 norms, gate and β), then phases 3-5 per chunk."""
     import tvm
 
     H, K = 2, 128
-    q, k, v, g, beta, cu, slots, pool = _inputs(lens, H, seed=block_v + 1)
+    if preprocess:
+        raw, pre, cu, slots, pool = _raw_inputs(lens, H, seed=5)
+        q, k, v, g, beta = (pre[n].astype(np.float32) for n in ("q", "k", "v", "g", "beta"))
+    else:
+        q, k, v, g, beta, cu, slots, pool = _inputs(lens, H, seed=block_v + 1)
     if not initial_state:
         pool[:] = 0
     ref_pool = pool.copy()
     o_ref = kda_prefill_reference(q, k, v, g, beta, cu, slots, ref_pool, 1, K ** -0.5)
     build = lambda f: tvm.compile(tvm.IRModule({"f": f.with_attr("global_symbol", "f")}), target="llvm")  # noqa: E731
-    intra = build(kda_prefill_split_intra_kernel(H, K, K ** -0.5, emulate=True))
+    lb = -5.0 if preprocess else None
+    intra = build(kda_prefill_split_intra_kernel(H, K, K ** -0.5, lower_bound=lb, emulate=True))
     state = build(kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=block_v, a_batch=8, split=True,
-                                           emulate=True))
+                                           lower_bound=lb, emulate=True))
     A = tvm.runtime.tensor
-    Tn = q.shape[0]
-    gam, la, dinv = (A(np.full((Tn, H, n), np.nan, np.float32)) for n in (K, 64, 16))
-    intra["f"](A(q), A(k), A(g), A(beta), A(cu), gam, la, dinv)
-    # Γ is the within-chunk cumsum of g in log2 units: check it against NumPy directly
-    starts = [c for b in range(len(lens)) for c in range(cu[b], cu[b + 1], 64)]
-    ends = [min(c + 64, cu[b + 1]) for b in range(len(lens)) for c in range(cu[b], cu[b + 1], 64)]
-    gam_ref = np.concatenate([np.cumsum(g[a:e], axis=0) for a, e in zip(starts, ends)]) / np.log(2)
-    np.testing.assert_allclose(gam.numpy(), gam_ref, rtol=1e-5, atol=1e-4)
+    Tn, B = q.shape[0], len(lens)
+    nch = Tn // 64 + B
+    ka, qa, kd, la, dinv = (A(np.full((Tn, H, n), np.nan, np.float32)) for n in (K, K, K, 64, 16))
+    gl = A(np.full((nch, H, K), np.nan, np.float32))
+    if preprocess:
+        ins = [A(raw[n]) for n in ("q", "k", "f", "b", "A_log", "dt_bias")]
+    else:
+        ins = [A(q), A(k), A(g), A(beta)]
+    intra["f"](*ins, A(cu), ka, qa, kd, gl, la, dinv)
+    # the Γ-scaled operands against NumPy (Γ = cumsum of g within each chunk)
+    chunks = [(c, min(c + 64, cu[b + 1])) for b in range(B) for c in range(cu[b], cu[b + 1], 64)]
+    gam = np.concatenate([np.cumsum(g[a:e].astype(np.float64), axis=0) for a, e in chunks])
+    last = np.concatenate([np.repeat(gam[e - 1 - cu[0]:e - cu[0]], e - a, axis=0) for a, e in chunks])
+    np.testing.assert_allclose(ka.numpy(), k * np.exp(gam), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(qa.numpy(), K ** -0.5 * q * np.exp(gam), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(kd.numpy(), k * np.exp(last - gam), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(gl.numpy()[:len(chunks)], np.exp(gam[[e - 1 for _, e in chunks]]), rtol=1e-4, atol=1e-30)
     assert not np.isnan(la.numpy()).any() and not np.isnan(dinv.numpy()).any()
     pt, o = A(pool), A(np.full(v.shape, np.nan, np.float32))
-    state["f"](A(q), A(k), A(v), gam, la, dinv, A(beta), A(cu), A(slots), pt, 1, o)
+    state["f"](ka, qa, kd, A(v), gl, la, dinv, A(raw["b"] if preprocess else beta), A(cu), A(slots), pt, 1, o)
     o, pool = o.numpy(), pt.numpy()
     assert not np.isnan(o).any()
     np.testing.assert_allclose(o, o_ref, atol=1e-5)
@@ -187,24 +201,23 @@ def test_fused_kernel_compiles_to_fatbin_for_sm90a(tmp_path):
     assert src.count("__syncwarp()") == 1   # one device function, called between warp steps
 
 
-def test_model_dispatches_fused_prefill_by_head_count():
+def test_model_dispatches_prefill_form_by_head_count():
     import dataclasses
 
     from k3_compile.config import K3Config
     from relax_modules.kda import FUSED_PREFILL_MIN_HEADS, KimiDeltaAttention
 
     nano = K3Config.from_file("models/k3-nano")   # 2 KDA heads
-    for heads, fused, block_v in ((2, False, None), (FUSED_PREFILL_MIN_HEADS - 1, False, None),
-                                  (FUSED_PREFILL_MIN_HEADS, True, 64), (96, True, 128)):
+    for heads, form, block_v in ((2, "split", 16), (FUSED_PREFILL_MIN_HEADS - 1, "split", 16),
+                                 (FUSED_PREFILL_MIN_HEADS, "fused", 64), (96, "fused", 128)):
         cfg = dataclasses.replace(nano, kda_num_heads=heads)
         layer = KimiDeltaAttention(cfg, "bfloat16", gpu=True)
-        assert layer.tc_prefill and layer.fused_prefill == fused, heads
-        if fused:
-            assert layer.fused_block_v == block_v
-            # the generic fallback (k3 compile --generic-kernels), CPU builds and fp32 builds
-            assert not KimiDeltaAttention(cfg, "bfloat16", gpu=True, tuned=False).fused_prefill
-            assert not KimiDeltaAttention(cfg, "bfloat16", gpu=False).fused_prefill
-            assert not KimiDeltaAttention(cfg, "float32", gpu=True).fused_prefill
+        assert (layer.prefill_form, layer.prefill_tiling[0]) == (form, block_v), heads
+        assert layer.prefill_preprocess_in_kernel
+        # the generic fallback (k3 compile --generic-kernels), CPU builds and fp32 builds
+        assert KimiDeltaAttention(cfg, "bfloat16", gpu=True, tuned=False).prefill_form == "generic"
+        assert KimiDeltaAttention(cfg, "bfloat16", gpu=False).prefill_form == "generic"
+        assert KimiDeltaAttention(cfg, "float32", gpu=True).prefill_form == "generic"
 
 
 @real_only
@@ -213,23 +226,28 @@ def test_k3_dispatches_fused_prefill():
     from relax_modules.kda import KimiDeltaAttention
 
     layer = KimiDeltaAttention(K3Config.from_file(REAL), "bfloat16", gpu=True)
-    assert layer.fused_prefill and layer.fused_block_v == 128
+    assert layer.prefill_form == "fused" and layer.prefill_tiling == (128, 4)
 
 
-@pytest.mark.parametrize("preprocess", [False, True])
-def test_model_with_fused_prefill_matches_generic_model(preprocess):
-    """The model's fused prefill path (relax_modules/kda.py: argument order, in-place state;
-    with ``preprocess`` the kernel's own L2 norms, gate and β) with the kernel emulated on the
-    CPU gives k3-nano's logits of the generic model (``helpers_tvm.nano_kda_prefill_vs_generic``)."""
+@pytest.mark.parametrize("form,preprocess", [("fused", False), ("fused", True), ("split", False), ("split", True)])
+def test_model_with_fused_or_split_prefill_matches_generic_model(form, preprocess):
+    """The model's fused and split prefill paths (relax_modules/kda.py: argument order, scratch
+    shapes, in-place state; with ``preprocess`` the kernels' own L2 norms, gate and β) with the
+    kernels emulated on the CPU give k3-nano's logits of the generic model
+    (``helpers_tvm.nano_kda_prefill_vs_generic``)."""
     import functools
 
     def configure(layer):
-        layer.tc_prefill = layer.fused_prefill = True
-        layer.fused_prefill_preprocess = preprocess
+        layer.prefill_form = form
+        layer.prefill_tiling = (16, 8)
+        layer.prefill_preprocess_in_kernel = preprocess
 
     script, outs, refs = nano_kda_prefill_vs_generic(
-        {"kda_prefill_fused_kernel": functools.partial(kda_prefill_fused_kernel, emulate=True)}, configure, seed=1)
-    assert ("kda_prefill_fused_pre" in script) == preprocess
-    assert "kda_prefill_fused" in script and "kda_prefill_state_tc" not in script
+        {"kda_prefill_fused_kernel": functools.partial(kda_prefill_fused_kernel, emulate=True),
+         "kda_prefill_split_intra_kernel": functools.partial(kda_prefill_split_intra_kernel, emulate=True)},
+        configure, seed=1)
+    kernel = {"fused": "kda_prefill_fused", "split": "kda_prefill_split_state"}[form]
+    assert kernel in script and (kernel + "_pre" in script) == preprocess
+    assert "kda_prefill_state_tc" not in script
     for got, want in zip(outs, refs):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())

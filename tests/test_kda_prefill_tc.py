@@ -83,7 +83,7 @@ def test_model_with_tc_prefill_matches_generic_model():
     import functools
 
     def configure(layer):
-        layer.tc_prefill, layer.fused_prefill = True, False
+        layer.prefill_form = "two_kernel"
 
     script, outs, refs = nano_kda_prefill_vs_generic(
         {"kda_prefill_intra_tc_kernel": functools.partial(kda_prefill_intra_tc_kernel, emulate=True),
