@@ -607,7 +607,7 @@ def main(argv=None) -> int:
 
 
 def _plot_prefill(res: dict, path: Path) -> None:
-    """Prefill times per shape: the fused kernel, the two-kernel form, the CUDA-core pair where
+    """Prefill times per shape: the fused kernel, the split form, the two-kernel form, the CUDA-core pair where
     measured, fla on the same fp32 inputs and fla on bf16 with gate / L2 / β in its kernel
     (whichever the rows have); each bar labelled with its time."""
     import matplotlib
@@ -619,6 +619,8 @@ def _plot_prefill(res: dict, path: Path) -> None:
     if not trows:
         return
     series = [("fused_ms", "TIR fused (one kernel)"), ("fused_pre_ms", "TIR fused, gate/L2/β in kernel"),
+              ("split_ms", "TIR split (all chunks' intra, then the state pass)"),
+              ("split_pre_ms", "TIR split, gate/L2/β in kernel"),
               ("two_kernel_ms", "TIR two kernels (intra + state)"),
               ("fp32_ms", "TIR fp32 CUDA cores (before)"), ("fla_ms", "fla chunk_kda, same fp32 inputs"),
               ("fla_bf16_gated_ms", "fla chunk_kda, bf16, gate/L2/β in kernel")]

@@ -43,17 +43,23 @@ PREFILL_FORMS = ("generic", "two_kernel", "fused", "split")
 
 def prefill_dispatch(heads: int) -> tuple[str, int, int]:
     """(form, block_v, a_batch) of the tensor-core KDA prefill for ``heads`` KDA heads (K = V =
-    128): the fused one-kernel form (schedules/kda_prefill_fused.py: one block per sequence,
-    head and block_v columns, ~22 µs per chunk at 128 columns on the H200) from 48 heads — 128
-    columns from 96 heads, 64 below (not measured at 48) —; the split form (Γ, L / Aqk and
-    D^{-1} of all chunks in parallel first, then phases 3-5 per chunk) below 48, at 16 columns.
-    a_batch 4 at 128 columns keeps ptxas at 255 registers without spills. H200 figures:
-    benchmarks/results/kda_prefill_split_h200_2026-11-30.json."""
+    128), from the H200 runs (benchmarks/results/kda_prefill_split_h200_2026-11-30.json):
+
+    - from 48 heads the fused one-kernel form (schedules/kda_prefill_fused.py, ``p2_pairs`` and
+      ``ldsm``; one block per sequence, head and block_v columns): 128 columns from 96 heads
+      (K3: 2.88 ms at 8192 tokens, 2.17 ms at 4 × 2048; the split form 3.51 / 3.20 ms), 64
+      below (not measured at 48);
+    - below 48 heads the split form (all chunks' intra part in parallel, then ~5.5 µs per
+      chunk of state pass) at 32 columns: 12 heads 0.99 ms at 8192 tokens (16 columns 0.92,
+      the fused kernel at best 1.79) and 0.63 ms at 4 × 2048 (16 columns 0.77, 64 columns
+      0.52) — the compromise between one long sequence and several.
+
+    a_batch 4 at 128 columns keeps ptxas at 255 registers without spills."""
     if heads >= 96:
         return "fused", 128, 4
     if heads >= FUSED_PREFILL_MIN_HEADS:
         return "fused", 64, 8
-    return "split", 16, 8
+    return "split", 32, 8
 
 
 class ShortConv1d(nn.Module):

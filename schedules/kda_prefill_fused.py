@@ -55,17 +55,33 @@ the two-kernel version's and about half fla ``chunk_kda``'s (benchmarks/kda.py c
 there: K = V = 128 and the lower-bound gate with |lb| ≤ 5.5 (in-chunk exponentials of a
 16-row block up to e^{82.5}).
 
-Performance (H200, 2026-11-30, ``benchmarks/results/kda_prefill_fused_h200_2026-11-30.json``):
-96 heads, block_v 128: 2.95 ms at 8192 tokens, 2.25 ms at 4 × 2048 (fla ``chunk_kda`` 4.80 /
-4.64 ms on the same fp32 inputs, 2.86 / 2.84 ms on bf16 inputs with gate, L2 norms and β in
-its kernel). A block needs ~14 µs per chunk at 16 columns and ~23 µs at 128 (latency: 13
-barriers, the four L / Aqk rounds), so with few heads and one sequence the two-kernel form,
-parallel over chunks, is faster (docs/DESIGN.md).
+The split form (``kda_prefill_split_intra_kernel``, then this kernel with ``split``): what
+does not depend on the state — phases 1-2 and D^{-1}, and the Γ-scaled operands e^Γ k,
+scale·e^Γ q, e^{Γ_last−Γ} k and e^{Γ_last} (TF32, as this kernel computes them) — for all
+chunks of all sequences in parallel (one block per chunk and head), written to token-indexed
+fp32 scratch; then per chunk only phases 3-5 on the staged operands: 4 barriers instead of 13
+and no exponentials. Both kernels reuse this module's macros, and the split form computes what the fused kernel
+does in the same order (on the H200 both have the same errors on every check).
 
-Options of :func:`kda_prefill_fused_kernel` checked on the CPU but not yet timed on the GPU
-(so not used by the model yet): ``lower_bound`` (the L2 norms, gate and β inside the kernel,
-from the raw inputs), ``p2_pairs`` (phase 2 in two rounds of two sub-blocks) and ``ldsm``
-(phase 3's B fragments by ``ldmatrix.x4``).
+Performance (H200, 2026-11-30, ``benchmarks/results/kda_prefill_split_h200_2026-11-30.json``,
+fp32 inputs; fla's gated call on bf16 inputs):
+
+- 96 heads, fused, block_v 128 with ``p2_pairs`` and ``ldsm``: 2.88 ms at 8192 tokens, 2.17
+  ms at 4 × 2048; with the L2 norms, gate and β inside (``lower_bound``) 3.02 / 2.31 ms —
+  fla ``chunk_kda`` 4.79 / 4.64 ms on the same fp32 inputs, 2.86 / 2.80 ms gated. A block
+  needs ~22 µs per chunk at 128 columns (latency: 9 barriers with ``p2_pairs``, the L / Aqk
+  rounds, 2 warps per scheduler; ncu: 38% of the instructions are shared-memory loads, 20%
+  of the issue slots busy). The split form is slower here (3.51 / 3.20 ms: its intra kernel
+  alone takes 1.6 ms for 12288 chunk-heads at one block per SM).
+- 12 heads, split: 0.92 ms at 8192 tokens with block_v 16 (intra 0.21 ms, state pass 0.70
+  ms: ~5.5 µs per chunk), 0.99 ms at 32; 0.52 ms at 4 × 2048 with 64 columns, 0.63 at 32;
+  with the L2 norms, gate and β in the intra kernel +0.06 ms — fla 1.34 / 1.44 ms on the
+  same inputs, gated 1.87 / 1.54 ms in this run (1.01 / 1.00 ms in the previous one: fla's
+  gated call varies from run to run at 12 heads). The fused kernel there: at best 1.79 ms
+  (16 columns) and 0.54 ms (64).
+
+``p2_pairs`` (3-6% faster) and ``ldsm`` (1-2% more) are measured in
+``kda_prefill_p2_ldsm_h200_2026-11-30.json`` and the run above; the model uses both.
 
 ``emulate=True`` builds the same loop nest with the block / thread loops serial and every
 mma replaced by the dot products it computes for the lane (see

@@ -208,7 +208,7 @@ def test_model_dispatches_prefill_form_by_head_count():
     from relax_modules.kda import FUSED_PREFILL_MIN_HEADS, KimiDeltaAttention
 
     nano = K3Config.from_file("models/k3-nano")   # 2 KDA heads
-    for heads, form, block_v in ((2, "split", 16), (FUSED_PREFILL_MIN_HEADS - 1, "split", 16),
+    for heads, form, block_v in ((2, "split", 32), (FUSED_PREFILL_MIN_HEADS - 1, "split", 32),
                                  (FUSED_PREFILL_MIN_HEADS, "fused", 64), (96, "fused", 128)):
         cfg = dataclasses.replace(nano, kda_num_heads=heads)
         layer = KimiDeltaAttention(cfg, "bfloat16", gpu=True)

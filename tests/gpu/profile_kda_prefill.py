@@ -21,7 +21,7 @@ def build(out: Path, H: int) -> None:
     import tvm
 
     from k3_compile.device_code import precompiled_cuda
-    from relax_modules.kda import fused_prefill_tiling
+    from relax_modules.kda import prefill_dispatch
     from schedules.barriers import respect_manual_barriers
     from schedules.kda_prefill_fused import kda_prefill_fused_kernel
     from schedules.kda_prefill_tc import kda_prefill_intra_tc_kernel, kda_prefill_state_tc_kernel
@@ -31,8 +31,8 @@ def build(out: Path, H: int) -> None:
     bv = 32 if H >= 48 else 16
     fs = {"intra": kda_prefill_intra_tc_kernel(H, K, K, K ** -0.5),
           "state": kda_prefill_state_tc_kernel(H, K, K, block_v=bv, a_batch=8),
-          # as relax_modules/kda.py dispatches it
-          "fused": kda_prefill_fused_kernel(H, K, K, K ** -0.5, *fused_prefill_tiling(H))}
+          # the fused form as relax_modules/kda.py dispatches it (from 48 heads)
+          "fused": kda_prefill_fused_kernel(H, K, K, K ** -0.5, *prefill_dispatch(max(H, 48))[1:], p2_pairs=True, ldsm=True)}
     mod = tvm.IRModule({n: f.with_attr("global_symbol", n) for n, f in fs.items()})
     with precompiled_cuda(spec.nvcc_arch, options=("--ptxas-options=--register-usage-level=5",)), \
             respect_manual_barriers():
