@@ -96,8 +96,16 @@ PREFILL_FUSED = ([("fused", bv, ab, {}) for bv, ab in ((128, 4), (64, 8), (32, 8
 # the split form (schedules/kda_prefill_fused.py: kda_prefill_split_intra_kernel for every
 # chunk in parallel, then the fused kernel's phases 3-5 with ``split``): (name, block_v,
 # a_batch, options); splitpre_*: L2 norms, gate and β in the intra kernel (raw inputs)
+# splitauto*: block_v by the number of sequences at run time (kda_prefill_split_state_kernel, as
+# the model dispatches it; block_v None)
 PREFILL_SPLIT = ([("split", bv, ab, {}) for bv, ab in ((16, 8), (32, 8), (64, 8), (128, 4))]
-                 + [("splitpre", bv, 8, {"lower_bound": LOWER_BOUND}) for bv in (16, 32, 64)])
+                 + [("splitpre", bv, 8, {"lower_bound": LOWER_BOUND}) for bv in (16, 32, 64)]
+                 + [("splitauto", None, None, {}), ("splitautopre", None, None, {"lower_bound": LOWER_BOUND})])
+def _split_name(name: str, bv: int | None, ab: int | None) -> str:
+    """A split variant's name: ``split_bv16_ab8``, or ``splitauto`` (block_v at run time)."""
+    return name if bv is None else f"{name}_bv{bv}_ab{ab}"
+
+
 # the two-kernel pair as the model dispatches it (relax_modules/kda.py): block_v per head count
 PREFILL_TC_MODEL = {96: ((32, 8),), 12: ((16, 8),)}
 # TVM 0.27 passes ptxas --register-usage-level=10; level 5 as for the MoE kernels
@@ -117,7 +125,11 @@ def build_prefill(out_dir: Path, baseline: bool = True, all_tc: bool = True) -> 
     from k3_compile.device_code import precompiled_cuda
     from schedules.barriers import respect_manual_barriers
     from schedules.kda_prefill_cuda import kda_prefill_intra_kernel, kda_prefill_state_kernel
-    from schedules.kda_prefill_fused import kda_prefill_fused_kernel, kda_prefill_split_intra_kernel
+    from schedules.kda_prefill_fused import (
+        kda_prefill_fused_kernel,
+        kda_prefill_split_intra_kernel,
+        kda_prefill_split_state_kernel,
+    )
     from schedules.kda_prefill_tc import kda_prefill_intra_tc_kernel, kda_prefill_state_tc_kernel
     from targets import get_target
 
@@ -143,12 +155,13 @@ def build_prefill(out_dir: Path, baseline: bool = True, all_tc: bool = True) -> 
             print(f"built {path}")
         for name, bv, ab, opts in PREFILL_SPLIT:
             fi = kda_prefill_split_intra_kernel(h, K, K ** -0.5, **opts)
-            fs = kda_prefill_fused_kernel(h, K, V, K ** -0.5, block_v=bv, a_batch=ab, split=True, **opts)
+            fs = (kda_prefill_split_state_kernel(h, K, V, K ** -0.5, **opts) if bv is None else
+                  kda_prefill_fused_kernel(h, K, V, K ** -0.5, block_v=bv, a_batch=ab, split=True, **opts))
             with precompiled_cuda(spec.nvcc_arch, options=PREFILL_NVCC_OPTIONS), respect_manual_barriers():
                 lib = tvm.compile(tvm.IRModule({"kda_prefill_split_intra": fi.with_attr("global_symbol", "kda_prefill_split_intra"),
                                                 "kda_prefill_split_state": fs.with_attr("global_symbol", "kda_prefill_split_state")}),
                                   target=spec.tvm_target())
-            path = out_dir / f"kda_prefill_{name}_h{h}_bv{bv}_ab{ab}.so"
+            path = out_dir / f"kda_prefill_{_split_name(name, bv, ab)}_h{h}.so"
             lib.export_library(str(path))
             print(f"built {path}")
         for bv, ab in PREFILL_TC if all_tc else PREFILL_TC_MODEL[h]:
@@ -299,7 +312,7 @@ def run(lib_dir: Path) -> dict:
 
 
 def run_prefill(lib_dir: Path, log: Path | None = None, fla_checks: bool = True, quick: bool = False,
-                checks_only: bool = False) -> list:
+                checks_only: bool = False, fla_timing: bool = True) -> list:
     """Prefill: correctness vs fla's naive recurrence, timing vs fla ``chunk_kda``.
 
     Our kernels take preprocessed inputs (q, k L2-normalized, g = −5·σ(…), β = σ(b)); fla
@@ -314,7 +327,8 @@ def run_prefill(lib_dir: Path, log: Path | None = None, fla_checks: bool = True,
     Work is ordered by importance (our checks, our timings, fla timings, fla accuracy) and each
     row is appended to ``log`` (JSON lines) as soon as it exists. ``checks_only``: every check of
     ours (long ones included), no timing and nothing of fla. ``quick``: two ragged checks,
-    no long checks and no fla accuracy (the variants are those the build made).
+    no long checks and no fla accuracy (the variants are those the build made). ``fla_timing``
+    false: ours only (fla's Triton autotuning takes most of a run).
     """
     import torch
     import tvm
@@ -355,10 +369,10 @@ def run_prefill(lib_dir: Path, log: Path | None = None, fla_checks: bool = True,
                 fns[f"{name}_bv{bv}_ab{ab}"] = (tvm.runtime.load_module(str(path))["kda_prefill_fused"],
                                                 "pre" if "lower_bound" in opts else None)
         for name, bv, ab, opts in PREFILL_SPLIT:
-            path = lib_dir / f"kda_prefill_{name}_h{H}_bv{bv}_ab{ab}.so"
+            path = lib_dir / f"kda_prefill_{_split_name(name, bv, ab)}_h{H}.so"
             if path.exists():
                 m = tvm.runtime.load_module(str(path))
-                fns[f"{name}_bv{bv}_ab{ab}"] = (m["kda_prefill_split_intra"],
+                fns[_split_name(name, bv, ab)] = (m["kda_prefill_split_intra"],
                                                 ("split", m["kda_prefill_split_state"], "lower_bound" in opts))
         for bv, ab in PREFILL_TC:
             path = lib_dir / f"kda_prefill_tc_h{H}_bv{bv}_ab{ab}.so"
@@ -489,6 +503,7 @@ def run_prefill(lib_dir: Path, log: Path | None = None, fla_checks: bool = True,
             fused_pre = [n for n in per if n.startswith("fusedpre_")]
             split = [n for n in per if n.startswith("split_")]
             split_pre = [n for n in per if n.startswith("splitpre_")]
+            split_auto = {n: per[n] for n in per if n.startswith("splitauto")}
             best = min(tc + fused + split, key=per.get)
             row = {"kind": "time", "heads": H, "lens": list(lens), "ours_ms": per[best], "best": best,
                    "variants_ms": per,
@@ -498,6 +513,8 @@ def run_prefill(lib_dir: Path, log: Path | None = None, fla_checks: bool = True,
                    "split_ms": min([per[n] for n in split], default=None),
                    "split_pre_ms": min([per[n] for n in split_pre], default=None),
                    "torch_preprocess_ms": torch_pre_ms,
+                   # block_v at run time, as the model dispatches it (splitautopre)
+                   "split_auto_ms": split_auto.get("splitauto"), "split_auto_pre_ms": split_auto.get("splitautopre"),
                    "fp32_ms": min([per[n] for n in per if n.startswith("fp32")], default=None)}
             if split:
                 best_split = min(split, key=per.get)
@@ -545,7 +562,8 @@ def run_prefill(lib_dir: Path, log: Path | None = None, fla_checks: bool = True,
                       "split_speedup_vs_fla_bf16_gated": ratio("fla_bf16_gated_ms", "split_ms"),
                       # kernels against kernel, both with L2 norms, gate and β inside
                       "split_pre_speedup_vs_fla_bf16_gated": ratio("fla_bf16_gated_ms", "split_pre_ms")})
-            later.append(("time", fla_time))
+            if fla_timing:
+                later.append(("time", fla_time))
     for kind in ("long", "time", "check"):
         for k_, fn in later:
             if k_ == kind:
@@ -568,6 +586,7 @@ def main(argv=None) -> int:
                    help="prefill: skip the decode benchmark")
     r.add_argument("--quick", action="store_true", help="prefill: two checks, no long check, no fla accuracy")
     r.add_argument("--checks-only", action="store_true", help="prefill: every check of ours, no timing, no fla")
+    r.add_argument("--no-fla", action="store_true", help="prefill: time ours only")
     args = ap.parse_args(argv)
     if args.cmd == "build":
         if args.only == "prefill":
@@ -584,7 +603,8 @@ def main(argv=None) -> int:
         load_cuda_runtime()
         args.out.mkdir(parents=True, exist_ok=True)
         res = {"decode": [], "prefill": run_prefill(args.lib_dir, log=args.out / "kda_prefill_rows.jsonl",
-                                                    quick=args.quick, checks_only=args.checks_only)}
+                                                    quick=args.quick, checks_only=args.checks_only,
+                                                    fla_timing=not args.no_fla)}
         failed = [(r["heads"], r["lens"], n) for r in res["prefill"] if r["kind"] == "check"
                   for n, e in r["ours"].items() if not e["ok"]]
         res["checks_failed"] = failed

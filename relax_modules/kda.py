@@ -23,7 +23,11 @@ from relax_modules.layers import Linear
 from schedules.kda_decode_cuda import decode_tiling, kda_decode_fused_kernel
 from schedules.kda_prefill_cuda import C as TC_CHUNK
 from schedules.kda_prefill_cuda import max_chunks
-from schedules.kda_prefill_fused import kda_prefill_fused_kernel, kda_prefill_split_intra_kernel
+from schedules.kda_prefill_fused import (
+    kda_prefill_fused_kernel,
+    kda_prefill_split_intra_kernel,
+    kda_prefill_split_state_kernel,
+)
 from schedules.kda_prefill_tc import kda_prefill_intra_tc_kernel, kda_prefill_state_tc_kernel
 from schedules.kda_generic import (
     kda_chunk_prefill_kernel,
@@ -41,25 +45,27 @@ FUSED_PREFILL_MIN_HEADS = 48
 PREFILL_FORMS = ("generic", "two_kernel", "fused", "split")
 
 
-def prefill_dispatch(heads: int) -> tuple[str, int, int]:
+def prefill_dispatch(heads: int) -> tuple[str, int | None, int | None]:
     """(form, block_v, a_batch) of the tensor-core KDA prefill for ``heads`` KDA heads (K = V =
-    128), from the H200 runs (benchmarks/results/kda_prefill_split_h200_2026-11-30.json):
+    128; block_v None: chosen at run time), from the H200 runs
+    (benchmarks/results/kda_prefill_split_h200_2026-11-30.json):
 
     - from 48 heads the fused one-kernel form (schedules/kda_prefill_fused.py, ``p2_pairs`` and
       ``ldsm``; one block per sequence, head and block_v columns): 128 columns from 96 heads
       (K3: 2.88 ms at 8192 tokens, 2.17 ms at 4 × 2048; the split form 3.51 / 3.20 ms), 64
       below (not measured at 48);
     - below 48 heads the split form (all chunks' intra part in parallel, then ~5.5 µs per
-      chunk of state pass) at 32 columns: 12 heads 0.99 ms at 8192 tokens (16 columns 0.92,
-      the fused kernel at best 1.79) and 0.63 ms at 4 × 2048 (16 columns 0.77, 64 columns
-      0.52) — the compromise between one long sequence and several.
+      chunk of state pass), its block_v chosen at run time by the number of sequences
+      (schedules.kda_prefill_fused.split_block_v): 12 heads, one sequence of 8192 tokens 0.92
+      ms at 16 columns (32: 0.99; the fused kernel at best 1.79), four of 2048 0.52 ms at 64
+      (32: 0.63, 16: 0.77).
 
     a_batch 4 at 128 columns keeps ptxas at 255 registers without spills."""
     if heads >= 96:
         return "fused", 128, 4
     if heads >= FUSED_PREFILL_MIN_HEADS:
         return "fused", 64, 8
-    return "split", 32, 8
+    return "split", None, None
 
 
 class ShortConv1d(nn.Module):
@@ -109,12 +115,13 @@ class KimiDeltaAttention(nn.Module):
         # Which prefill kernels (PREFILL_FORMS): "generic" (schedules/kda_generic.py), the
         # tensor-core "two_kernel" form (kda_prefill_tc.py, kept as a baseline), "fused" or
         # "split" (kda_prefill_fused.py) by head count (``prefill_dispatch``), with
-        # ``prefill_tiling`` = (block_v, a_batch); ``prefill_preprocess_in_kernel``: the fused /
+        # ``prefill_tiling`` = (block_v, a_batch) (split: None, block_v by the number of
+        # sequences at run time); ``prefill_preprocess_in_kernel``: the fused /
         # split kernels do the L2 norms, gate and β themselves (from the raw q, k, gate input and
         # β logits) instead of the graph's ops
         form, bv, ab = prefill_dispatch(H)
         self.prefill_form = form if self.tc_prefill else "generic"
-        self.prefill_tiling = (bv, ab)
+        self.prefill_tiling = None if bv is None else (bv, ab)
         self.prefill_preprocess_in_kernel = True
         self.eps = config.rms_norm_eps
         self.dtype = dtype
@@ -236,10 +243,10 @@ class KimiDeltaAttention(nn.Module):
         ``(kda_state, o [T, H, K] f32)``."""
         T, H, K = q.shape[0], self.H, self.K
         f, b = self._gate_input(x), self._beta_logits(x)
-        bv, ab = self.prefill_tiling
         if self.prefill_form == "split":
             return self._split_prefill([q, k, f, b, self.A_log, self.dt_bias], v, b, meta, kda_state,
                                        kda_index, self.lower_bound)
+        bv, ab = self.prefill_tiling
         return op.tensor_ir_inplace_op(
             kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=bv, a_batch=ab, p2_pairs=True, ldsm=True,
                                      lower_bound=self.lower_bound),
@@ -257,7 +264,6 @@ class KimiDeltaAttention(nn.Module):
         T, H, K = v.shape[0], self.H, self.K
         B = meta.seq_slots.shape[0]
         f32 = "float32"
-        bv, ab = self.prefill_tiling
         intra = kda_prefill_split_intra_kernel(H, K, K ** -0.5, lower_bound=lower_bound)
         # e^Γ k, scale e^Γ q, e^{Γ_last−Γ} k, e^{Γ_last} per chunk, L / Aqk and D^{-1} rows; ka
         # is written in place into an uninitialized buffer (a call_tir_inplace needs one in-place
@@ -267,10 +273,14 @@ class KimiDeltaAttention(nn.Module):
         ka, qa, kd, gl, la, dinv = op.tensor_ir_inplace_op(
             intra, "kda_prefill_split_intra" + ("_pre" if lower_bound is not None else ""),
             intra_in + [meta.cu_seqlens, op.empty((T, H, K), f32)], [len(intra_in) + 1] + [-1] * 5, outs)
+        if self.prefill_tiling is None:
+            state = kda_prefill_split_state_kernel(H, K, K, K ** -0.5, lower_bound=lower_bound)
+        else:
+            bv, ab = self.prefill_tiling
+            state = kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=bv, a_batch=ab, split=True,
+                                             lower_bound=lower_bound)
         return op.tensor_ir_inplace_op(
-            kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=bv, a_batch=ab, split=True,
-                                     lower_bound=lower_bound),
-            "kda_prefill_split_state" + ("_pre" if lower_bound is not None else ""),
+            state, "kda_prefill_split_state" + ("_pre" if lower_bound is not None else ""),
             [ka, qa, kd, v, gl, la, dinv, beta, meta.cu_seqlens, meta.seq_slots, kda_state, _i32(kda_index)],
             [10, -1], [nn.Tensor.placeholder(kda_state.shape, f32), nn.Tensor.placeholder((T, H, K), f32)])
 

@@ -301,8 +301,81 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
     """
     if split and p2_pairs:
         raise ValueError("split: phase 2 belongs to kda_prefill_split_intra_kernel (p2_pairs there)")
-    return _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulate,
-                  "state" if split else "fused")
+    if split:
+        return _split_state(H, K, V, scale, lower_bound, ((block_v, a_batch),), ldsm, emulate)
+    return _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulate, "fused")
+
+
+# the split state kernel's block_v by the number of sequences B (``kda_prefill_split_state_kernel``):
+# the widest of these whose B·H·(128 / block_v) blocks reach SPLIT_MIN_BLOCKS (most of the H200's
+# 132 SMs at one block per SM), else the last
+SPLIT_BLOCK_V = (64, 32, 16)
+SPLIT_MIN_BLOCKS = 96
+
+
+def split_block_v(n_seq: int, H: int, V: int = 128) -> int:
+    """The block_v ``kda_prefill_split_state_kernel`` runs for ``n_seq`` sequences of ``H`` heads:
+    the first of SPLIT_BLOCK_V with n_seq·H·V/block_v ≥ SPLIT_MIN_BLOCKS, else the last."""
+    return next((bv for bv in SPLIT_BLOCK_V if n_seq * H * (V // bv) >= SPLIT_MIN_BLOCKS), SPLIT_BLOCK_V[-1])
+
+
+@functools.cache
+def kda_prefill_split_state_kernel(H: int, K: int, V: int, scale: float,
+                                   lower_bound: float | None = None, emulate: bool = False):
+    """The split form's state kernel with block_v chosen at run time from the number of
+    sequences B = len(cu_seqlens) − 1: the first of ``SPLIT_BLOCK_V`` (64, 32, 16) with
+    B·H·V/block_v ≥ ``SPLIT_MIN_BLOCKS`` (96), else 16 — one kernel per block_v, picked by a
+    host-side branch. H200, 12 heads (benchmarks/results/kda_prefill_split_h200_2026-11-30.json):
+    one sequence of 8192 tokens 0.92 ms at 16 columns (32: 0.99), four of 2048 0.52 ms at 64
+    (32: 0.63). Arguments as :func:`kda_prefill_fused_kernel` with ``split``; ValueError as
+    there."""
+    return _split_state(H, K, V, scale, lower_bound, tuple((bv, 8) for bv in SPLIT_BLOCK_V), False, emulate)
+
+
+def _split_state(H, K, V, scale, lower_bound, tilings, ldsm, emulate):
+    """The split form's state PrimFunc over the bodies of ``tilings`` ((block_v, a_batch), widest
+    first): one tiling is launched as is, three (``SPLIT_BLOCK_V``) by a host-side branch on the
+    number of sequences."""
+    bodies = [_build(H, K, V, scale, bv, ab, lower_bound, False, ldsm, emulate, "state") for bv, ab in tilings]
+    if len(bodies) not in (1, 3):
+        raise ValueError(f"one or three tilings, got {tilings}")
+    ONE = len(bodies) == 1
+    body = bodies[0]
+    b_wide, b_mid, b_narrow = (body, body, body) if ONE else bodies
+    # the smallest B at which the widest / the middle tiling gives SPLIT_MIN_BLOCKS blocks
+    n_wide, n_mid = (0, 0) if ONE else (-(-SPLIT_MIN_BLOCKS * tilings[0][0] // (H * V)),
+                                        -(-SPLIT_MIN_BLOCKS * tilings[1][0] // (H * V)))
+
+    @T.prim_func(private=True)
+    def kda_prefill_split_state(ka_h: T.handle, qa_h: T.handle, kd_h: T.handle, v_h: T.handle,
+                                gl_h: T.handle, la_h: T.handle, dinv_h: T.handle, beta_h: T.handle,
+                                cu_h: T.handle, slots_h: T.handle, state_h: T.handle, layer: T.int32,
+                                o_h: T.handle):
+        T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
+        n_tok, n_cu, n_ch, n_seq, n_layer, n_slot = T.int64(), T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
+        ka = T.match_buffer(ka_h, (n_tok, H, K), "float32")
+        qa = T.match_buffer(qa_h, (n_tok, H, K), "float32")
+        kd = T.match_buffer(kd_h, (n_tok, H, K), "float32")
+        v = T.match_buffer(v_h, (n_tok, H, V), "float32")
+        gl = T.match_buffer(gl_h, (n_ch, H, K), "float32")
+        la_g = T.match_buffer(la_h, (n_tok, H, C), "float32")
+        dinv_g = T.match_buffer(dinv_h, (n_tok, H, SUB), "float32")
+        beta = T.match_buffer(beta_h, (n_tok, H), "float32")
+        cu = T.match_buffer(cu_h, (n_cu,), "int32")
+        slots = T.match_buffer(slots_h, (n_seq,), "int32")
+        S = T.match_buffer(state_h, (n_layer, n_slot, H, K, V), "float32")
+        o = T.match_buffer(o_h, (n_tok, H, V), "float32")
+        if ONE:
+            body(qa, ka, v, kd, beta, None, None, la_g, dinv_g, gl, cu, slots, S, layer, o, n_tok, n_cu)
+        else:
+            if n_cu - 1 >= n_wide:
+                b_wide(qa, ka, v, kd, beta, None, None, la_g, dinv_g, gl, cu, slots, S, layer, o, n_tok, n_cu)
+            elif n_cu - 1 >= n_mid:
+                b_mid(qa, ka, v, kd, beta, None, None, la_g, dinv_g, gl, cu, slots, S, layer, o, n_tok, n_cu)
+            else:
+                b_narrow(qa, ka, v, kd, beta, None, None, la_g, dinv_g, gl, cu, slots, S, layer, o, n_tok, n_cu)
+
+    return kda_prefill_split_state if emulate else mark(kda_prefill_split_state)
 
 
 @functools.cache
@@ -918,28 +991,8 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
             dinv_g = T.match_buffer(dinv_h, (n_tok, H, SUB), "float32")
             intra_body(q, k, g, beta, None, None, cu, ka, qa, kd, gl, la_g, dinv_g, n_tok, n_cu)
         fn = kda_prefill_split_intra
-    elif stage == "state":
-        @T.prim_func(private=True)
-        def kda_prefill_split_state(ka_h: T.handle, qa_h: T.handle, kd_h: T.handle, v_h: T.handle,
-                                    gl_h: T.handle, la_h: T.handle, dinv_h: T.handle, beta_h: T.handle,
-                                    cu_h: T.handle, slots_h: T.handle, state_h: T.handle, layer: T.int32,
-                                    o_h: T.handle):
-            T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
-            n_tok, n_cu, n_ch, n_seq, n_layer, n_slot = T.int64(), T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
-            ka = T.match_buffer(ka_h, (n_tok, H, K), "float32")
-            qa = T.match_buffer(qa_h, (n_tok, H, K), "float32")
-            kd = T.match_buffer(kd_h, (n_tok, H, K), "float32")
-            v = T.match_buffer(v_h, (n_tok, H, V), "float32")
-            gl = T.match_buffer(gl_h, (n_ch, H, K), "float32")
-            la_g = T.match_buffer(la_h, (n_tok, H, C), "float32")
-            dinv_g = T.match_buffer(dinv_h, (n_tok, H, SUB), "float32")
-            beta = T.match_buffer(beta_h, (n_tok, H), "float32")
-            cu = T.match_buffer(cu_h, (n_cu,), "int32")
-            slots = T.match_buffer(slots_h, (n_seq,), "int32")
-            S = T.match_buffer(state_h, (n_layer, n_slot, H, K, V), "float32")
-            o = T.match_buffer(o_h, (n_tok, H, V), "float32")
-            fused_body(qa, ka, v, kd, beta, None, None, la_g, dinv_g, gl, cu, slots, S, layer, o, n_tok, n_cu)
-        fn = kda_prefill_split_state
+    elif stage == "state":   # the body; _split_state wraps it (one or several block_v)
+        return fused_body
     elif PRE:
         @T.prim_func(private=True)
         def kda_prefill_fused(q_h: T.handle, k_h: T.handle, v_h: T.handle, f_h: T.handle,

@@ -15,7 +15,12 @@ import pytest
 
 from helpers_tvm import build_sm90a_fatbin, nano_kda_prefill_vs_generic, needs_nvcc
 from schedules.kda_prefill_cuda import kda_prefill_reference
-from schedules.kda_prefill_fused import kda_prefill_fused_kernel, kda_prefill_split_intra_kernel
+from schedules.kda_prefill_fused import (
+    kda_prefill_fused_kernel,
+    kda_prefill_split_intra_kernel,
+    kda_prefill_split_state_kernel,
+    split_block_v,
+)
 from tests.test_config import REAL, real_only
 from tests.test_kda_prefill_cuda import _inputs
 
@@ -104,6 +109,36 @@ def test_emulated_split_form_matches_reference(block_v, lens, initial_state, pre
     untouched = np.ones(pool.shape[:2], bool)
     untouched[1, slots] = False
     np.testing.assert_array_equal(pool[untouched], ref_pool[untouched])
+
+
+def test_split_block_v_by_sequences():
+    # 12 heads (K3 at tensor parallel 8): one long prompt 16 columns, 2-3 sequences 32, 4+ 64
+    assert [split_block_v(b, 12) for b in (1, 2, 3, 4, 9)] == [16, 32, 32, 64, 64]
+    assert [split_block_v(b, 2) for b in (1, 11, 12, 23, 24)] == [16, 16, 32, 32, 64]
+
+
+@pytest.mark.parametrize("lens", [[70], [5] * 11 + [66], [3] * 23 + [65]])
+def test_emulated_split_state_kernel_with_runtime_block_v_matches_reference(lens):
+    """kda_prefill_split_state_kernel at 2 heads runs block_v 16, 32, 64 for 1, 12, 24 sequences
+    (``split_block_v``); each branch against the reference."""
+    import tvm
+
+    H, K = 2, 128
+    q, k, v, g, beta, cu, slots, pool = _inputs(lens, H, seed=len(lens))
+    ref_pool = pool.copy()
+    o_ref = kda_prefill_reference(q, k, v, g, beta, cu, slots, ref_pool, 1, K ** -0.5)
+    build = lambda f: tvm.compile(tvm.IRModule({"f": f.with_attr("global_symbol", "f")}), target="llvm")  # noqa: E731
+    intra = build(kda_prefill_split_intra_kernel(H, K, K ** -0.5, emulate=True))
+    state = build(kda_prefill_split_state_kernel(H, K, K, K ** -0.5, emulate=True))
+    A = tvm.runtime.tensor
+    Tn, B = q.shape[0], len(lens)
+    ka, qa, kd, la, dinv = (A(np.full((Tn, H, n), np.nan, np.float32)) for n in (K, K, K, 64, 16))
+    gl = A(np.full((Tn // 64 + B, H, K), np.nan, np.float32))
+    intra["f"](A(q), A(k), A(g), A(beta), A(cu), ka, qa, kd, gl, la, dinv)
+    pt, o = A(pool), A(np.full(v.shape, np.nan, np.float32))
+    state["f"](ka, qa, kd, A(v), gl, la, dinv, A(beta), A(cu), A(slots), pt, 1, o)
+    np.testing.assert_allclose(o.numpy(), o_ref, atol=1e-5)
+    np.testing.assert_allclose(pt.numpy(), ref_pool, atol=1e-5)
 
 
 def _raw_inputs(lens, H, K=128, seed=0):
@@ -208,11 +243,11 @@ def test_model_dispatches_prefill_form_by_head_count():
     from relax_modules.kda import FUSED_PREFILL_MIN_HEADS, KimiDeltaAttention
 
     nano = K3Config.from_file("models/k3-nano")   # 2 KDA heads
-    for heads, form, block_v in ((2, "split", 32), (FUSED_PREFILL_MIN_HEADS - 1, "split", 32),
-                                 (FUSED_PREFILL_MIN_HEADS, "fused", 64), (96, "fused", 128)):
+    for heads, form, tiling in ((2, "split", None), (FUSED_PREFILL_MIN_HEADS - 1, "split", None),
+                                (FUSED_PREFILL_MIN_HEADS, "fused", (64, 8)), (96, "fused", (128, 4))):
         cfg = dataclasses.replace(nano, kda_num_heads=heads)
         layer = KimiDeltaAttention(cfg, "bfloat16", gpu=True)
-        assert (layer.prefill_form, layer.prefill_tiling[0]) == (form, block_v), heads
+        assert (layer.prefill_form, layer.prefill_tiling) == (form, tiling), heads
         assert layer.prefill_preprocess_in_kernel
         # the generic fallback (k3 compile --generic-kernels), CPU builds and fp32 builds
         assert KimiDeltaAttention(cfg, "bfloat16", gpu=True, tuned=False).prefill_form == "generic"
@@ -239,12 +274,13 @@ def test_model_with_fused_or_split_prefill_matches_generic_model(form, preproces
 
     def configure(layer):
         layer.prefill_form = form
-        layer.prefill_tiling = (16, 8)
+        layer.prefill_tiling = (16, 8) if form == "fused" else None   # split: block_v at run time
         layer.prefill_preprocess_in_kernel = preprocess
 
     script, outs, refs = nano_kda_prefill_vs_generic(
         {"kda_prefill_fused_kernel": functools.partial(kda_prefill_fused_kernel, emulate=True),
-         "kda_prefill_split_intra_kernel": functools.partial(kda_prefill_split_intra_kernel, emulate=True)},
+         "kda_prefill_split_intra_kernel": functools.partial(kda_prefill_split_intra_kernel, emulate=True),
+         "kda_prefill_split_state_kernel": functools.partial(kda_prefill_split_state_kernel, emulate=True)},
         configure, seed=1)
     kernel = {"fused": "kda_prefill_fused", "split": "kda_prefill_split_state"}[form]
     assert kernel in script and (kernel + "_pre" in script) == preprocess
