@@ -78,7 +78,9 @@ fp32 inputs; fla's gated call on bf16 inputs):
   with the L2 norms, gate and β in the intra kernel +0.06 ms — fla 1.34 / 1.44 ms on the
   same inputs, gated 1.87 / 1.54 ms in this run (1.01 / 1.00 ms in the previous one: fla's
   gated call varies from run to run at 12 heads). The fused kernel there: at best 1.79 ms
-  (16 columns) and 0.54 ms (64).
+  (16 columns) and 0.54 ms (64). ``kda_prefill_split_state_kernel`` picks block_v at run
+  time (``split_block_v``): 0.91 / 0.51 ms, 0.97 / 0.57 ms with the preprocessing
+  (``kda_prefill_split_auto_h200_2026-11-30.json``).
 
 ``p2_pairs`` (3-6% faster) and ``ldsm`` (1-2% more) are measured in
 ``kda_prefill_p2_ldsm_h200_2026-11-30.json`` and the run above; the model uses both.
