@@ -609,6 +609,20 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
             gemm(acc, row, af, A, lambda d, n: SM[O_SS + n * SN + d], steps, tiles, lane, None)
 
     @T.macro
+    def copy_rows(SM, tx, c0, off, stride, src, width, h, n_tok):
+        """src[t, h, 0:width] of the chunk's rows t = c0[0] … → SM[off + row·stride …] by 16-byte
+        ``cp.async`` (rows at or past c0[1] zero-filled; emulated: plain loads); c0[2] scratch."""
+        for it in T.unroll(C * width // 4 // NT):
+            c0[2] = T.min(c0[0] + (it * NT + tx) // (width // 4), c0[1] - 1)
+            if SYNC:
+                ptx.cp_async16(T.address_of(SM[off + (it * NT + tx) // (width // 4) * stride + tx % (width // 4) * 4]),
+                               T.address_of(src[c0[2], h, tx % (width // 4) * 4]),
+                               c0[0] + (it * NT + tx) // (width // 4) < c0[1])
+            else:
+                for u in range(4):
+                    SM[off + (it * NT + tx) // (width // 4) * stride + tx % (width // 4) * 4 + u] = ld(src, c0[0] + (it * NT + tx) // (width // 4), c0[1], n_tok, h, tx % (width // 4) * 4 + u)
+
+    @T.macro
     def stage_chunk(SM, tx, c0, q, k, g, beta, la_g, dinv_g, gl_g, ci, h, n_tok):
         """Phase 1's copies of the chunk at token c0[0] of a sequence ending at c0[1] (c0[2]: a
         scratch row): raw k, q and g (in the split form's state kernel: e^Γ k, scale e^Γ q and
@@ -634,24 +648,8 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                     SM[O_QR + (it * NT + tx) // (K // 4) * KS + tx % (K // 4) * 4 + u] = ld(q, c0[0] + (it * NT + tx) // (K // 4), c0[1], n_tok, h, tx % (K // 4) * 4 + u)
                     SM[O_G + (it * NT + tx) // (K // 4) * KS + tx % (K // 4) * 4 + u] = ld(g, c0[0] + (it * NT + tx) // (K // 4), c0[1], n_tok, h, tx % (K // 4) * 4 + u)
         if stage == "state":
-            for it in T.unroll(C * C // 4 // NT):
-                c0[2] = T.min(c0[0] + (it * NT + tx) // (C // 4), c0[1] - 1)
-                if SYNC:
-                    ptx.cp_async16(T.address_of(SM[O_LA + (it * NT + tx) // (C // 4) * LS + tx % (C // 4) * 4]),
-                                   T.address_of(la_g[c0[2], h, tx % (C // 4) * 4]),
-                                   c0[0] + (it * NT + tx) // (C // 4) < c0[1])
-                else:
-                    for u in range(4):
-                        SM[O_LA + (it * NT + tx) // (C // 4) * LS + tx % (C // 4) * 4 + u] = ld(la_g, c0[0] + (it * NT + tx) // (C // 4), c0[1], n_tok, h, tx % (C // 4) * 4 + u)
-            for it in T.unroll(C * SUB // 4 // NT):
-                c0[2] = T.min(c0[0] + (it * NT + tx) // (SUB // 4), c0[1] - 1)
-                if SYNC:
-                    ptx.cp_async16(T.address_of(SM[O_D + (it * NT + tx) // (SUB // 4) * DS + tx % (SUB // 4) * 4]),
-                                   T.address_of(dinv_g[c0[2], h, tx % (SUB // 4) * 4]),
-                                   c0[0] + (it * NT + tx) // (SUB // 4) < c0[1])
-                else:
-                    for u in range(4):
-                        SM[O_D + (it * NT + tx) // (SUB // 4) * DS + tx % (SUB // 4) * 4 + u] = ld(dinv_g, c0[0] + (it * NT + tx) // (SUB // 4), c0[1], n_tok, h, tx % (SUB // 4) * 4 + u)
+            copy_rows(SM, tx, c0, O_LA, LS, la_g, C, h, n_tok)
+            copy_rows(SM, tx, c0, O_D, DS, dinv_g, SUB, h, n_tok)
             if tx < K // 4:
                 if SYNC:
                     ptx.cp_async16(T.address_of(SM[O_GL + tx * 4]), T.address_of(gl_g[ci, h, tx * 4]), True)

@@ -25,6 +25,17 @@ from tests.test_config import REAL, real_only
 from tests.test_kda_prefill_cuda import _inputs
 
 
+def _check_outputs(o, pool, o_ref, ref_pool, slots):
+    """o and the state pool against the reference; the slot of no sequence and the other layer
+    untouched."""
+    assert not np.isnan(o).any()
+    np.testing.assert_allclose(o, o_ref, atol=1e-5)
+    np.testing.assert_allclose(pool, ref_pool, atol=1e-5)
+    untouched = np.ones(pool.shape[:2], bool)
+    untouched[1, slots] = False
+    np.testing.assert_array_equal(pool[untouched], ref_pool[untouched])
+
+
 @pytest.mark.parametrize("block_v,a_batch,lens,initial_state,p2_pairs", [
     (16, 8, [1, 65, 15, 64], True, False),
     (64, 4, [63, 129], False, False),
@@ -46,14 +57,7 @@ def test_emulated_fused_kernel_matches_reference(block_v, a_batch, lens, initial
     A = tvm.runtime.tensor
     pt, o = A(pool), A(np.full(v.shape, np.nan, np.float32))
     lib["f"](A(q), A(k), A(v), A(g), A(beta), A(cu), A(slots), pt, 1, o)
-    o, pool = o.numpy(), pt.numpy()
-    assert not np.isnan(o).any()
-    np.testing.assert_allclose(o, o_ref, atol=1e-5)
-    np.testing.assert_allclose(pool, ref_pool, atol=1e-5)
-    # the slot of no sequence and the other layer are untouched
-    untouched = np.ones(pool.shape[:2], bool)
-    untouched[1, slots] = False
-    np.testing.assert_array_equal(pool[untouched], ref_pool[untouched])
+    _check_outputs(o.numpy(), pt.numpy(), o_ref, ref_pool, slots)
 
 
 @pytest.mark.parametrize("block_v,lens,initial_state,preprocess", [
@@ -102,13 +106,7 @@ def test_emulated_split_form_matches_reference(block_v, lens, initial_state, pre
     assert not np.isnan(la.numpy()).any() and not np.isnan(dinv.numpy()).any()
     pt, o = A(pool), A(np.full(v.shape, np.nan, np.float32))
     state["f"](ka, qa, kd, A(v), gl, la, dinv, A(raw["b"] if preprocess else beta), A(cu), A(slots), pt, 1, o)
-    o, pool = o.numpy(), pt.numpy()
-    assert not np.isnan(o).any()
-    np.testing.assert_allclose(o, o_ref, atol=1e-5)
-    np.testing.assert_allclose(pool, ref_pool, atol=1e-5)
-    untouched = np.ones(pool.shape[:2], bool)
-    untouched[1, slots] = False
-    np.testing.assert_array_equal(pool[untouched], ref_pool[untouched])
+    _check_outputs(o.numpy(), pt.numpy(), o_ref, ref_pool, slots)
 
 
 def test_split_block_v_by_sequences():
@@ -137,8 +135,7 @@ def test_emulated_split_state_kernel_with_runtime_block_v_matches_reference(lens
     intra["f"](A(q), A(k), A(g), A(beta), A(cu), ka, qa, kd, gl, la, dinv)
     pt, o = A(pool), A(np.full(v.shape, np.nan, np.float32))
     state["f"](ka, qa, kd, A(v), gl, la, dinv, A(beta), A(cu), A(slots), pt, 1, o)
-    np.testing.assert_allclose(o.numpy(), o_ref, atol=1e-5)
-    np.testing.assert_allclose(pt.numpy(), ref_pool, atol=1e-5)
+    _check_outputs(o.numpy(), pt.numpy(), o_ref, ref_pool, slots)
 
 
 def _raw_inputs(lens, H, K=128, seed=0):
