@@ -101,6 +101,8 @@ PREFILL_FUSED = ([("fused", bv, ab, {}) for bv, ab in ((128, 4), (64, 8), (32, 8
 PREFILL_SPLIT = ([("split", bv, ab, {}) for bv, ab in ((16, 8), (32, 8), (64, 8), (128, 4))]
                  + [("splitpre", bv, 8, {"lower_bound": LOWER_BOUND}) for bv in (16, 32, 64)]
                  + [("splitauto", None, None, {}), ("splitautopre", None, None, {"lower_bound": LOWER_BOUND})])
+
+
 def _split_name(name: str, bv: int | None, ab: int | None) -> str:
     """A split variant's name: ``split_bv16_ab8``, or ``splitauto`` (block_v at run time)."""
     return name if bv is None else f"{name}_bv{bv}_ab{ab}"

@@ -52,7 +52,7 @@ def prefill_dispatch(heads: int) -> tuple[str, int | None, int | None]:
 
     - from 48 heads the fused one-kernel form (schedules/kda_prefill_fused.py, ``p2_pairs`` and
       ``ldsm``; one block per sequence, head and block_v columns): 128 columns from 96 heads
-      (K3: 2.88 ms at 8192 tokens, 2.17 ms at 4 × 2048; the split form 3.51 / 3.20 ms), 64
+      (K3: 2.88 ms at 8192 tokens, 2.17 ms at 4 × 2048; the split form at best 3.51 / 3.20 ms), 64
       below (not measured at 48);
     - below 48 heads the split form (all chunks' intra part in parallel, then ~5.5 µs per
       chunk of state pass), its block_v chosen at run time by the number of sequences
@@ -199,7 +199,8 @@ class KimiDeltaAttention(nn.Module):
         if decode and self.decode_tiling is not None:
             out, kda_state = self._fused_decode(x, q, k, v, meta, kda_state, kda_index)
             return out, kda_state, conv_state
-        if not decode and self.prefill_form in ("fused", "split") and self.prefill_preprocess_in_kernel:
+        if (not decode and self.prefill_form in ("fused", "split") and self.prefill_preprocess_in_kernel
+                and self.lower_bound is not None):
             # steps 2-5 in the kernels (L2 norms, gate and β inside)
             kda_state, o = self._tc_prefill_raw(x, q, k, v, meta, kda_state, kda_index)
             return self._output(x, o), kda_state, conv_state

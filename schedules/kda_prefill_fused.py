@@ -71,8 +71,9 @@ fp32 inputs; fla's gated call on bf16 inputs):
   fla ``chunk_kda`` 4.79 / 4.64 ms on the same fp32 inputs, 2.86 / 2.80 ms gated. A block
   needs ~22 µs per chunk at 128 columns (latency: 9 barriers with ``p2_pairs``, the L / Aqk
   rounds, 2 warps per scheduler; ncu: 38% of the instructions are shared-memory loads, 20%
-  of the issue slots busy). The split form is slower here (3.51 / 3.20 ms: its intra kernel
-  alone takes 1.6 ms for 12288 chunk-heads at one block per SM).
+  of the issue slots busy). The split form is slower here (3.51 / 3.20 ms at 128 columns, 3.90
+  / 3.38 ms with the run-time block_v of 64: its intra kernel alone takes 1.6 ms for 12288
+  chunk-heads at one block per SM).
 - 12 heads, split: 0.92 ms at 8192 tokens with block_v 16 (intra 0.21 ms, state pass 0.70
   ms: ~5.5 µs per chunk), 0.99 ms at 32; 0.52 ms at 4 × 2048 with 64 columns, 0.63 at 32;
   with the L2 norms, gate and β in the intra kernel +0.06 ms — fla 1.34 / 1.44 ms on the
@@ -82,8 +83,9 @@ fp32 inputs; fla's gated call on bf16 inputs):
   time (``split_block_v``): 0.91 / 0.51 ms, 0.97 / 0.57 ms with the preprocessing
   (``kda_prefill_split_auto_h200_2026-11-30.json``).
 
-``p2_pairs`` (3-6% faster) and ``ldsm`` (1-2% more) are measured in
-``kda_prefill_p2_ldsm_h200_2026-11-30.json`` and the run above; the model uses both.
+``p2_pairs`` (3-7% faster, ``kda_prefill_p2_ldsm_h200_2026-11-30.json``) and ``ldsm`` (0-2%
+more with ``p2_pairs``, ``kda_prefill_split_v1_h200_2026-11-30.json``) are measured; the
+model uses both.
 
 ``emulate=True`` builds the same loop nest with the block / thread loops serial and every
 mma replaced by the dot products it computes for the lane (see
@@ -277,10 +279,10 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
 
     ``p2_pairs``: phase 2 in two rounds of two sub-blocks each (ka / qa of both staged at once;
     the 6 and 14 column tiles of the rounds spread over the warps) instead of four rounds of
-    one: 4 barriers fewer per chunk (H200: 3-6% faster).
+    one: 4 barriers fewer per chunk (H200: 3-7% faster).
 
     ``ldsm``: phase 3 reads its B fragments (the S copy) by ``ldmatrix.x4``, two n-tiles per
-    instruction instead of four 32-bit loads (H200: 1-2% faster with ``p2_pairs``).
+    instruction instead of four 32-bit loads (H200: 0-2% faster with ``p2_pairs``).
 
     ``split``: the second kernel of the split form: every operand that involves Γ, the L / Aqk
     tile and D^{-1} of each chunk come from :func:`kda_prefill_split_intra_kernel` (computed
@@ -321,6 +323,12 @@ def split_block_v(n_seq: int, H: int, V: int = 128) -> int:
     return next((bv for bv in SPLIT_BLOCK_V if n_seq * H * (V // bv) >= SPLIT_MIN_BLOCKS), SPLIT_BLOCK_V[-1])
 
 
+def _first_n_seq(block_v: int, H: int, V: int) -> int:
+    """The smallest number of sequences for which ``split_block_v`` gives ``block_v`` (its
+    choice only narrows as B falls)."""
+    return next(b for b in range(1, SPLIT_MIN_BLOCKS + 1) if split_block_v(b, H, V) == block_v)
+
+
 @functools.cache
 def kda_prefill_split_state_kernel(H: int, K: int, V: int, scale: float,
                                    lower_bound: float | None = None, emulate: bool = False):
@@ -344,9 +352,8 @@ def _split_state(H, K, V, scale, lower_bound, tilings, ldsm, emulate):
     ONE = len(bodies) == 1
     body = bodies[0]
     b_wide, b_mid, b_narrow = (body, body, body) if ONE else bodies
-    # the smallest B at which the widest / the middle tiling gives SPLIT_MIN_BLOCKS blocks
-    n_wide, n_mid = (0, 0) if ONE else (-(-SPLIT_MIN_BLOCKS * tilings[0][0] // (H * V)),
-                                        -(-SPLIT_MIN_BLOCKS * tilings[1][0] // (H * V)))
+    # the smallest B for which split_block_v picks the widest / the middle tiling
+    n_wide, n_mid = (0, 0) if ONE else (_first_n_seq(tilings[0][0], H, V), _first_n_seq(tilings[1][0], H, V))
 
     @T.prim_func(private=True)
     def kda_prefill_split_state(ka_h: T.handle, qa_h: T.handle, kd_h: T.handle, v_h: T.handle,
@@ -406,7 +413,7 @@ def kda_prefill_split_intra_kernel(H: int, K: int, scale: float, lower_bound: fl
     f and b, then A_log [H] and dt_bias [H·K] before cu_seqlens), and the norms, gate and β are
     computed here (the state kernel then takes the logits b: ``split`` with ``lower_bound``).
     Rows are tokens (row i of chunk c of sequence b is token cu[b] + 64c + i); rows past a
-    sequence's end are not written. Grid: (T // 64 + B + 1)·H blocks, those past the last chunk
+    sequence's end are not written. Grid: (⌈T/64⌉ + B)·H blocks, those past the last chunk
     idle. Raises ValueError for K ≠ 128 or lb outside [−5.5, 0)."""
     return _build(H, K, K, scale, 16, 8, lower_bound, p2_pairs, False, emulate, "intra")
 

@@ -221,10 +221,17 @@ def test_fused_kernel_compiles_to_fatbin_for_sm90a(tmp_path):
         "f = kda_prefill_fused_kernel(3, 128, 128, 128 ** -0.5, block_v=128, a_batch=4)\n"
         "p = kda_prefill_fused_kernel(3, 128, 128, 128 ** -0.5, block_v=64, lower_bound=-5.0)\n"
         "r = kda_prefill_fused_kernel(3, 128, 128, 128 ** -0.5, block_v=16, p2_pairs=True, ldsm=True)\n"
-        "mod = tvm.IRModule({n: x.with_attr('global_symbol', n) for n, x in (('f', f), ('p', p), ('r', r))})", tmp_path,
+        "from schedules.kda_prefill_fused import kda_prefill_split_intra_kernel, kda_prefill_split_state_kernel\n"
+        "i = kda_prefill_split_intra_kernel(3, 128, 128 ** -0.5, lower_bound=-5.0)\n"
+        "s = kda_prefill_split_state_kernel(3, 128, 128, 128 ** -0.5, lower_bound=-5.0)\n"
+        "mod = tvm.IRModule({n: x.with_attr('global_symbol', n) for n, x in\n"
+        "                    (('f', f), ('p', p), ('r', r), ('i', i), ('s', s))})", tmp_path,
         contexts="respect_manual_barriers()", keep_src=True)
     assert "fatbin" in out
     src = "".join(p.read_text() for p in (tmp_path / "src").glob("*.cu"))
+    # the split state kernel: one kernel per block_v (64, 32, 16) behind the host-side branch
+    assert all(f"__global__ void __launch_bounds__(256) {n}(" in src for n in ("s_kernel", "s_kernel_1", "s_kernel_2"))
+    assert "__shfl_xor_sync" in src   # the warp-shuffle L2 norms
     for ptx in ("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32", "cvt.rna.tf32.f32",
                 "ex2.approx.ftz.f32", "cp.async.cg.shared.global", "prefetch.global.L2",
                 "ldmatrix.sync.aligned.m8n8.x4.shared.b16"):
