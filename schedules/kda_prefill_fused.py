@@ -81,7 +81,8 @@ fp32 inputs; fla's gated call on bf16 inputs):
   gated call varies from run to run at 12 heads). The fused kernel there: at best 1.79 ms
   (16 columns) and 0.54 ms (64). ``kda_prefill_split_state_kernel`` picks block_v at run
   time (``split_block_v``): 0.91 / 0.51 ms, 0.97 / 0.57 ms with the preprocessing
-  (``kda_prefill_split_auto_h200_2026-11-30.json``).
+  (``kda_prefill_split_auto_h200_2026-11-30.json``); with ``early_kq`` (the default) 0.90 /
+  0.50 and 0.96 / 0.57 ms (``kda_prefill_split_early_h200_2026-11-30.json``).
 
 ``p2_pairs`` (3-7% faster, ``kda_prefill_p2_ldsm_h200_2026-11-30.json``) and ``ldsm`` (0-2%
 more with ``p2_pairs``, ``kda_prefill_split_v1_h200_2026-11-30.json``) are measured; the
@@ -324,29 +325,35 @@ def split_block_v(n_seq: int, H: int, V: int = 128) -> int:
 
 
 def _first_n_seq(block_v: int, H: int, V: int) -> int:
-    """The smallest number of sequences for which ``split_block_v`` gives ``block_v`` (its
-    choice only narrows as B falls)."""
-    return next(b for b in range(1, SPLIT_MIN_BLOCKS + 1) if split_block_v(b, H, V) == block_v)
+    """The smallest number of sequences for which ``split_block_v`` gives ``block_v`` or wider
+    (its choice only narrows as B falls; one sequence already fills the GPU when H is large)."""
+    return next(b for b in range(1, SPLIT_MIN_BLOCKS + 1) if split_block_v(b, H, V) >= block_v)
 
 
 @functools.cache
 def kda_prefill_split_state_kernel(H: int, K: int, V: int, scale: float,
-                                   lower_bound: float | None = None, emulate: bool = False):
+                                   lower_bound: float | None = None, early_kq: bool = True,
+                                   emulate: bool = False):
     """The split form's state kernel with block_v chosen at run time from the number of
     sequences B = len(cu_seqlens) − 1: the first of ``SPLIT_BLOCK_V`` (64, 32, 16) with
     B·H·V/block_v ≥ ``SPLIT_MIN_BLOCKS`` (96), else 16 — one kernel per block_v, picked by a
     host-side branch. H200, 12 heads (benchmarks/results/kda_prefill_split_h200_2026-11-30.json):
     one sequence of 8192 tokens 0.92 ms at 16 columns (32: 0.99), four of 2048 0.52 ms at 64
-    (32: 0.63). Arguments as :func:`kda_prefill_fused_kernel` with ``split``; ValueError as
-    there."""
-    return _split_state(H, K, V, scale, lower_bound, tuple((bv, 8) for bv in SPLIT_BLOCK_V), False, emulate)
+    (32: 0.63). ``early_kq`` (default): the next chunk's e^Γ k and scale·e^Γ q are copied during
+    this chunk's phases 4-5 instead of in its phase 1 — 1.5-3% faster
+    (``kda_prefill_split_early_h200_2026-11-30.json``: 0.90 / 0.50 ms at 12 heads, 0.96 / 0.57
+    ms with the preprocessing). Arguments as :func:`kda_prefill_fused_kernel` with ``split``;
+    ValueError as there."""
+    return _split_state(H, K, V, scale, lower_bound, tuple((bv, 8) for bv in SPLIT_BLOCK_V), False, emulate,
+                        early_kq)
 
 
-def _split_state(H, K, V, scale, lower_bound, tilings, ldsm, emulate):
+def _split_state(H, K, V, scale, lower_bound, tilings, ldsm, emulate, early_kq=False):
     """The split form's state PrimFunc over the bodies of ``tilings`` ((block_v, a_batch), widest
     first): one tiling is launched as is, three (``SPLIT_BLOCK_V``) by a host-side branch on the
     number of sequences."""
-    bodies = [_build(H, K, V, scale, bv, ab, lower_bound, False, ldsm, emulate, "state") for bv, ab in tilings]
+    bodies = [_build(H, K, V, scale, bv, ab, lower_bound, False, ldsm, emulate, "state", early_kq)
+              for bv, ab in tilings]
     if len(bodies) not in (1, 3):
         raise ValueError(f"one or three tilings, got {tilings}")
     ONE = len(bodies) == 1
@@ -418,9 +425,11 @@ def kda_prefill_split_intra_kernel(H: int, K: int, scale: float, lower_bound: fl
     return _build(H, K, K, scale, 16, 8, lower_bound, p2_pairs, False, emulate, "intra")
 
 
-def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulate, stage):
+def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulate, stage, early_kq=False):
     """The kernels of this module (``stage``: "fused", "intra" or "state") over one set of
-    shared-memory regions and macros."""
+    shared-memory regions and macros. ``early_kq`` (state): the next chunk's e^Γ k and scale·e^Γ q
+    are copied as soon as phase 3 has read this chunk's (start of phase 4), not in phase 1."""
+    EARLY = early_kq and stage == "state"
     if K != 128 or V != 128:
         raise ValueError(f"the fused KDA prefill is written for K = V = 128, got K={K}, V={V}")
     if lower_bound is not None and not -5.5 <= lower_bound < 0:
@@ -630,13 +639,19 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                     SM[off + (it * NT + tx) // (width // 4) * stride + tx % (width // 4) * 4 + u] = ld(src, c0[0] + (it * NT + tx) // (width // 4), c0[1], n_tok, h, tx % (width // 4) * 4 + u)
 
     @T.macro
-    def stage_chunk(SM, tx, c0, q, k, g, beta, la_g, dinv_g, gl_g, ci, h, n_tok):
+    def stage_chunk(SM, tx, c0, q, k, g, beta, la_g, dinv_g, gl_g, ci, h, n_tok, first):
         """Phase 1's copies of the chunk at token c0[0] of a sequence ending at c0[1] (c0[2]: a
         scratch row): raw k, q and g (in the split form's state kernel: e^Γ k, scale e^Γ q and
         e^{Γ_last−Γ} k, and the L / Aqk and D^{-1} rows and e^{Γ_last} of its chunk ``ci``) →
         shared memory by 16-byte ``cp.async`` (rows past the sequence end zero-filled; emulated:
-        plain loads), then β. The caller waits for the copies."""
-        for it in T.unroll(C * K // 4 // NT):
+        plain loads), then β. The caller waits for the copies. ``EARLY``: k and q only for the
+        ``first`` chunk (the others' were issued in the previous chunk's phase 4)."""
+        if EARLY:
+            if first:
+                copy_rows(SM, tx, c0, O_KR, KS, k, K, h, n_tok)
+                copy_rows(SM, tx, c0, O_QR, KS, q, K, h, n_tok)
+            copy_rows(SM, tx, c0, O_G, KS, g, K, h, n_tok)
+        for it in T.unroll(0 if EARLY else C * K // 4 // NT):
             # row (it·NT + tx) // (K/4) of the chunk, clamped into the sequence
             c0[2] = T.min(c0[0] + (it * NT + tx) // (K // 4), c0[1] - 1)
             if SYNC:
@@ -780,7 +795,7 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                 c0[0] = meta[0]
                 c0[1] = meta[1]
                 if c0[0] < c0[1]:
-                    stage_chunk(SM, tx, c0, q, k, g, beta, None, None, None, 0, blk % H, n_tok)
+                    stage_chunk(SM, tx, c0, q, k, g, beta, None, None, None, 0, blk % H, n_tok, True)
                 if SYNC:
                     ptx.wait(0)
             gamma_and_norms(SM, meta[0], meta[1], blk % H, A_log, dt_bias)
@@ -843,7 +858,7 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                     c0[0] = cu[blk // (H * NVB)] + c * C
                     c0[1] = cu[blk // (H * NVB) + 1]
                     stage_chunk(SM, tx, c0, q, k, g, beta, la_g, dinv_g, gl_g, chunk_index(cb, tx, c),
-                                blk // NVB % H, n_tok)
+                                blk // NVB % H, n_tok, c == 0)
                     if c0[0] + C + tx // 4 < c0[1]:
                         prefetch(q[c0[0] + C + tx // 4, blk // NVB % H, tx % 4 * 32])
                         prefetch(k[c0[0] + C + tx // 4, blk // NVB % H, tx % 4 * 32])
@@ -891,6 +906,16 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                 #          owns the n-tiles wi, wi + 8, … (warps past them idle)
                 if SYNC:
                     T.tvm_storage_sync("shared")
+                if EARLY:   # the next chunk's e^Γ k, scale·e^Γ q (phase 3 has read this one's)
+                    for tx in THR(NT):
+                        cn = T.alloc_buffer((3,), "int32", scope="local")
+                        cn[0] = cu[blk // (H * NVB)] + (c + 1) * C
+                        cn[1] = cu[blk // (H * NVB) + 1]
+                        if cn[0] < cn[1]:
+                            copy_rows(SM, tx, cn, O_KR, KS, k, K, blk // NVB % H, n_tok)
+                            copy_rows(SM, tx, cn, O_QR, KS, q, K, blk // NVB % H, n_tok)
+                            if SYNC:
+                                ptx.commit()
                 for I in T.unroll(NSUB):
                     for tx in THR(NT):
                         af = T.alloc_buffer((4,), "float32", scope="local")

@@ -113,12 +113,21 @@ def test_split_block_v_by_sequences():
     # 12 heads (K3 at tensor parallel 8): one long prompt 16 columns, 2-3 sequences 32, 4+ 64
     assert [split_block_v(b, 12) for b in (1, 2, 3, 4, 9)] == [16, 32, 32, 64, 64]
     assert [split_block_v(b, 2) for b in (1, 11, 12, 23, 24)] == [16, 16, 32, 32, 64]
+    # the kernel's host-side thresholds give the same choice, for any head count
+    from schedules.kda_prefill_fused import SPLIT_BLOCK_V, _first_n_seq
+
+    for H in (1, 2, 12, 24, 47, 48, 96):
+        n_wide, n_mid = (_first_n_seq(bv, H, 128) for bv in SPLIT_BLOCK_V[:2])
+        for b in range(1, 40):
+            assert split_block_v(b, H) == (64 if b >= n_wide else 32 if b >= n_mid else 16), (H, b)
 
 
-@pytest.mark.parametrize("lens", [[70], [5] * 11 + [66], [3] * 23 + [65]])
-def test_emulated_split_state_kernel_with_runtime_block_v_matches_reference(lens):
+@pytest.mark.parametrize("lens,early_kq", [([70], False), ([5] * 11 + [66], False), ([3] * 23 + [65], False),
+                                           ([130, 1, 64, 70], True)])
+def test_emulated_split_state_kernel_with_runtime_block_v_matches_reference(lens, early_kq):
     """kda_prefill_split_state_kernel at 2 heads runs block_v 16, 32, 64 for 1, 12, 24 sequences
-    (``split_block_v``); each branch against the reference."""
+    (``split_block_v``); each branch against the reference; with ``early_kq`` (the next chunk's
+    e^Γ k, e^Γ q copied during phase 4)."""
     import tvm
 
     H, K = 2, 128
@@ -127,7 +136,7 @@ def test_emulated_split_state_kernel_with_runtime_block_v_matches_reference(lens
     o_ref = kda_prefill_reference(q, k, v, g, beta, cu, slots, ref_pool, 1, K ** -0.5)
     build = lambda f: tvm.compile(tvm.IRModule({"f": f.with_attr("global_symbol", "f")}), target="llvm")  # noqa: E731
     intra = build(kda_prefill_split_intra_kernel(H, K, K ** -0.5, emulate=True))
-    state = build(kda_prefill_split_state_kernel(H, K, K, K ** -0.5, emulate=True))
+    state = build(kda_prefill_split_state_kernel(H, K, K, K ** -0.5, early_kq=early_kq, emulate=True))
     A = tvm.runtime.tensor
     Tn, B = q.shape[0], len(lens)
     ka, qa, kd, la, dinv = (A(np.full((Tn, H, n), np.nan, np.float32)) for n in (K, K, K, 64, 16))
