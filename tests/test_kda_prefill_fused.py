@@ -10,6 +10,8 @@ benchmarks/results/kda_prefill_fused_checks_h200_2026-11-30.json, lengths 1 … 
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -23,6 +25,14 @@ from schedules.kda_prefill_fused import (
 )
 from tests.test_config import REAL, real_only
 from tests.test_kda_prefill_cuda import _inputs
+
+
+@functools.cache   # the kernel builders are cached too: one LLVM build per emulated kernel
+def _llvm(f):
+    """The emulated PrimFunc ``f`` compiled for llvm (its function named ``f``)."""
+    import tvm
+
+    return tvm.compile(tvm.IRModule({"f": f.with_attr("global_symbol", "f")}), target="llvm")
 
 
 def _check_outputs(o, pool, o_ref, ref_pool, slots):
@@ -53,7 +63,7 @@ def test_emulated_fused_kernel_matches_reference(block_v, a_batch, lens, initial
     o_ref = kda_prefill_reference(q, k, v, g, beta, cu, slots, ref_pool, 1, K ** -0.5)
     f = kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=block_v, a_batch=a_batch,
                                  p2_pairs=p2_pairs, emulate=True)
-    lib = tvm.compile(tvm.IRModule({"f": f.with_attr("global_symbol", "f")}), target="llvm")
+    lib = _llvm(f)
     A = tvm.runtime.tensor
     pt, o = A(pool), A(np.full(v.shape, np.nan, np.float32))
     lib["f"](A(q), A(k), A(v), A(g), A(beta), A(cu), A(slots), pt, 1, o)
@@ -80,7 +90,7 @@ def test_emulated_split_form_matches_reference(block_v, lens, initial_state, pre
         pool[:] = 0
     ref_pool = pool.copy()
     o_ref = kda_prefill_reference(q, k, v, g, beta, cu, slots, ref_pool, 1, K ** -0.5)
-    build = lambda f: tvm.compile(tvm.IRModule({"f": f.with_attr("global_symbol", "f")}), target="llvm")  # noqa: E731
+    build = _llvm
     lb = -5.0 if preprocess else None
     intra = build(kda_prefill_split_intra_kernel(H, K, K ** -0.5, lower_bound=lb, emulate=True))
     state = build(kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=block_v, a_batch=8, split=True,
@@ -134,7 +144,7 @@ def test_emulated_split_state_kernel_with_runtime_block_v_matches_reference(lens
     q, k, v, g, beta, cu, slots, pool = _inputs(lens, H, seed=len(lens))
     ref_pool = pool.copy()
     o_ref = kda_prefill_reference(q, k, v, g, beta, cu, slots, ref_pool, 1, K ** -0.5)
-    build = lambda f: tvm.compile(tvm.IRModule({"f": f.with_attr("global_symbol", "f")}), target="llvm")  # noqa: E731
+    build = _llvm
     intra = build(kda_prefill_split_intra_kernel(H, K, K ** -0.5, emulate=True))
     state = build(kda_prefill_split_state_kernel(H, K, K, K ** -0.5, early_kq=early_kq, emulate=True))
     A = tvm.runtime.tensor
@@ -176,7 +186,7 @@ def test_emulated_fused_kernel_with_preprocessing_matches_reference():
     o_ref = kda_prefill_reference(pre["q"], pre["k"], pre["v"], pre["g"], pre["beta"], cu, slots,
                                   ref_pool, 1, K ** -0.5)
     f = kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=32, lower_bound=-5.0, emulate=True)
-    lib = tvm.compile(tvm.IRModule({"f": f.with_attr("global_symbol", "f")}), target="llvm")
+    lib = _llvm(f)
     A = tvm.runtime.tensor
     pt, o = A(pool), A(np.full(raw["v"].shape, np.nan, np.float32))
     lib["f"](*(A(raw[n]) for n in ("q", "k", "v", "f", "b", "A_log", "dt_bias")), A(cu), A(slots), pt, 1, o)
