@@ -220,12 +220,7 @@ class KimiDeltaAttention(nn.Module):
                 [q, k, v, g, beta, meta.seq_slots, kda_state, _i32(kda_index)],
                 [6, -1], [s_ty, o_ty])
         elif self.prefill_form == "fused":
-            bv, ab = self.prefill_tiling
-            kda_state, o = op.tensor_ir_inplace_op(
-                kda_prefill_fused_kernel(H, K, K, scale, block_v=bv, a_batch=ab, p2_pairs=True, ldsm=True),
-                "kda_prefill_fused",
-                [q, k, v, g, beta, meta.cu_seqlens, meta.seq_slots, kda_state, _i32(kda_index)],
-                [7, -1], [s_ty, o_ty])
+            kda_state, o = self._fused_prefill([q, k, v, g, beta], meta, kda_state, kda_index, None)
         elif self.prefill_form == "split":
             kda_state, o = self._split_prefill([q, k, g, beta], v, beta, meta, kda_state, kda_index, None)
         elif self.prefill_form == "two_kernel":
@@ -242,20 +237,26 @@ class KimiDeltaAttention(nn.Module):
         """Steps 2-5 in the fused or split kernels from the raw q, k [T, H, K] (after the short
         conv), v, the gate input f_b(f_a(x)) and the β logits b_proj(x). Returns
         ``(kda_state, o [T, H, K] f32)``."""
-        T, H, K = q.shape[0], self.H, self.K
         f, b = self._gate_input(x), self._beta_logits(x)
         if self.prefill_form == "split":
             return self._split_prefill([q, k, f, b, self.A_log, self.dt_bias], v, b, meta, kda_state,
                                        kda_index, self.lower_bound)
+        return self._fused_prefill([q, k, v, f, b, self.A_log, self.dt_bias], meta, kda_state, kda_index,
+                                   self.lower_bound)
+
+    def _fused_prefill(self, ins, meta, kda_state, kda_index, lower_bound):
+        """Step 5 (with ``lower_bound`` also 2-4) in the fused kernel (``p2_pairs``, ``ldsm``;
+        ``prefill_tiling``): ``ins`` = q, k, v, g, β — or the raw q, k, v, f, b, A_log, dt_bias;
+        the state in place. Returns ``(kda_state, o [T, H, K] f32)``."""
+        T, H, K = ins[0].shape[0], self.H, self.K
         bv, ab = self.prefill_tiling
         return op.tensor_ir_inplace_op(
             kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=bv, a_batch=ab, p2_pairs=True, ldsm=True,
-                                     lower_bound=self.lower_bound),
-            "kda_prefill_fused_pre",
-            [q, k, v, f, b, self.A_log, self.dt_bias, meta.cu_seqlens, meta.seq_slots, kda_state,
-             _i32(kda_index)],
-            [9, -1], [nn.Tensor.placeholder(kda_state.shape, "float32"),
-                      nn.Tensor.placeholder((T, H, K), "float32")])
+                                     lower_bound=lower_bound),
+            "kda_prefill_fused" + ("_pre" if lower_bound is not None else ""),
+            ins + [meta.cu_seqlens, meta.seq_slots, kda_state, _i32(kda_index)],
+            [len(ins) + 2, -1], [nn.Tensor.placeholder(kda_state.shape, "float32"),
+                                 nn.Tensor.placeholder((T, H, K), "float32")])
 
     def _split_prefill(self, intra_in, v, beta, meta, kda_state, kda_index, lower_bound):
         """Step 5 (with ``lower_bound`` also 2-4) in the split form: the intra kernel over all
