@@ -513,32 +513,29 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
     def decay(SM, d):        # phase 5: e^{Γ_last} of column d
         return SM[O_GL + d] if SPL else ex2(gm(SM, C - 1, d))
 
+    def gamma_term(SM, gs, i, tx, c0, end):   # log2(e)·g of row i, column tx (gamma_cumsum)
+        if PRE:
+            return T.Select(c0 + i < end, T.float32(LB * LOG2E) / (T.float32(1) + ex2(
+                T.float32(-LOG2E) * gs[1] * (gm(SM, i, tx) + gs[2]))), T.float32(0))
+        return gm(SM, i, tx) * T.float32(LOG2E)
+
     def vn(SM, j, n):
         return SM[O_X + j * RS + n]
 
     @T.macro
-    def gamma_cumsum(SM, tx):
-        """Γ = log2(e)·cumsum g in place, thread tx < K summing column tx."""
-        run = T.alloc_buffer((1,), "float32", scope="local")
-        if tx < K:
-            run[0] = T.float32(0)
-            for i in T.unroll(C):
-                run[0] = run[0] + gm(SM, i, tx) * T.float32(LOG2E)
-                SM[O_G + i * KS + tx] = run[0]
-
-    @T.macro
-    def gamma_cumsum_gated(SM, tx, c0, end, alog, dt_bias, h):
-        """``gamma_cumsum`` of the gate g = lb·σ(e^{A_log}(f + dt_bias)) (spec §3 step 3) of the
-        staged f, thread tx < K summing column tx; rows at or past ``end`` (token c0 + i) give
-        g = 0. σ(x) = 1 / (1 + 2^{−x·log2 e}) with ``ex2.approx``."""
+    def gamma_cumsum(SM, tx, c0, end, alog, dt_bias, h):
+        """Γ = log2(e)·cumsum g in place, thread tx < K summing column tx. With ``PRE`` the
+        staged rows are f and g is the gate lb·σ(e^{A_log}(f + dt_bias)) (spec §3 step 3;
+        σ(x) = 1 / (1 + 2^{−x·log2 e}) with ``ex2.approx``), 0 for rows at or past ``end``
+        (token c0 + i); ``alog`` / ``dt_bias`` / ``h`` are read only then."""
         gs = T.alloc_buffer((3,), "float32", scope="local")   # running sum, e^{A_log}, dt_bias
         if tx < K:
             gs[0] = T.float32(0)
-            gs[1] = T.exp(alog)
-            gs[2] = dt_bias[h * K + tx]
+            if PRE:
+                gs[1] = T.exp(alog)
+                gs[2] = dt_bias[h * K + tx]
             for i in T.unroll(C):
-                gs[0] = gs[0] + T.Select(c0 + i < end, T.float32(LB * LOG2E) / (T.float32(1) + ex2(
-                    T.float32(-LOG2E) * gs[1] * (gm(SM, i, tx) + gs[2]))), T.float32(0))
+                gs[0] = gs[0] + gamma_term(SM, gs, i, tx, c0, end)
                 SM[O_G + i * KS + tx] = gs[0]
 
     @T.macro
@@ -651,24 +648,25 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                 copy_rows(SM, tx, c0, O_KR, KS, k, K, h, n_tok)
                 copy_rows(SM, tx, c0, O_QR, KS, q, K, h, n_tok)
             copy_rows(SM, tx, c0, O_G, KS, g, K, h, n_tok)
-        for it in T.unroll(0 if EARLY else C * K // 4 // NT):
-            # row (it·NT + tx) // (K/4) of the chunk, clamped into the sequence
-            c0[2] = T.min(c0[0] + (it * NT + tx) // (K // 4), c0[1] - 1)
-            if SYNC:
-                ptx.cp_async16(T.address_of(SM[O_KR + (it * NT + tx) // (K // 4) * KS + tx % (K // 4) * 4]),
-                               T.address_of(k[c0[2], h, tx % (K // 4) * 4]),
-                               c0[0] + (it * NT + tx) // (K // 4) < c0[1])
-                ptx.cp_async16(T.address_of(SM[O_QR + (it * NT + tx) // (K // 4) * KS + tx % (K // 4) * 4]),
-                               T.address_of(q[c0[2], h, tx % (K // 4) * 4]),
-                               c0[0] + (it * NT + tx) // (K // 4) < c0[1])
-                ptx.cp_async16(T.address_of(SM[O_G + (it * NT + tx) // (K // 4) * KS + tx % (K // 4) * 4]),
-                               T.address_of(g[c0[2], h, tx % (K // 4) * 4]),
-                               c0[0] + (it * NT + tx) // (K // 4) < c0[1])
-            else:
-                for u in range(4):
-                    SM[O_KR + (it * NT + tx) // (K // 4) * KS + tx % (K // 4) * 4 + u] = ld(k, c0[0] + (it * NT + tx) // (K // 4), c0[1], n_tok, h, tx % (K // 4) * 4 + u)
-                    SM[O_QR + (it * NT + tx) // (K // 4) * KS + tx % (K // 4) * 4 + u] = ld(q, c0[0] + (it * NT + tx) // (K // 4), c0[1], n_tok, h, tx % (K // 4) * 4 + u)
-                    SM[O_G + (it * NT + tx) // (K // 4) * KS + tx % (K // 4) * 4 + u] = ld(g, c0[0] + (it * NT + tx) // (K // 4), c0[1], n_tok, h, tx % (K // 4) * 4 + u)
+        else:   # k, q, g interleaved row by row
+            for it in T.unroll(C * K // 4 // NT):
+                # row (it·NT + tx) // (K/4) of the chunk, clamped into the sequence
+                c0[2] = T.min(c0[0] + (it * NT + tx) // (K // 4), c0[1] - 1)
+                if SYNC:
+                    ptx.cp_async16(T.address_of(SM[O_KR + (it * NT + tx) // (K // 4) * KS + tx % (K // 4) * 4]),
+                                   T.address_of(k[c0[2], h, tx % (K // 4) * 4]),
+                                   c0[0] + (it * NT + tx) // (K // 4) < c0[1])
+                    ptx.cp_async16(T.address_of(SM[O_QR + (it * NT + tx) // (K // 4) * KS + tx % (K // 4) * 4]),
+                                   T.address_of(q[c0[2], h, tx % (K // 4) * 4]),
+                                   c0[0] + (it * NT + tx) // (K // 4) < c0[1])
+                    ptx.cp_async16(T.address_of(SM[O_G + (it * NT + tx) // (K // 4) * KS + tx % (K // 4) * 4]),
+                                   T.address_of(g[c0[2], h, tx % (K // 4) * 4]),
+                                   c0[0] + (it * NT + tx) // (K // 4) < c0[1])
+                else:
+                    for u in range(4):
+                        SM[O_KR + (it * NT + tx) // (K // 4) * KS + tx % (K // 4) * 4 + u] = ld(k, c0[0] + (it * NT + tx) // (K // 4), c0[1], n_tok, h, tx % (K // 4) * 4 + u)
+                        SM[O_QR + (it * NT + tx) // (K // 4) * KS + tx % (K // 4) * 4 + u] = ld(q, c0[0] + (it * NT + tx) // (K // 4), c0[1], n_tok, h, tx % (K // 4) * 4 + u)
+                        SM[O_G + (it * NT + tx) // (K // 4) * KS + tx % (K // 4) * 4 + u] = ld(g, c0[0] + (it * NT + tx) // (K // 4), c0[1], n_tok, h, tx % (K // 4) * 4 + u)
         if stage == "state":
             copy_rows(SM, tx, c0, O_LA, LS, la_g, C, h, n_tok)
             copy_rows(SM, tx, c0, O_D, DS, dinv_g, SUB, h, n_tok)
@@ -697,15 +695,14 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
             T.tvm_storage_sync("shared")
         if PRE:
             for tx in THR(NT):
-                gamma_cumsum_gated(SM, tx, c0s, end,
-                                   A_log[h], dt_bias, h)
+                gamma_cumsum(SM, tx, c0s, end, A_log[h], dt_bias, h)
                 row_norms(SM, tx, 0)
             if not SYNC:   # emulated: the norms of every row first, then the scaling
                 for tx in THR(NT):
                     row_norms(SM, tx, 1)
         else:
             for tx in THR(NT):
-                gamma_cumsum(SM, tx)
+                gamma_cumsum(SM, tx, c0s, end, None, None, h)
 
     @T.macro
     def phase2(SM):
