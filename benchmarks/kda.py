@@ -122,8 +122,10 @@ def build_prefill(out_dir: Path, baseline: bool = True, all_tc: bool = True) -> 
     (``kda_prefill_h{H}_bv{BV}.so``, unless ``baseline`` is false), the tensor-core pair per
     (block_v, a_batch) (``kda_prefill_tc_h{H}_bv{BV}_ab{AB}.so``: ``kda_prefill_intra_tc``, the
     same with ``hoist_loads`` ``kda_prefill_intra_tc_hoist``, ``kda_prefill_state_tc``; every
-    variant of ``PREFILL_TC``, or only the model's with ``all_tc`` false) and the fused kernel
-    per entry of ``PREFILL_FUSED`` (``kda_prefill_{name}_h{H}_bv{BV}_ab{AB}.so``)."""
+    variant of ``PREFILL_TC``, or only the model's with ``all_tc`` false), the fused kernel
+    per entry of ``PREFILL_FUSED`` (``kda_prefill_{name}_h{H}_bv{BV}_ab{AB}.so``) and the split
+    form's pair per entry of ``PREFILL_SPLIT`` (``kda_prefill_split_intra``,
+    ``kda_prefill_split_state``)."""
     import tvm
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -140,47 +142,35 @@ def build_prefill(out_dir: Path, baseline: bool = True, all_tc: bool = True) -> 
 
     spec = get_target("cuda-sm90a")
     out_dir.mkdir(parents=True, exist_ok=True)
+
+    def export(funcs: dict, name: str, options=PREFILL_NVCC_OPTIONS) -> None:
+        """One library ``out_dir / name`` of ``funcs`` (symbol → PrimFunc), device code by nvcc."""
+        mod = tvm.IRModule({n: f.with_attr("global_symbol", n) for n, f in funcs.items()})
+        with precompiled_cuda(spec.nvcc_arch, options=options), respect_manual_barriers():
+            lib = tvm.compile(mod, target=spec.tvm_target())
+        lib.export_library(str(out_dir / name))
+        print(f"built {out_dir / name}")
+
     for h in HEADS:
         for bv in PREFILL_BV if baseline else ():
-            fi = kda_prefill_intra_kernel(h, K, V, K ** -0.5).with_attr("global_symbol", "kda_prefill_intra")
-            fs = kda_prefill_state_kernel(h, K, V, bv).with_attr("global_symbol", "kda_prefill_state")
-            with precompiled_cuda(spec.nvcc_arch), respect_manual_barriers():
-                lib = tvm.compile(tvm.IRModule({"kda_prefill_intra": fi, "kda_prefill_state": fs}),
-                                  target=spec.tvm_target())
-            path = out_dir / f"kda_prefill_h{h}_bv{bv}.so"
-            lib.export_library(str(path))
-            print(f"built {path}")
+            export({"kda_prefill_intra": kda_prefill_intra_kernel(h, K, V, K ** -0.5),
+                    "kda_prefill_state": kda_prefill_state_kernel(h, K, V, bv)},
+                   f"kda_prefill_h{h}_bv{bv}.so", options=())
         for name, bv, ab, opts in PREFILL_FUSED:
-            f = kda_prefill_fused_kernel(h, K, V, K ** -0.5, block_v=bv, a_batch=ab, **opts)
-            with precompiled_cuda(spec.nvcc_arch, options=PREFILL_NVCC_OPTIONS), respect_manual_barriers():
-                lib = tvm.compile(tvm.IRModule({"kda_prefill_fused": f.with_attr("global_symbol", "kda_prefill_fused")}),
-                                  target=spec.tvm_target())
-            path = out_dir / f"kda_prefill_{name}_h{h}_bv{bv}_ab{ab}.so"
-            lib.export_library(str(path))
-            print(f"built {path}")
+            export({"kda_prefill_fused": kda_prefill_fused_kernel(h, K, V, K ** -0.5, block_v=bv, a_batch=ab, **opts)},
+                   f"kda_prefill_{name}_h{h}_bv{bv}_ab{ab}.so")
         for name, bv, ab, opts in PREFILL_SPLIT:
-            fi = kda_prefill_split_intra_kernel(h, K, K ** -0.5, lower_bound=opts.get("lower_bound"))
-            fs = (kda_prefill_split_state_kernel(h, K, V, K ** -0.5, **opts) if bv is None else
-                  kda_prefill_fused_kernel(h, K, V, K ** -0.5, block_v=bv, a_batch=ab, split=True, **opts))
-            with precompiled_cuda(spec.nvcc_arch, options=PREFILL_NVCC_OPTIONS), respect_manual_barriers():
-                lib = tvm.compile(tvm.IRModule({"kda_prefill_split_intra": fi.with_attr("global_symbol", "kda_prefill_split_intra"),
-                                                "kda_prefill_split_state": fs.with_attr("global_symbol", "kda_prefill_split_state")}),
-                                  target=spec.tvm_target())
-            path = out_dir / f"kda_prefill_{_split_name(name, bv, ab)}_h{h}.so"
-            lib.export_library(str(path))
-            print(f"built {path}")
+            export({"kda_prefill_split_intra": kda_prefill_split_intra_kernel(h, K, K ** -0.5,
+                                                                              lower_bound=opts.get("lower_bound")),
+                    "kda_prefill_split_state": (
+                        kda_prefill_split_state_kernel(h, K, V, K ** -0.5, **opts) if bv is None else
+                        kda_prefill_fused_kernel(h, K, V, K ** -0.5, block_v=bv, a_batch=ab, split=True, **opts))},
+                   f"kda_prefill_{_split_name(name, bv, ab)}_h{h}.so")
         for bv, ab in PREFILL_TC if all_tc else PREFILL_TC_MODEL[h]:
-            fi = kda_prefill_intra_tc_kernel(h, K, V, K ** -0.5).with_attr("global_symbol", "kda_prefill_intra_tc")
-            fh = kda_prefill_intra_tc_kernel(h, K, V, K ** -0.5, hoist_loads=True).with_attr(
-                "global_symbol", "kda_prefill_intra_tc_hoist")
-            fs = kda_prefill_state_tc_kernel(h, K, V, bv, ab).with_attr("global_symbol", "kda_prefill_state_tc")
-            with precompiled_cuda(spec.nvcc_arch, options=PREFILL_NVCC_OPTIONS), respect_manual_barriers():
-                lib = tvm.compile(tvm.IRModule({"kda_prefill_intra_tc": fi, "kda_prefill_intra_tc_hoist": fh,
-                                                "kda_prefill_state_tc": fs}), target=spec.tvm_target())
-            path = out_dir / f"kda_prefill_tc_h{h}_bv{bv}_ab{ab}.so"
-            lib.export_library(str(path))
-            print(f"built {path}")
-
+            export({"kda_prefill_intra_tc": kda_prefill_intra_tc_kernel(h, K, V, K ** -0.5),
+                    "kda_prefill_intra_tc_hoist": kda_prefill_intra_tc_kernel(h, K, V, K ** -0.5, hoist_loads=True),
+                    "kda_prefill_state_tc": kda_prefill_state_tc_kernel(h, K, V, bv, ab)},
+                   f"kda_prefill_tc_h{h}_bv{bv}_ab{ab}.so")
 
 def run(lib_dir: Path) -> dict:
     """Decode: every tiling of the fused kernel checked against fla's naive recurrence and
