@@ -35,6 +35,16 @@ def _llvm(f):
     return tvm.compile(tvm.IRModule({"f": f.with_attr("global_symbol", "f")}), target="llvm")
 
 
+def _split_scratch(Tn, B, H, K=128):
+    """The split form's scratch in the intra kernel's output order — ka, qa, kd [Tn, H, K], gl
+    [Tn // 64 + B, H, K], la [Tn, H, 64], dinv [Tn, H, 16] — NaN-filled (rows nothing writes
+    stay NaN)."""
+    import tvm
+
+    return tuple(tvm.runtime.tensor(np.full(shape, np.nan, np.float32)) for shape in
+                 ((Tn, H, K), (Tn, H, K), (Tn, H, K), (Tn // 64 + B, H, K), (Tn, H, 64), (Tn, H, 16)))
+
+
 def _check_outputs(o, pool, o_ref, ref_pool, slots):
     """o and the state pool against the reference; the slot of no sequence and the other layer
     untouched."""
@@ -90,16 +100,13 @@ def test_emulated_split_form_matches_reference(block_v, lens, initial_state, pre
         pool[:] = 0
     ref_pool = pool.copy()
     o_ref = kda_prefill_reference(q, k, v, g, beta, cu, slots, ref_pool, 1, K ** -0.5)
-    build = _llvm
     lb = -5.0 if preprocess else None
-    intra = build(kda_prefill_split_intra_kernel(H, K, K ** -0.5, lower_bound=lb, emulate=True))
-    state = build(kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=block_v, a_batch=8, split=True,
+    intra = _llvm(kda_prefill_split_intra_kernel(H, K, K ** -0.5, lower_bound=lb, emulate=True))
+    state = _llvm(kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=block_v, a_batch=8, split=True,
                                            lower_bound=lb, emulate=True))
     A = tvm.runtime.tensor
-    Tn, B = q.shape[0], len(lens)
-    nch = Tn // 64 + B
-    ka, qa, kd, la, dinv = (A(np.full((Tn, H, n), np.nan, np.float32)) for n in (K, K, K, 64, 16))
-    gl = A(np.full((nch, H, K), np.nan, np.float32))
+    B = len(lens)
+    ka, qa, kd, gl, la, dinv = _split_scratch(q.shape[0], B, H)
     if preprocess:
         ins = [A(raw[n]) for n in ("q", "k", "f", "b", "A_log", "dt_bias")]
     else:
@@ -144,13 +151,10 @@ def test_emulated_split_state_kernel_with_runtime_block_v_matches_reference(lens
     q, k, v, g, beta, cu, slots, pool = _inputs(lens, H, seed=len(lens))
     ref_pool = pool.copy()
     o_ref = kda_prefill_reference(q, k, v, g, beta, cu, slots, ref_pool, 1, K ** -0.5)
-    build = _llvm
-    intra = build(kda_prefill_split_intra_kernel(H, K, K ** -0.5, emulate=True))
-    state = build(kda_prefill_split_state_kernel(H, K, K, K ** -0.5, early_kq=early_kq, emulate=True))
+    intra = _llvm(kda_prefill_split_intra_kernel(H, K, K ** -0.5, emulate=True))
+    state = _llvm(kda_prefill_split_state_kernel(H, K, K, K ** -0.5, early_kq=early_kq, emulate=True))
     A = tvm.runtime.tensor
-    Tn, B = q.shape[0], len(lens)
-    ka, qa, kd, la, dinv = (A(np.full((Tn, H, n), np.nan, np.float32)) for n in (K, K, K, 64, 16))
-    gl = A(np.full((Tn // 64 + B, H, K), np.nan, np.float32))
+    ka, qa, kd, gl, la, dinv = _split_scratch(q.shape[0], len(lens), H)
     intra["f"](A(q), A(k), A(g), A(beta), A(cu), ka, qa, kd, gl, la, dinv)
     pt, o = A(pool), A(np.full(v.shape, np.nan, np.float32))
     state["f"](ka, qa, kd, A(v), gl, la, dinv, A(beta), A(cu), A(slots), pt, 1, o)
