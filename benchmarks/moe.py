@@ -88,13 +88,14 @@ def _compile(fs: dict, path: Path, options=PTXAS_REGISTER_LEVEL) -> None:
     print(f"built {path}")
 
 
-def build(out_dir: Path) -> None:
-    """The decode libraries of :data:`DECODE_VARIANTS` and the prefill libraries."""
+def build(out_dir: Path, decode: bool = True) -> None:
+    """The decode libraries of :data:`DECODE_VARIANTS` (unless ``decode`` is False), the
+    repack kernel and the prefill libraries."""
     from schedules import moe_mxfp4_cuda as mc
     from schedules import moe_mxfp4_decode_tc as dt
     from schedules import mxfp4_tc_layout as tcl
 
-    for name, (kind, gu_kw, d_kw) in DECODE_VARIANTS.items():
+    for name, (kind, gu_kw, d_kw) in (DECODE_VARIANTS.items() if decode else ()):
         if kind == "tensor_cores":
             gu = dt.moe_mxfp4_gate_up_tc_kernel(E, L, I, TOPK, BETA, BETA_LIN, **gu_kw)
             down = dt.moe_mxfp4_down_tc_kernel(E, L, I, TOPK, **d_kw)
@@ -115,8 +116,11 @@ PREFILL_FUNCS = ("moe_sort", "moe_grouped_gate_up", "moe_grouped_down")
 # stages 2 / 4 and warps_m 4 were slower, moe_prefill_variants_h200_2026-11-29.json)
 PREFILL_VARIANTS = {}
 # name -> (gate_up kwargs, down kwargs)
-WGMMA_VARIANTS = {"s3": ({"stages": 3}, {"stages": 3}), "n128": ({"short_tiles": False}, {"short_tiles": False}),
-                  "staged_gu": ({"staged": True}, {})}
+# (stages 3 and short_tiles=False were slower: moe_prefill_wgmma_final_h200_2026-11-30.json)
+WGMMA_VARIANTS = {"staged_gu": ({"staged": True}, {}),
+                  "r256": ({"rows": 256}, {"rows": 256}),
+                  "r256_s5": ({"rows": 256, "stages": 5}, {"rows": 256, "stages": 5}),
+                  "r256_staged_gu": ({"rows": 256, "staged": True}, {"rows": 256})}
 WGMMA = "wgmma"  # prefill libraries whose name holds this read z and a_sorted in the permuted k order
 SMALL = (3, 512, 512, 2)  # E, L, I, top_k of tests/gpu/check_moe_dispatch.py's model
 
@@ -456,6 +460,11 @@ def run_prefill(lib_dir: Path, W, Wb, tw, g, repack) -> dict:
     if wg_path.exists():
         wl = tvm.runtime.load_module(str(wg_path))
         flavors[WGMMA] = (tuple(wl[n] for n in PREFILL_FUNCS), True)
+    for name in WGMMA_VARIANTS:  # every wgmma variant through the same checks
+        vp = lib_dir / f"moe_prefill_{WGMMA}_{name}.so"
+        if vp.exists():
+            vl = tvm.runtime.load_module(str(vp))
+            flavors[f"{WGMMA}_{name}"] = (tuple(vl[n] for n in PREFILL_FUNCS), True)
     dev = torch.device("cuda")
     res = {"check": [], "timing": []}
     if (lib_dir / "moe_prefill_small.so").exists():
@@ -674,6 +683,7 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build")
     b.add_argument("out_dir", type=Path)
+    b.add_argument("--prefill-only", action="store_true", help="skip the decode kernels")
     r = sub.add_parser("run")
     r.add_argument("lib_dir", type=Path)
     r.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -681,7 +691,7 @@ def main(argv=None) -> int:
     r.add_argument("--decode-only", action="store_true", help="skip the prefill kernels")
     args = ap.parse_args(argv)
     if args.cmd == "build":
-        build(args.out_dir)
+        build(args.out_dir, decode=not args.prefill_only)
         return 0
     import torch
 

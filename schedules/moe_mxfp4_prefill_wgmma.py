@@ -56,7 +56,6 @@ from schedules.mxfp4_ptx import commit, cp_async16, dequant8, factor_bf16x2, wai
 from schedules.wgmma_ptx import (fence_proxy_async, smem_address, sw128_desc, swizzle128_word,
                                  wgmma_bf16_rs, wgmma_commit, wgmma_fence, wgmma_wait)
 
-NT = 256          # threads per block: two warpgroups
 STAGES = 4        # shared-memory stages: loads run STAGES - 2 K steps ahead, one step of wgmmas in flight
 TOK_WORDS = BM * 32   # uint32 words of one stage's token tile (BM rows of 128 bytes)
 SM_SMEM = 228 * 1024  # shared memory per SM (sm_90), of which 1 KiB per block is reserved
@@ -84,21 +83,28 @@ def permute_inputs_reference(x: np.ndarray) -> np.ndarray:
 
 def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
                    beta_lin: float | None = None, out_dtype: str = "bfloat16", stages: int = STAGES,
-                   short_tiles: bool = True, staged: bool = False):
+                   short_tiles: bool = True, staged: bool = False, rows: int = BN):
     """Builder of both kernels; arguments as :func:`schedules.moe_mxfp4_prefill_cuda.
     _grouped_gemm`, with the activations (gate_up's ``z``, down's ``a_sorted``) and gate_up's
     output in the permuted k order. ``short_tiles``: tiles of at most 64 (32) rows use a
     wgmma of N = 64 (32) instead of 128; ``staged`` (gate_up): the outputs go through shared
     memory and leave in 16-byte stores of whole rows, instead of 2-byte stores straight from the
-    registers (correct on the H200; its speed alone not yet measured, see docs/DESIGN.md)."""
+    registers (correct on the H200; its speed alone not yet measured, see docs/DESIGN.md);
+    ``rows``: weight rows per block, 128 (two warpgroups, two blocks per SM) or 256 (four
+    warpgroups, one block per SM: each token byte staged serves twice the weight rows, the
+    L2-to-SM traffic per flop falls from 1/105 to 1/175 bytes)."""
     K = top_k
     NS = stages
     if NS < 3:
         raise ValueError(f"stages must be at least 3, got {NS}")
     gate_up = kind == "gate_up"
+    if rows not in (128, 256):
+        raise ValueError(f"rows (weight rows per block) must be 128 or 256, got {rows}")
+    BW = rows                    # weight rows per block: one warpgroup per 64
+    NT = 2 * BW                  # threads per block
     if KD % 128:
         raise ValueError(f"input width {KD} must be a multiple of 128")
-    cols = BN // 2 if gate_up else BN
+    cols = BW // 2 if gate_up else BW
     if N % cols:
         raise ValueError(f"output width {N} must be a multiple of {cols}")
     NTN = N // cols
@@ -108,12 +114,14 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
     RW = KD // 8
     if E * N * RW >= 2 ** 31:
         raise ValueError("weights too large for int32 word indexing")
-    SM_WORDS = 256 + NS * TOK_WORDS + NS * BN * B_ROW_WORDS  # + up to 1 KiB to align the token tiles
-    smem = SM_WORDS * 4 + BN * KGW * 4 + BM * 4
+    SM_WORDS = 256 + NS * TOK_WORDS + NS * BW * B_ROW_WORDS  # + up to 1 KiB to align the token tiles
+    smem = SM_WORDS * 4 + BW * KGW * 4 + BM * 4
     if smem > SMEM_LIMIT:
         raise ValueError(f"input width {KD} needs {smem} bytes of shared memory per block (limit {SMEM_LIMIT})")
-    # the SiTU exchange (gate_up's epilogue) reuses the token stages: 64 words per thread of
-    # warpgroup 1 fit in NS >= 3 stages
+    # the SiTU exchange (gate_up's epilogue) reuses the token stages: ND words per thread of
+    # the W3 warpgroups (BW = 128: 32 KiB in NS >= 3 stages; BW = 256: 64 KiB, NS >= 4)
+    if gate_up and (BM // 2) * (NT // 2) > NS * TOK_WORDS:
+        raise ValueError(f"the SiTU exchange of {rows} rows per block needs at least {rows // 64} stages")
     # two blocks per SM where their shared memory fits (K3: 104 KiB each), else one
     MINB = 2 if 2 * (smem + 1024) <= SM_SMEM else 1
     CODES = NS * TOK_WORDS       # word offset (from the aligned base) of the code stages
@@ -121,7 +129,8 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
     # bytes) in the code stages, no longer in use (the SiTU exchange holds the token stages)
     OUT_ROW = cols + 8           # bf16 per row
     OUT_TILE = CODES
-    if staged and (not gate_up or BM * OUT_ROW // 2 > NS * BN * B_ROW_WORDS or out_dtype != "bfloat16"):
+    CPR = cols // 8              # 16-byte chunks per output row
+    if staged and (not gate_up or BM * OUT_ROW // 2 > NS * BW * B_ROW_WORDS or out_dtype != "bfloat16"):
         raise ValueError("the staged epilogue is gate_up's, with bf16 outputs and at least 3 stages")
     A_CH = BM * (BK // 8) // NT  # 16-byte token chunks per thread per step
     ND = BM // 2                 # fp32 accumulators per thread (64 rows × BM tokens / 128)
@@ -139,11 +148,11 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
             T.evaluate(cp_async16(
                 T.address_of(sm[pre[0] + step % NS * TOK_WORDS + c * (NT // 8) * 32]),
                 T.address_of(xf[T.Cast("int64", tsrc[c]) * KD + (step * BK + tx % 8 * 8)]), (pre[1] >> c) & 1))
-        if gate_up and tx // 2 >= 64:
-            T.evaluate(cp_async16(T.address_of(sm[pre[3] + step % NS * BN * B_ROW_WORDS]),
+        if gate_up and tx // 2 >= BW // 2:
+            T.evaluate(cp_async16(T.address_of(sm[pre[3] + step % NS * BW * B_ROW_WORDS]),
                                   T.address_of(wq1[pre[2] + step * (BK // 8)]), 1))
         else:
-            T.evaluate(cp_async16(T.address_of(sm[pre[3] + step % NS * BN * B_ROW_WORDS]),
+            T.evaluate(cp_async16(T.address_of(sm[pre[3] + step % NS * BW * B_ROW_WORDS]),
                                   T.address_of(wq0[pre[2] + step * (BK // 8)]), 1))
 
     @T.macro
@@ -179,7 +188,7 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
             for h in T.unroll(2):
                 T.evaluate(dequant8(
                     T.address_of(bf[buf * 16 + (hk * 2 + h) * 4]),
-                    sm[al[0] + CODES + (ks % NS * BN + tx // 32 * 16 + tx % 32 // 4 + h * 8) * B_ROW_WORDS
+                    sm[al[0] + CODES + (ks % NS * BW + tx // 32 * 16 + tx % 32 // 4 + h * 8) * B_ROW_WORDS
                        + hk * 4 + tx % 4],
                     factor_bf16x2(sc_s[(tx // 32 * 16 + tx % 32 // 4 + h * 8) * KGW + ks // 2], buf * 2 + hk)))
         T.evaluate(wgmma_fence())
@@ -225,7 +234,7 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
                 with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", MINB):
                     sm = T.alloc_buffer((SM_WORDS,), "uint32", scope="shared.dyn")
                     smb = T.decl_buffer((SM_WORDS * 2,), "bfloat16", data=sm.data, scope="shared.dyn")
-                    sc_s = T.alloc_buffer((BN * KGW,), "uint32", scope="shared.dyn")  # E8M0 bytes, whole K
+                    sc_s = T.alloc_buffer((BW * KGW,), "uint32", scope="shared.dyn")  # E8M0 bytes, whole K
                     row_s = T.alloc_buffer((BM,), "int32", scope="shared.dyn")  # the row of x, or -1
                     al = T.alloc_buffer((1,), "int32", scope="local")   # words to the 1024-byte-aligned base
                     acc = T.alloc_buffer((ND,), "float32", scope="local")
@@ -251,10 +260,10 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
                                 row_s[tx] = T.if_then_else(
                                     tiles[blk // NTN, 1] + tx < tiles[blk // NTN, 2],
                                     tiles[blk // NTN, 1] + tx, -1)
-                        for it in range((BN * KGW + NT - 1) // NT):
-                            if it * NT + tx < BN * KGW:
+                        for it in range((BW * KGW + NT - 1) // NT):
+                            if it * NT + tx < BW * KGW:
                                 sc_s[it * NT + tx] = block_scale_word(gate_up, sq0, sq1, tiles, blk, it * NT + tx,
-                                                                      N, NTN, KGW)
+                                                                      N, NTN, KGW, BW)
                         T.tvm_storage_sync("shared.dyn")
                         # ---- K loop (NK is even: KD % 128 == 0)
                         # per-thread copy addresses, fixed for the whole K loop
@@ -265,10 +274,10 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
                             tsrc[c] = T.max(ok[0], 0)
                             pre[1] = pre[1] | T.Cast("int32", ok[0] >= 0) << c
                         if gate_up:
-                            pre[2] = (tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * 64 + tx // 2 % 64) * RW \
+                            pre[2] = (tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * cols + tx // 2 % cols) * RW \
                                 + tx % 2 * 4
                         else:
-                            pre[2] = (tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * BN + tx // 2) * RW + tx % 2 * 4
+                            pre[2] = (tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * BW + tx // 2) * RW + tx % 2 * 4
                         pre[3] = al[0] + CODES + tx // 2 * B_ROW_WORDS + tx % 2 * 4
                         desc[0] = sw128_desc(smem_address(T.address_of(sm[al[0]])))
                         for st in T.unroll(NS - 2):
@@ -290,13 +299,13 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
                         # ---- epilogue: acc[4j + c] = weight row 16w + g + 8(c // 2) of the warpgroup's 64,
                         # token 8j + 2q + c % 2 of the tile
                         if gate_up:
-                            # warpgroup 1 (W3 rows) hands its rounded sums to warpgroup 0 (W1 rows)
-                            if tx >= 128:
+                            # the W3 warpgroups hand their rounded sums to the W1 ones (thread tx - NT/2)
+                            if tx >= NT // 2:
                                 for i in T.unroll(ND):
-                                    sm[al[0] + i * 128 + tx - 128] = T.reinterpret(
+                                    sm[al[0] + i * (NT // 2) + tx - NT // 2] = T.reinterpret(
                                         "uint32", T.Cast("float32", T.Cast("bfloat16", acc[i])))
                             T.tvm_storage_sync("shared.dyn")
-                            if tx < 128:
+                            if tx < NT // 2:
                                 for i in T.unroll(ND):
                                     if staged:
                                         # the tile's [token][column] bf16 in shared memory, columns permuted
@@ -304,32 +313,32 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
                                             + permuted_position(tx // 32 * 16 + tx % 32 // 4 + i % 4 // 2 * 8)] = \
                                             T.Cast(out_dtype, situ_expr(
                                                 T.Cast("float32", T.Cast("bfloat16", acc[i])),
-                                                T.reinterpret("float32", sm[al[0] + i * 128 + tx]), B, BL, use_bl))
+                                                T.reinterpret("float32", sm[al[0] + i * (NT // 2) + tx]), B, BL, use_bl))
                                     else:
                                         ok[0] = row_s[i // 4 * 8 + tx % 4 * 2 + i % 2]
                                         if ok[0] >= 0:
                                             y[tiles[blk // NTN, 1] + i // 4 * 8 + tx % 4 * 2 + i % 2,
-                                              permuted_position(T.Cast("int32", blk % NTN) * 64 + tx // 32 * 16
+                                              permuted_position(T.Cast("int32", blk % NTN) * cols + tx // 32 * 16
                                                                 + tx % 32 // 4 + i % 4 // 2 * 8)] = T.Cast(out_dtype, situ_expr(
                                                   T.Cast("float32", T.Cast("bfloat16", acc[i])),
-                                                  T.reinterpret("float32", sm[al[0] + i * 128 + tx]), B, BL, use_bl))
+                                                  T.reinterpret("float32", sm[al[0] + i * (NT // 2) + tx]), B, BL, use_bl))
                             if staged:
                                 T.tvm_storage_sync("shared.dyn")
-                                # 16-byte stores: row r's 64 columns are 128 contiguous bytes of a_sorted
-                                for it in T.unroll(BM * 8 // NT):
-                                    ok[0] = row_s[(it * NT + tx) // 8]
+                                # 16-byte stores: row r's cols columns are contiguous bytes of a_sorted
+                                for it in T.unroll(BM * CPR // NT):
+                                    ok[0] = row_s[(it * NT + tx) // CPR]
                                     if ok[0] >= 0:
                                         for v in T.vectorized(4):
-                                            yq[((T.Cast("int64", tiles[blk // NTN, 1]) + (it * NT + tx) // 8) * N
-                                                + T.Cast("int32", blk % NTN) * 64 + (it * NT + tx) % 8 * 8) // 2 + v] = \
-                                                sm[al[0] + OUT_TILE + ((it * NT + tx) // 8 * OUT_ROW + (it * NT + tx) % 8 * 8) // 2 + v]
+                                            yq[((T.Cast("int64", tiles[blk // NTN, 1]) + (it * NT + tx) // CPR) * N
+                                                + T.Cast("int32", blk % NTN) * cols + (it * NT + tx) % CPR * 8) // 2 + v] = \
+                                                sm[al[0] + OUT_TILE + ((it * NT + tx) // CPR * OUT_ROW + (it * NT + tx) % CPR * 8) // 2 + v]
                         else:
                             for i in T.unroll(ND):
                                 ok[0] = row_s[i // 4 * 8 + tx % 4 * 2 + i % 2]
                                 if ok[0] >= 0:
                                     y[sorted_pair[tiles[blk // NTN, 1] + i // 4 * 8 + tx % 4 * 2 + i % 2] // K,
                                       sorted_pair[tiles[blk // NTN, 1] + i // 4 * 8 + tx % 4 * 2 + i % 2] % K,
-                                      T.Cast("int32", blk % NTN) * BN + tx // 32 * 16 + tx % 32 // 4
+                                      T.Cast("int32", blk % NTN) * BW + tx // 32 * 16 + tx % 32 // 4
                                       + i % 4 // 2 * 8] = T.Cast(out_dtype, acc[i])
 
     # barriers placed by hand: compile inside schedules.barriers.respect_manual_barriers()
@@ -339,7 +348,8 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def moe_grouped_gate_up_wgmma_kernel(num_experts: int, latent: int, inter: int, top_k: int,
                                      beta: float, beta_lin: float | None, out_dtype: str = "bfloat16",
-                                     stages: int = STAGES, short_tiles: bool = True, staged: bool = False):
+                                     stages: int = STAGES, short_tiles: bool = True, staged: bool = False,
+                                     rows: int = BN):
     """Grouped MXFP4 GEMM for W1/W3 with SiTU fused, on wgmma (cuda-sm90a). Arguments as
     :func:`schedules.moe_mxfp4_prefill_cuda.moe_grouped_gate_up_kernel`, except: ``z [T, L]``
     in the permuted k order, ``a_sorted [T·k, I]`` written in the permuted k order.
@@ -349,13 +359,13 @@ def moe_grouped_gate_up_wgmma_kernel(num_experts: int, latent: int, inter: int, 
             memory over the limit (the scale table grows with L).
     """
     return _grouped_wgmma("gate_up", num_experts, inter, latent, top_k, beta, beta_lin, out_dtype, stages,
-                          short_tiles, staged)
+                          short_tiles, staged, rows)
 
 
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def moe_grouped_down_wgmma_kernel(num_experts: int, latent: int, inter: int, top_k: int,
                                   out_dtype: str = "bfloat16", stages: int = STAGES,
-                                  short_tiles: bool = True):
+                                  short_tiles: bool = True, rows: int = BN):
     """Grouped MXFP4 GEMM for W2 on wgmma (cuda-sm90a). Arguments as :func:`schedules.
     moe_mxfp4_prefill_cuda.moe_grouped_down_kernel`, with ``a_sorted`` in the permuted k order.
 
@@ -364,4 +374,4 @@ def moe_grouped_down_wgmma_kernel(num_experts: int, latent: int, inter: int, top
             memory over the limit.
     """
     return _grouped_wgmma("down", num_experts, latent, inter, top_k, out_dtype=out_dtype, stages=stages,
-                          short_tiles=short_tiles)
+                          short_tiles=short_tiles, rows=rows)
