@@ -117,10 +117,11 @@ PREFILL_FUNCS = ("moe_sort", "moe_grouped_gate_up", "moe_grouped_down")
 PREFILL_VARIANTS = {}
 # name -> (gate_up kwargs, down kwargs)
 # (stages 3 and short_tiles=False were slower: moe_prefill_wgmma_final_h200_2026-11-30.json)
-WGMMA_VARIANTS = {"staged_gu": ({"staged": True}, {}),
-                  "r256": ({"rows": 256}, {"rows": 256}),
-                  "r256_s5": ({"rows": 256, "stages": 5}, {"rows": 256, "stages": 5}),
-                  "r256_staged_gu": ({"rows": 256, "staged": True}, {"rows": 256})}
+# (rows=256 and the staged gate_up epilogue were slower: moe_prefill_r256_h200_2026-11-30.json);
+# tile_rows=256 needs the sort's tile table with bm=256 (built into the same library)
+WGMMA_VARIANTS = {"t256": ({"tile_rows": 256}, {"tile_rows": 256}),
+                  "t256_s5": ({"tile_rows": 256, "stages": 5}, {"tile_rows": 256, "stages": 5}),
+                  "t256_s3": ({"tile_rows": 256, "stages": 3}, {"tile_rows": 256, "stages": 3})}
 WGMMA = "wgmma"  # prefill libraries whose name holds this read z and a_sorted in the permuted k order
 SMALL = (3, 512, 512, 2)  # E, L, I, top_k of tests/gpu/check_moe_dispatch.py's model
 
@@ -145,7 +146,7 @@ def build_prefill(out_dir: Path) -> None:
               "moe_grouped_down": mw.moe_grouped_down_wgmma_kernel(E, L, I, TOPK)},
              out_dir / f"moe_prefill_{WGMMA}.so")
     for name, (gu_kw, d_kw) in WGMMA_VARIANTS.items():
-        _compile({"moe_sort": mp.moe_sort_kernel(E, TOPK),
+        _compile({"moe_sort": mp.moe_sort_kernel(E, TOPK, gu_kw.get("tile_rows", mp.BM)),
                   "moe_grouped_gate_up": mw.moe_grouped_gate_up_wgmma_kernel(E, L, I, TOPK, BETA, BETA_LIN, **gu_kw),
                   "moe_grouped_down": mw.moe_grouped_down_wgmma_kernel(E, L, I, TOPK, **d_kw)},
                  out_dir / f"moe_prefill_{WGMMA}_{name}.so")
@@ -451,20 +452,21 @@ def run_prefill(lib_dir: Path, W, Wb, tw, g, repack) -> dict:
     import torch
     import tvm
 
-    from schedules.moe_plan import max_tiles, moe_prefill_plan_reference
+    from schedules.moe_plan import BM, max_tiles, moe_prefill_plan_reference
 
     lib = tvm.runtime.load_module(str(lib_dir / "moe_prefill.so"))
     f_sort0, f_gu0, f_down0 = (lib[n] for n in PREFILL_FUNCS)
     wg_path = lib_dir / f"moe_prefill_{WGMMA}.so"
-    flavors = {"mma_sync": (None, False)}
+    flavors = {"mma_sync": (None, False, BM)}  # name -> (functions, permuted k order, tile rows)
     if wg_path.exists():
         wl = tvm.runtime.load_module(str(wg_path))
-        flavors[WGMMA] = (tuple(wl[n] for n in PREFILL_FUNCS), True)
+        flavors[WGMMA] = (tuple(wl[n] for n in PREFILL_FUNCS), True, BM)
     for name in WGMMA_VARIANTS:  # every wgmma variant through the same checks
         vp = lib_dir / f"moe_prefill_{WGMMA}_{name}.so"
         if vp.exists():
             vl = tvm.runtime.load_module(str(vp))
-            flavors[f"{WGMMA}_{name}"] = (tuple(vl[n] for n in PREFILL_FUNCS), True)
+            flavors[f"{WGMMA}_{name}"] = (tuple(vl[n] for n in PREFILL_FUNCS), True,
+                                          WGMMA_VARIANTS[name][0].get("tile_rows", BM))
     dev = torch.device("cuda")
     res = {"check": [], "timing": []}
     if (lib_dir / "moe_prefill_small.so").exists():
@@ -518,7 +520,7 @@ def run_prefill(lib_dir: Path, W, Wb, tw, g, repack) -> dict:
         return bufs, route, gemms
 
     inputs = {}
-    for (T, kind), (flavor, (fns, permuted)) in itertools.product(PREFILL_CHECK, flavors.items()):
+    for (T, kind), (flavor, (fns, permuted, bm)) in itertools.product(PREFILL_CHECK, flavors.items()):
         # the same routing and tokens for both kernel families
         if (T, kind) not in inputs:
             inputs[T, kind] = (routing(T, kind), torch.randn(T, L, device=dev, generator=g).to(torch.bfloat16), {})
@@ -527,7 +529,7 @@ def run_prefill(lib_dir: Path, W, Wb, tw, g, repack) -> dict:
         route()
         gemms()
         torch.cuda.synchronize()
-        counts, _, tiles, order = moe_prefill_plan_reference(ids.cpu().numpy(), E)
+        counts, _, tiles, order = moe_prefill_plan_reference(ids.cpu().numpy(), E, bm)
         nt = int(bufs["num_tiles"][0])
         plan_ok = (bool((bufs["counts"].cpu().numpy() == counts).all())
                    and nt == len(tiles) and bool((bufs["tiles"][:nt].cpu().numpy() == tiles).all()))
@@ -595,6 +597,10 @@ def run_prefill(lib_dir: Path, W, Wb, tw, g, repack) -> dict:
             vl = tvm.runtime.load_module(str(vp))
             v_gu, v_down = vl["moe_grouped_gate_up"], vl["moe_grouped_down"]
             tv = {k: tvm.runtime.from_dlpack(bufs[k]) for k in ("sorted", "tiles", "num_tiles", "a", "o")}
+            # the variant's own tile table (its sort's bm may differ), outside the timing
+            vb = {k: torch.empty_like(bufs[k]) for k in ("sorted", "tiles", "num_tiles", "counts")}
+            tv.update({k: tvm.runtime.from_dlpack(v) for k, v in vb.items()})
+            vl["moe_sort"](tvm.runtime.from_dlpack(ids), tv["sorted"], tv["tiles"], tv["num_tiles"], tv["counts"])
             permuted = WGMMA in vp.stem
             zp = torch.empty_like(z)
             tz = tvm.runtime.from_dlpack(zp if permuted else z)
