@@ -117,11 +117,9 @@ PREFILL_FUNCS = ("moe_sort", "moe_grouped_gate_up", "moe_grouped_down")
 PREFILL_VARIANTS = {}
 # name -> (gate_up kwargs, down kwargs)
 # (stages 3 and short_tiles=False were slower: moe_prefill_wgmma_final_h200_2026-11-30.json)
-# (rows=256 and the staged gate_up epilogue were slower: moe_prefill_r256_h200_2026-11-30.json);
-# tile_rows=256 needs the sort's tile table with bm=256 (built into the same library)
-WGMMA_VARIANTS = {"t256": ({"tile_rows": 256}, {"tile_rows": 256}),
-                  "t256_s5": ({"tile_rows": 256, "stages": 5}, {"tile_rows": 256, "stages": 5}),
-                  "t256_s3": ({"tile_rows": 256, "stages": 3}, {"tile_rows": 256, "stages": 3})}
+# (stages 3, short_tiles=False: moe_prefill_wgmma_final_h200_2026-11-30.json; 256 weight rows or
+# 256 token rows per block, since removed: moe_prefill_r256_ / moe_prefill_t256_h200_2026-11-30.json)
+WGMMA_VARIANTS = {"staged_gu": ({"staged": True}, {})}
 WGMMA = "wgmma"  # prefill libraries whose name holds this read z and a_sorted in the permuted k order
 SMALL = (3, 512, 512, 2)  # E, L, I, top_k of tests/gpu/check_moe_dispatch.py's model
 

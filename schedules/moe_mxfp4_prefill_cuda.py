@@ -415,19 +415,18 @@ def _grouped_gemm(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 
     return mark(grouped)
 
 
-def block_scale_word(gate_up: bool, sq0, sq1, tiles, blk, w, N: int, NTN: int, KGW: int, bn: int = BN):
-    """uint32 word ``w`` (of ``bn · KGW``) of the E8M0 scale bytes of grouped-GEMM block
-    ``blk``'s ``bn`` weight rows: word ``w % KGW`` of block row ``w // KGW``, where the block
-    covers column tile ``blk % NTN`` of the tile table entry ``blk // NTN``'s expert (gate_up:
-    rows 0..bn/2-1 from W1's scales ``sq0``, the rest the same rows from W3's ``sq1``; down: bn
-    rows of ``sq0``). A TIR expression; shared by the ``mma.sync`` and wgmma kernels."""
+def block_scale_word(gate_up: bool, sq0, sq1, tiles, blk, w, N: int, NTN: int, KGW: int):
+    """uint32 word ``w`` (of ``BN · KGW``) of the E8M0 scale bytes of grouped-GEMM block
+    ``blk``'s weight rows: word ``w % KGW`` of block row ``w // KGW``, where the block covers
+    column tile ``blk % NTN`` of the tile table entry ``blk // NTN``'s expert (gate_up: rows
+    0..63 from W1's scales ``sq0``, 64..127 the same rows from W3's ``sq1``; down: BN rows of
+    ``sq0``). A TIR expression; shared by the ``mma.sync`` and wgmma kernels."""
     if gate_up:
-        h = bn // 2
         return T.if_then_else(
-            w // KGW < h,
-            sq0[(tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * h + w // KGW) * KGW + w % KGW],
-            sq1[(tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * h + w // KGW - h) * KGW + w % KGW])
-    return sq0[(tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * bn + w // KGW) * KGW + w % KGW]
+            w // KGW < 64,
+            sq0[(tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * 64 + w // KGW) * KGW + w % KGW],
+            sq1[(tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * 64 + w // KGW - 64) * KGW + w % KGW])
+    return sq0[(tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * BN + w // KGW) * KGW + w % KGW]
 
 
 def situ_expr(g, u, beta, beta_lin, use_bl):

@@ -56,6 +56,7 @@ from schedules.mxfp4_ptx import commit, cp_async16, dequant8, factor_bf16x2, wai
 from schedules.wgmma_ptx import (fence_proxy_async, smem_address, sw128_desc, swizzle128_word,
                                  wgmma_bf16_rs, wgmma_commit, wgmma_fence, wgmma_wait)
 
+NT = 256          # threads per block: two warpgroups
 STAGES = 4        # shared-memory stages: loads run STAGES - 2 K steps ahead, one step of wgmmas in flight
 TOK_WORDS = BM * 32   # uint32 words of one stage's token tile (BM rows of 128 bytes)
 SM_SMEM = 228 * 1024  # shared memory per SM (sm_90), of which 1 KiB per block is reserved
@@ -83,39 +84,21 @@ def permute_inputs_reference(x: np.ndarray) -> np.ndarray:
 
 def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
                    beta_lin: float | None = None, out_dtype: str = "bfloat16", stages: int = STAGES,
-                   short_tiles: bool = True, staged: bool = False, rows: int = BN, tile_rows: int = BM):
+                   short_tiles: bool = True, staged: bool = False):
     """Builder of both kernels; arguments as :func:`schedules.moe_mxfp4_prefill_cuda.
     _grouped_gemm`, with the activations (gate_up's ``z``, down's ``a_sorted``) and gate_up's
     output in the permuted k order. ``short_tiles``: tiles of at most 64 (32) rows use a
     wgmma of N = 64 (32) instead of 128; ``staged`` (gate_up): the outputs go through shared
     memory and leave in 16-byte stores of whole rows, instead of 2-byte stores straight from the
-    registers (correct on the H200; its speed alone not yet measured, see docs/DESIGN.md);
-    ``rows``: weight rows per block, 128 (two warpgroups, two blocks per SM) or 256 (four
-    warpgroups, one block per SM: each token byte staged serves twice the weight rows, the
-    L2-to-SM traffic per flop falls from 1/105 to 1/175 bytes); ``tile_rows``: token rows per
-    tile (the tile table's ``bm``, :func:`schedules.moe_mxfp4_prefill_cuda.moe_sort_kernel`),
-    128 or 256 — 256: the weight rows are dequantized once for up to 256 tokens (two wgmmas
-    per k16 slice, tokens 0-127 and 128-255, N of the second 32, 64 or 128), so an expert
-    with 129-256 tokens costs one tile instead of two; 128 accumulators per thread, one block
-    per SM."""
+    registers (correct on the H200; its speed alone not yet measured, see docs/DESIGN.md)."""
     K = top_k
     NS = stages
     if NS < 3:
         raise ValueError(f"stages must be at least 3, got {NS}")
     gate_up = kind == "gate_up"
-    if rows not in (128, 256):
-        raise ValueError(f"rows (weight rows per block) must be 128 or 256, got {rows}")
-    BW = rows                    # weight rows per block: one warpgroup per 64
-    if tile_rows not in (128, 256):
-        raise ValueError(f"tile_rows (token rows per tile) must be 128 or 256, got {tile_rows}")
-    TM = tile_rows               # token rows per tile
-    TW = TM * 32                 # uint32 words of one stage's token tile (TM rows of 128 bytes)
-    if TM == 256 and BW != 128:
-        raise ValueError("tile_rows=256 takes 128 weight rows per block")
-    NT = 2 * BW                  # threads per block
     if KD % 128:
         raise ValueError(f"input width {KD} must be a multiple of 128")
-    cols = BW // 2 if gate_up else BW
+    cols = BN // 2 if gate_up else BN
     if N % cols:
         raise ValueError(f"output width {N} must be a multiple of {cols}")
     NTN = N // cols
@@ -125,27 +108,23 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
     RW = KD // 8
     if E * N * RW >= 2 ** 31:
         raise ValueError("weights too large for int32 word indexing")
-    SM_WORDS = 256 + NS * TW + NS * BW * B_ROW_WORDS  # + up to 1 KiB to align the token tiles
-    smem = SM_WORDS * 4 + BW * KGW * 4 + TM * 4
+    SM_WORDS = 256 + NS * TOK_WORDS + NS * BN * B_ROW_WORDS  # + up to 1 KiB to align the token tiles
+    smem = SM_WORDS * 4 + BN * KGW * 4 + BM * 4
     if smem > SMEM_LIMIT:
         raise ValueError(f"input width {KD} needs {smem} bytes of shared memory per block (limit {SMEM_LIMIT})")
-    # the SiTU exchange (gate_up's epilogue) reuses the token stages: ND words per thread of
-    # the W3 warpgroups (BW = 128: 32 KiB in NS >= 3 stages; BW = 256: 64 KiB, NS >= 4)
-    if gate_up and (TM // 2) * (NT // 2) > NS * TW:
-        raise ValueError(f"the SiTU exchange of {rows} rows per block needs at least {rows // 64} stages")
+    # the SiTU exchange (gate_up's epilogue) reuses the token stages: 64 words per thread of
+    # warpgroup 1 fit in NS >= 3 stages
     # two blocks per SM where their shared memory fits (K3: 104 KiB each), else one
     MINB = 2 if 2 * (smem + 1024) <= SM_SMEM else 1
-    CODES = NS * TW              # word offset (from the aligned base) of the code stages
+    CODES = NS * TOK_WORDS       # word offset (from the aligned base) of the code stages
     # staged epilogue (gate_up): the tile's outputs as bf16 [token][column] (rows padded by 16
     # bytes) in the code stages, no longer in use (the SiTU exchange holds the token stages)
     OUT_ROW = cols + 8           # bf16 per row
     OUT_TILE = CODES
-    CPR = cols // 8              # 16-byte chunks per output row
-    if staged and (not gate_up or TM * OUT_ROW // 2 > NS * BW * B_ROW_WORDS or out_dtype != "bfloat16"):
+    if staged and (not gate_up or BM * OUT_ROW // 2 > NS * BN * B_ROW_WORDS or out_dtype != "bfloat16"):
         raise ValueError("the staged epilogue is gate_up's, with bf16 outputs and at least 3 stages")
-    A_CH = TM * (BK // 8) // NT  # 16-byte token chunks per thread per step
-    ND = TM // 2                 # fp32 accumulators per thread (64 rows × TM tokens / 128)
-    HALF = 128 * 128 // 16       # descriptor units (16 bytes) from token row 0 to token row 128
+    A_CH = BM * (BK // 8) // NT  # 16-byte token chunks per thread per step
+    ND = BM // 2                 # fp32 accumulators per thread (64 rows × BM tokens / 128)
     B = float(beta)
     BL = float(beta_lin) if beta_lin is not None else 0.0
     use_bl = beta_lin is not None
@@ -158,42 +137,31 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
         16 bytes of packed codes (``pre[2]``: word offset of its chunk at step 0)."""
         for c in T.unroll(A_CH):
             T.evaluate(cp_async16(
-                T.address_of(sm[pre[0] + step % NS * TW + c * (NT // 8) * 32]),
+                T.address_of(sm[pre[0] + step % NS * TOK_WORDS + c * (NT // 8) * 32]),
                 T.address_of(xf[T.Cast("int64", tsrc[c]) * KD + (step * BK + tx % 8 * 8)]), (pre[1] >> c) & 1))
-        if gate_up and tx // 2 >= BW // 2:
-            T.evaluate(cp_async16(T.address_of(sm[pre[3] + step % NS * BW * B_ROW_WORDS]),
+        if gate_up and tx // 2 >= 64:
+            T.evaluate(cp_async16(T.address_of(sm[pre[3] + step % NS * BN * B_ROW_WORDS]),
                                   T.address_of(wq1[pre[2] + step * (BK // 8)]), 1))
         else:
-            T.evaluate(cp_async16(T.address_of(sm[pre[3] + step % NS * BW * B_ROW_WORDS]),
+            T.evaluate(cp_async16(T.address_of(sm[pre[3] + step % NS * BN * B_ROW_WORDS]),
                                   T.address_of(wq0[pre[2] + step * (BK // 8)]), 1))
 
     @T.macro
-    def slice_mma(n, n2, buf, hk, desc, bf, acc, ks):
-        """The wgmmas of k16 slices 2hk, 2hk + 1 of K step ``ks``: over the first ``n`` token
-        rows and, when ``n2`` (Python ints), over ``n2`` rows from row 128 into ``acc[64:]``;
-        ``desc[0]``: the descriptor of stage 0's tile (a k16 slice is 32 bytes further: 2
-        descriptor units); the very first of each overwrites its accumulators."""
+    def slice_mma(n, buf, hk, desc, bf, acc, ks):
+        """The two wgmmas (k16 slices 2hk, 2hk + 1) of K step ``ks`` over the first ``n``
+        token rows (a Python int); ``desc[0]``: the descriptor of stage 0's tile (a k16 slice
+        is 32 bytes further: 2 descriptor units); the very first overwrites the accumulators."""
         T.evaluate(wgmma_bf16_rs(
             n, T.address_of(acc[0]), bf[buf * 16 + hk * 8 + A0[0]], bf[buf * 16 + hk * 8 + A0[1]],
             bf[buf * 16 + hk * 8 + A0[2]], bf[buf * 16 + hk * 8 + A0[3]],
-            desc[0] + T.Cast("uint64", ks % NS * (TW // 4) + hk * 4), T.Cast("int32", ks + hk > 0)))
-        if n2 > 0:
-            T.evaluate(wgmma_bf16_rs(
-                n2, T.address_of(acc[64]), bf[buf * 16 + hk * 8 + A0[0]], bf[buf * 16 + hk * 8 + A0[1]],
-                bf[buf * 16 + hk * 8 + A0[2]], bf[buf * 16 + hk * 8 + A0[3]],
-                desc[0] + T.Cast("uint64", ks % NS * (TW // 4) + hk * 4 + HALF), T.Cast("int32", ks + hk > 0)))
+            desc[0] + T.Cast("uint64", ks % NS * (TOK_WORDS // 4) + hk * 4), T.Cast("int32", ks + hk > 0)))
         T.evaluate(wgmma_bf16_rs(
             n, T.address_of(acc[0]), bf[buf * 16 + hk * 8 + A1[0]], bf[buf * 16 + hk * 8 + A1[1]],
             bf[buf * 16 + hk * 8 + A1[2]], bf[buf * 16 + hk * 8 + A1[3]],
-            desc[0] + T.Cast("uint64", ks % NS * (TW // 4) + hk * 4 + 2)))
-        if n2 > 0:
-            T.evaluate(wgmma_bf16_rs(
-                n2, T.address_of(acc[64]), bf[buf * 16 + hk * 8 + A1[0]], bf[buf * 16 + hk * 8 + A1[1]],
-                bf[buf * 16 + hk * 8 + A1[2]], bf[buf * 16 + hk * 8 + A1[3]],
-                desc[0] + T.Cast("uint64", ks % NS * (TW // 4) + hk * 4 + 2 + HALF)))
+            desc[0] + T.Cast("uint64", ks % NS * (TOK_WORDS // 4) + hk * 4 + 2)))
 
     @T.macro
-    def kstep(n, n2, ks, buf, sm, al, pre, tsrc, desc, sc_s, xf, wq0, wq1, bf, acc, tx):
+    def kstep(n, ks, buf, sm, al, pre, tsrc, desc, sc_s, xf, wq0, wq1, bf, acc, tx):
         """K step ``ks`` over ``n`` token rows (``buf`` = ks % 2, a Python int: the A registers'
         half): its stage has
         landed; refill the stage of step ks - 2 (its wgmmas are done: every warpgroup waited
@@ -211,20 +179,20 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
             for h in T.unroll(2):
                 T.evaluate(dequant8(
                     T.address_of(bf[buf * 16 + (hk * 2 + h) * 4]),
-                    sm[al[0] + CODES + (ks % NS * BW + tx // 32 * 16 + tx % 32 // 4 + h * 8) * B_ROW_WORDS
+                    sm[al[0] + CODES + (ks % NS * BN + tx // 32 * 16 + tx % 32 // 4 + h * 8) * B_ROW_WORDS
                        + hk * 4 + tx % 4],
                     factor_bf16x2(sc_s[(tx // 32 * 16 + tx % 32 // 4 + h * 8) * KGW + ks // 2], buf * 2 + hk)))
         T.evaluate(wgmma_fence())
         for hk in T.unroll(2):  # k16 slices 2hk (registers A0) and 2hk + 1 (A1)
-            slice_mma(n, n2, buf, hk, desc, bf, acc, ks)
+            slice_mma(n, buf, hk, desc, bf, acc, ks)
         T.evaluate(wgmma_commit())
         T.evaluate(wgmma_wait(1))
 
     @T.macro
-    def kloop(n, n2, sm, al, pre, tsrc, desc, sc_s, xf, wq0, wq1, bf, acc, tx):
+    def kloop(n, sm, al, pre, tsrc, desc, sc_s, xf, wq0, wq1, bf, acc, tx):
         for k2 in range(NK // 2):
-            kstep(n, n2, k2 * 2, 0, sm, al, pre, tsrc, desc, sc_s, xf, wq0, wq1, bf, acc, tx)
-            kstep(n, n2, k2 * 2 + 1, 1, sm, al, pre, tsrc, desc, sc_s, xf, wq0, wq1, bf, acc, tx)
+            kstep(n, k2 * 2, 0, sm, al, pre, tsrc, desc, sc_s, xf, wq0, wq1, bf, acc, tx)
+            kstep(n, k2 * 2 + 1, 1, sm, al, pre, tsrc, desc, sc_s, xf, wq0, wq1, bf, acc, tx)
 
     @T.prim_func(private=True)
     def grouped(x_h: T.handle, wp0_h: T.handle, ws0_h: T.handle, wp1_h: T.handle, ws1_h: T.handle,
@@ -257,8 +225,8 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
                 with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", MINB):
                     sm = T.alloc_buffer((SM_WORDS,), "uint32", scope="shared.dyn")
                     smb = T.decl_buffer((SM_WORDS * 2,), "bfloat16", data=sm.data, scope="shared.dyn")
-                    sc_s = T.alloc_buffer((BW * KGW,), "uint32", scope="shared.dyn")  # E8M0 bytes, whole K
-                    row_s = T.alloc_buffer((TM,), "int32", scope="shared.dyn")  # the row of x, or -1
+                    sc_s = T.alloc_buffer((BN * KGW,), "uint32", scope="shared.dyn")  # E8M0 bytes, whole K
+                    row_s = T.alloc_buffer((BM,), "int32", scope="shared.dyn")  # the row of x, or -1
                     al = T.alloc_buffer((1,), "int32", scope="local")   # words to the 1024-byte-aligned base
                     acc = T.alloc_buffer((ND,), "float32", scope="local")
                     bf = T.alloc_buffer((32,), "uint32", scope="local")  # A fragments of two K steps
@@ -270,11 +238,11 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
                     tsrc = T.alloc_buffer((A_CH,), "int32", scope="local")  # token chunks' source rows
                     desc = T.alloc_buffer((1,), "uint64", scope="local")  # stage 0's token tile
                     if T.Cast("int32", blk // NTN) < num_tiles[0]:
-                        ncols[0] = (T.min(tiles[blk // NTN, 2] - tiles[blk // NTN, 1], TM) + 31) // 32
+                        ncols[0] = (T.min(tiles[blk // NTN, 2] - tiles[blk // NTN, 1], BM) + 31) // 32
                         al[0] = T.Cast("int32", (T.uint32(1024) - smem_address(T.address_of(sm[0])) % T.uint32(1024))
                                        % T.uint32(1024) // T.uint32(4))
                         # ---- tile metadata: gathered rows, scales of the block's weight rows
-                        if tx < TM:
+                        if tx < BM:
                             if gate_up:
                                 row_s[tx] = T.if_then_else(
                                     tiles[blk // NTN, 1] + tx < tiles[blk // NTN, 2],
@@ -283,10 +251,10 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
                                 row_s[tx] = T.if_then_else(
                                     tiles[blk // NTN, 1] + tx < tiles[blk // NTN, 2],
                                     tiles[blk // NTN, 1] + tx, -1)
-                        for it in range((BW * KGW + NT - 1) // NT):
-                            if it * NT + tx < BW * KGW:
+                        for it in range((BN * KGW + NT - 1) // NT):
+                            if it * NT + tx < BN * KGW:
                                 sc_s[it * NT + tx] = block_scale_word(gate_up, sq0, sq1, tiles, blk, it * NT + tx,
-                                                                      N, NTN, KGW, BW)
+                                                                      N, NTN, KGW)
                         T.tvm_storage_sync("shared.dyn")
                         # ---- K loop (NK is even: KD % 128 == 0)
                         # per-thread copy addresses, fixed for the whole K loop
@@ -297,10 +265,10 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
                             tsrc[c] = T.max(ok[0], 0)
                             pre[1] = pre[1] | T.Cast("int32", ok[0] >= 0) << c
                         if gate_up:
-                            pre[2] = (tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * cols + tx // 2 % cols) * RW \
+                            pre[2] = (tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * 64 + tx // 2 % 64) * RW \
                                 + tx % 2 * 4
                         else:
-                            pre[2] = (tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * BW + tx // 2) * RW + tx % 2 * 4
+                            pre[2] = (tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * BN + tx // 2) * RW + tx % 2 * 4
                         pre[3] = al[0] + CODES + tx // 2 * B_ROW_WORDS + tx % 2 * 4
                         desc[0] = sw128_desc(smem_address(T.address_of(sm[al[0]])))
                         for st in T.unroll(NS - 2):
@@ -310,38 +278,25 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
                         # wgmma N: 32, 64 or 128, the least that covers the tile's rows (an
                         # expert's last tile is mostly short); one copy of the K loop per N
                         # (more copies cost ptxas the registers to pipeline the wgmmas)
-                        if TM == 256:  # tokens 128..255 by a second wgmma of N = 32, 64 or 128
-                            if ncols[0] >= 7:
-                                kloop(128, 128, sm, al, pre, tsrc, desc, sc_s, xf, wq0, wq1, bf, acc, tx)
-                            elif ncols[0] == 6:
-                                kloop(128, 64, sm, al, pre, tsrc, desc, sc_s, xf, wq0, wq1, bf, acc, tx)
-                            elif ncols[0] == 5:
-                                kloop(128, 32, sm, al, pre, tsrc, desc, sc_s, xf, wq0, wq1, bf, acc, tx)
-                            elif ncols[0] >= 3:
-                                kloop(128, 0, sm, al, pre, tsrc, desc, sc_s, xf, wq0, wq1, bf, acc, tx)
-                            elif ncols[0] == 2:
-                                kloop(64, 0, sm, al, pre, tsrc, desc, sc_s, xf, wq0, wq1, bf, acc, tx)
-                            else:
-                                kloop(32, 0, sm, al, pre, tsrc, desc, sc_s, xf, wq0, wq1, bf, acc, tx)
-                        elif not short_tiles or ncols[0] >= 3:
-                            kloop(128, 0, sm, al, pre, tsrc, desc, sc_s, xf, wq0, wq1, bf, acc, tx)
+                        if not short_tiles or ncols[0] >= 3:
+                            kloop(128, sm, al, pre, tsrc, desc, sc_s, xf, wq0, wq1, bf, acc, tx)
                         elif ncols[0] == 2:
-                            kloop(64, 0, sm, al, pre, tsrc, desc, sc_s, xf, wq0, wq1, bf, acc, tx)
+                            kloop(64, sm, al, pre, tsrc, desc, sc_s, xf, wq0, wq1, bf, acc, tx)
                         else:
-                            kloop(32, 0, sm, al, pre, tsrc, desc, sc_s, xf, wq0, wq1, bf, acc, tx)
+                            kloop(32, sm, al, pre, tsrc, desc, sc_s, xf, wq0, wq1, bf, acc, tx)
                         T.evaluate(wgmma_wait(0))
                         T.evaluate(wait(0))
                         T.tvm_storage_sync("shared.dyn")
                         # ---- epilogue: acc[4j + c] = weight row 16w + g + 8(c // 2) of the warpgroup's 64,
                         # token 8j + 2q + c % 2 of the tile
                         if gate_up:
-                            # the W3 warpgroups hand their rounded sums to the W1 ones (thread tx - NT/2)
-                            if tx >= NT // 2:
+                            # warpgroup 1 (W3 rows) hands its rounded sums to warpgroup 0 (W1 rows)
+                            if tx >= 128:
                                 for i in T.unroll(ND):
-                                    sm[al[0] + i * (NT // 2) + tx - NT // 2] = T.reinterpret(
+                                    sm[al[0] + i * 128 + tx - 128] = T.reinterpret(
                                         "uint32", T.Cast("float32", T.Cast("bfloat16", acc[i])))
                             T.tvm_storage_sync("shared.dyn")
-                            if tx < NT // 2:
+                            if tx < 128:
                                 for i in T.unroll(ND):
                                     if staged:
                                         # the tile's [token][column] bf16 in shared memory, columns permuted
@@ -349,32 +304,32 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
                                             + permuted_position(tx // 32 * 16 + tx % 32 // 4 + i % 4 // 2 * 8)] = \
                                             T.Cast(out_dtype, situ_expr(
                                                 T.Cast("float32", T.Cast("bfloat16", acc[i])),
-                                                T.reinterpret("float32", sm[al[0] + i * (NT // 2) + tx]), B, BL, use_bl))
+                                                T.reinterpret("float32", sm[al[0] + i * 128 + tx]), B, BL, use_bl))
                                     else:
                                         ok[0] = row_s[i // 4 * 8 + tx % 4 * 2 + i % 2]
                                         if ok[0] >= 0:
                                             y[tiles[blk // NTN, 1] + i // 4 * 8 + tx % 4 * 2 + i % 2,
-                                              permuted_position(T.Cast("int32", blk % NTN) * cols + tx // 32 * 16
+                                              permuted_position(T.Cast("int32", blk % NTN) * 64 + tx // 32 * 16
                                                                 + tx % 32 // 4 + i % 4 // 2 * 8)] = T.Cast(out_dtype, situ_expr(
                                                   T.Cast("float32", T.Cast("bfloat16", acc[i])),
-                                                  T.reinterpret("float32", sm[al[0] + i * (NT // 2) + tx]), B, BL, use_bl))
+                                                  T.reinterpret("float32", sm[al[0] + i * 128 + tx]), B, BL, use_bl))
                             if staged:
                                 T.tvm_storage_sync("shared.dyn")
-                                # 16-byte stores: row r's cols columns are contiguous bytes of a_sorted
-                                for it in T.unroll(TM * CPR // NT):
-                                    ok[0] = row_s[(it * NT + tx) // CPR]
+                                # 16-byte stores: row r's 64 columns are 128 contiguous bytes of a_sorted
+                                for it in T.unroll(BM * 8 // NT):
+                                    ok[0] = row_s[(it * NT + tx) // 8]
                                     if ok[0] >= 0:
                                         for v in T.vectorized(4):
-                                            yq[((T.Cast("int64", tiles[blk // NTN, 1]) + (it * NT + tx) // CPR) * N
-                                                + T.Cast("int32", blk % NTN) * cols + (it * NT + tx) % CPR * 8) // 2 + v] = \
-                                                sm[al[0] + OUT_TILE + ((it * NT + tx) // CPR * OUT_ROW + (it * NT + tx) % CPR * 8) // 2 + v]
+                                            yq[((T.Cast("int64", tiles[blk // NTN, 1]) + (it * NT + tx) // 8) * N
+                                                + T.Cast("int32", blk % NTN) * 64 + (it * NT + tx) % 8 * 8) // 2 + v] = \
+                                                sm[al[0] + OUT_TILE + ((it * NT + tx) // 8 * OUT_ROW + (it * NT + tx) % 8 * 8) // 2 + v]
                         else:
                             for i in T.unroll(ND):
                                 ok[0] = row_s[i // 4 * 8 + tx % 4 * 2 + i % 2]
                                 if ok[0] >= 0:
                                     y[sorted_pair[tiles[blk // NTN, 1] + i // 4 * 8 + tx % 4 * 2 + i % 2] // K,
                                       sorted_pair[tiles[blk // NTN, 1] + i // 4 * 8 + tx % 4 * 2 + i % 2] % K,
-                                      T.Cast("int32", blk % NTN) * BW + tx // 32 * 16 + tx % 32 // 4
+                                      T.Cast("int32", blk % NTN) * BN + tx // 32 * 16 + tx % 32 // 4
                                       + i % 4 // 2 * 8] = T.Cast(out_dtype, acc[i])
 
     # barriers placed by hand: compile inside schedules.barriers.respect_manual_barriers()
@@ -384,8 +339,7 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def moe_grouped_gate_up_wgmma_kernel(num_experts: int, latent: int, inter: int, top_k: int,
                                      beta: float, beta_lin: float | None, out_dtype: str = "bfloat16",
-                                     stages: int = STAGES, short_tiles: bool = True, staged: bool = False,
-                                     rows: int = BN, tile_rows: int = BM):
+                                     stages: int = STAGES, short_tiles: bool = True, staged: bool = False):
     """Grouped MXFP4 GEMM for W1/W3 with SiTU fused, on wgmma (cuda-sm90a). Arguments as
     :func:`schedules.moe_mxfp4_prefill_cuda.moe_grouped_gate_up_kernel`, except: ``z [T, L]``
     in the permuted k order, ``a_sorted [T·k, I]`` written in the permuted k order.
@@ -395,13 +349,13 @@ def moe_grouped_gate_up_wgmma_kernel(num_experts: int, latent: int, inter: int, 
             memory over the limit (the scale table grows with L).
     """
     return _grouped_wgmma("gate_up", num_experts, inter, latent, top_k, beta, beta_lin, out_dtype, stages,
-                          short_tiles, staged, rows, tile_rows)
+                          short_tiles, staged)
 
 
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def moe_grouped_down_wgmma_kernel(num_experts: int, latent: int, inter: int, top_k: int,
                                   out_dtype: str = "bfloat16", stages: int = STAGES,
-                                  short_tiles: bool = True, rows: int = BN, tile_rows: int = BM):
+                                  short_tiles: bool = True):
     """Grouped MXFP4 GEMM for W2 on wgmma (cuda-sm90a). Arguments as :func:`schedules.
     moe_mxfp4_prefill_cuda.moe_grouped_down_kernel`, with ``a_sorted`` in the permuted k order.
 
@@ -410,4 +364,4 @@ def moe_grouped_down_wgmma_kernel(num_experts: int, latent: int, inter: int, top
             memory over the limit.
     """
     return _grouped_wgmma("down", num_experts, latent, inter, top_k, out_dtype=out_dtype, stages=stages,
-                          short_tiles=short_tiles, rows=rows, tile_rows=tile_rows)
+                          short_tiles=short_tiles)
