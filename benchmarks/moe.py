@@ -119,7 +119,16 @@ PREFILL_VARIANTS = {}
 # (stages 3 and short_tiles=False were slower: moe_prefill_wgmma_final_h200_2026-11-30.json)
 # (stages 3, short_tiles=False: moe_prefill_wgmma_final_h200_2026-11-30.json; 256 weight rows or
 # 256 token rows per block, since removed: moe_prefill_r256_ / moe_prefill_t256_h200_2026-11-30.json)
-WGMMA_VARIANTS = {"staged_gu": ({"staged": True}, {})}
+WGMMA_VARIANTS = {"staged_gu": ({"staged": True}, {}),
+                  "ws": ({"warp_specialized": True}, {"warp_specialized": True}),
+                  "ws_s6": ({"warp_specialized": True, "stages": 6}, {"warp_specialized": True, "stages": 6})}
+
+
+def _variant_bm(gu_kw: dict) -> int:
+    """Token rows per tile (the sort's bm) of a wgmma variant's kernels."""
+    from schedules.moe_plan import BM, BM_WS
+
+    return BM_WS if gu_kw.get("warp_specialized") else BM
 WGMMA = "wgmma"  # prefill libraries whose name holds this read z and a_sorted in the permuted k order
 SMALL = (3, 512, 512, 2)  # E, L, I, top_k of tests/gpu/check_moe_dispatch.py's model
 
@@ -144,7 +153,7 @@ def build_prefill(out_dir: Path) -> None:
               "moe_grouped_down": mw.moe_grouped_down_wgmma_kernel(E, L, I, TOPK)},
              out_dir / f"moe_prefill_{WGMMA}.so")
     for name, (gu_kw, d_kw) in WGMMA_VARIANTS.items():
-        _compile({"moe_sort": mp.moe_sort_kernel(E, TOPK, gu_kw.get("tile_rows", mp.BM)),
+        _compile({"moe_sort": mp.moe_sort_kernel(E, TOPK, _variant_bm(gu_kw)),
                   "moe_grouped_gate_up": mw.moe_grouped_gate_up_wgmma_kernel(E, L, I, TOPK, BETA, BETA_LIN, **gu_kw),
                   "moe_grouped_down": mw.moe_grouped_down_wgmma_kernel(E, L, I, TOPK, **d_kw)},
                  out_dir / f"moe_prefill_{WGMMA}_{name}.so")
@@ -464,7 +473,7 @@ def run_prefill(lib_dir: Path, W, Wb, tw, g, repack) -> dict:
         if vp.exists():
             vl = tvm.runtime.load_module(str(vp))
             flavors[f"{WGMMA}_{name}"] = (tuple(vl[n] for n in PREFILL_FUNCS), True,
-                                          WGMMA_VARIANTS[name][0].get("tile_rows", BM))
+                                          _variant_bm(WGMMA_VARIANTS[name][0]))
     dev = torch.device("cuda")
     res = {"check": [], "timing": []}
     if (lib_dir / "moe_prefill_small.so").exists():

@@ -51,10 +51,11 @@ from tvm.script import tirx as T
 from schedules.barriers import mark
 from schedules.moe_mxfp4_prefill_cuda import (B_ROW_WORDS, BK, BN, MMA_A_REGS, SMEM_LIMIT, block_scale_word,
                                               situ_expr)
-from schedules.moe_plan import BM
+from schedules.moe_plan import BM, BM_WS
 from schedules.mxfp4_ptx import commit, cp_async16, dequant8, factor_bf16x2, wait
-from schedules.wgmma_ptx import (fence_proxy_async, smem_address, sw128_desc, swizzle128_word,
-                                 wgmma_bf16_rs, wgmma_commit, wgmma_fence, wgmma_wait)
+from schedules.wgmma_ptx import (cp_async_mbar_arrive, fence_proxy_async, mbar_arrive, mbar_init, mbar_wait,
+                                 named_barrier, setmaxnreg, smem_address, sw128_desc, swizzle128_word, wgmma_bf16_rs,
+                                 wgmma_commit, wgmma_fence, wgmma_wait)
 
 NT = 256          # threads per block: two warpgroups
 STAGES = 4        # shared-memory stages: loads run STAGES - 2 K steps ahead, one step of wgmmas in flight
@@ -336,10 +337,262 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
     return mark(grouped)
 
 
+TM_WS = BM_WS      # token rows per tile of the warp-specialized kernels (the sort's bm): 192
+REGS_WS = (56, 224)  # registers per thread of their producer / consumer warpgroups (setmaxnreg)
+NCW, NPW = 8, 4    # their consumer warps (two warpgroups: wgmma) and producer warps (a warpgroup: copies)
+
+
+def _grouped_wgmma_ws(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
+                      beta_lin: float | None = None, out_dtype: str = "bfloat16", stages: int = STAGES):
+    """Warp-specialized builder of both kernels (arguments as :func:`_grouped_wgmma`; tiles of
+    up to :data:`TM_WS` token rows, the tile table of ``moe_sort_kernel(..., bm=TM_WS)``).
+
+    A block = 8 consumer warps (two warpgroups, 64 weight rows each, as in
+    :func:`_grouped_wgmma`) + :data:`NPW` producer warps. The producers alone issue the
+    ``cp.async`` copies of a K step's token rows and codes into stage ks % NS and arrive on the
+    stage's ``full`` mbarrier when their copies land (``cp.async.mbarrier.arrive.noinc``); the
+    consumers wait on it, dequantize the weights into the wgmma's A registers once for all the
+    tile's tokens (wgmmas over tokens 0-127 and, where the tile has more, 128-255 into
+    accumulators 64..127) and, once a step's wgmmas are done, arrive on its stage's ``empty``
+    mbarrier, which the producers wait on before refilling it. No block-wide barrier and no
+    copy addressing in the consumers' K loop; up to 204 registers per thread (one block per
+    SM)."""
+    K = top_k
+    NS = stages
+    if NS < 3:
+        raise ValueError(f"stages must be at least 3, got {NS}")
+    gate_up = kind == "gate_up"
+    if KD % 128:
+        raise ValueError(f"input width {KD} must be a multiple of 128")
+    cols = BN // 2 if gate_up else BN
+    if N % cols:
+        raise ValueError(f"output width {N} must be a multiple of {cols}")
+    TM = TM_WS
+    NTN = N // cols
+    NK = KD // BK
+    KG = KD // 32
+    KGW = KG // 4
+    RW = KD // 8
+    if E * N * RW >= 2 ** 31:
+        raise ValueError("weights too large for int32 word indexing")
+    NC = NCW * 32                # consumer threads
+    NP = NPW * 32                # producer threads
+    NT = NC + NP
+    TW = TM * 32                 # uint32 words of one stage's token tile (TM rows of 128 bytes)
+    OB = 256 + NS * TW + NS * BN * B_ROW_WORDS   # word offset of the mbarriers (full[NS], empty[NS])
+    SM_WORDS = OB + 4 * NS
+    smem = SM_WORDS * 4 + BN * KGW * 4 + TM * 4
+    if smem > SMEM_LIMIT:
+        raise ValueError(f"input width {KD} needs {smem} bytes of shared memory per block (limit {SMEM_LIMIT})")
+    ND = TM // 2                 # fp32 accumulators per consumer thread (64 rows × TM tokens / 128)
+    if gate_up and ND * (NC // 2) > NS * TW:
+        raise ValueError("the SiTU exchange does not fit in the token stages")
+    CODES = NS * TW
+    TCH = TM * (BK // 8) // NP   # token chunks per producer thread per step
+    assert NP % 64 == 0 and (NP // 2) % 64 == 0 or not gate_up  # a code chunk i is all W1 or all W3 rows
+    CCH = BN * 2 // NP           # code chunks (16 bytes) per producer thread per step
+    HALF = 128 * 128 // 16       # descriptor units from token row 0 to token row 128
+    B = float(beta)
+    BL = float(beta_lin) if beta_lin is not None else 0.0
+    use_bl = beta_lin is not None
+    A0, A1 = MMA_A_REGS
+
+    @T.macro
+    def wg(n, regs, buf, hk, m, half, desc, bf, acc, ks):
+        """One wgmma: k16 slice 2hk + m of step ks (A registers ``regs``) over ``n`` token rows
+        from row 128·half into acc[64·half:]; the first of each accumulator half overwrites."""
+        if m == 0:
+            T.evaluate(wgmma_bf16_rs(
+                n, T.address_of(acc[64 * half]), bf[buf * 16 + hk * 8 + regs[0]], bf[buf * 16 + hk * 8 + regs[1]],
+                bf[buf * 16 + hk * 8 + regs[2]], bf[buf * 16 + hk * 8 + regs[3]],
+                desc[0] + T.Cast("uint64", ks % NS * (TW // 4) + hk * 4 + half * HALF), T.Cast("int32", ks + hk > 0)))
+        else:
+            T.evaluate(wgmma_bf16_rs(
+                n, T.address_of(acc[64 * half]), bf[buf * 16 + hk * 8 + regs[0]], bf[buf * 16 + hk * 8 + regs[1]],
+                bf[buf * 16 + hk * 8 + regs[2]], bf[buf * 16 + hk * 8 + regs[3]],
+                desc[0] + T.Cast("uint64", ks % NS * (TW // 4) + hk * 4 + 2 + half * HALF)))
+
+    @T.macro
+    def cstep(n, n2, ks, buf, sm, al, desc, sc_s, bf, acc, tx):
+        """Consumer K step ``ks``: wait for its stage, dequantize into half ``buf`` of ``bf``
+        (while step ks - 1's wgmmas run), issue this step's wgmmas, wait for step ks - 1's and
+        release its stage."""
+        T.evaluate(mbar_wait(T.address_of(sm[OB + 2 * (ks % NS)]), T.Cast("uint32", ks // NS % 2)))
+        T.evaluate(fence_proxy_async())  # the producers' copies, visible to the wgmma's reads
+        for hk in T.unroll(2):
+            for h in T.unroll(2):
+                T.evaluate(dequant8(
+                    T.address_of(bf[buf * 16 + (hk * 2 + h) * 4]),
+                    sm[al[0] + CODES + (ks % NS * BN + tx // 32 * 16 + tx % 32 // 4 + h * 8) * B_ROW_WORDS
+                       + hk * 4 + tx % 4],
+                    factor_bf16x2(sc_s[(tx // 32 * 16 + tx % 32 // 4 + h * 8) * KGW + ks // 2], buf * 2 + hk)))
+        T.evaluate(wgmma_fence())
+        for hk in T.unroll(2):
+            wg(n, A0, buf, hk, 0, 0, desc, bf, acc, ks)
+            if n2 > 0:
+                wg(n2, A0, buf, hk, 0, 1, desc, bf, acc, ks)
+            wg(n, A1, buf, hk, 1, 0, desc, bf, acc, ks)
+            if n2 > 0:
+                wg(n2, A1, buf, hk, 1, 1, desc, bf, acc, ks)
+        T.evaluate(wgmma_commit())
+        T.evaluate(wgmma_wait(1))
+        if ks > 0:  # step ks - 1's wgmmas are done: its stage may be refilled
+            T.evaluate(mbar_arrive(T.address_of(sm[OB + 2 * (NS + (ks + NS - 1) % NS)])))
+
+    @T.macro
+    def cloop(n, n2, sm, al, desc, sc_s, bf, acc, tx):
+        for k2 in range(NK // 2):
+            cstep(n, n2, k2 * 2, 0, sm, al, desc, sc_s, bf, acc, tx)
+            cstep(n, n2, k2 * 2 + 1, 1, sm, al, desc, sc_s, bf, acc, tx)
+
+    @T.prim_func(private=True)
+    def grouped(x_h: T.handle, wp0_h: T.handle, ws0_h: T.handle, wp1_h: T.handle, ws1_h: T.handle,
+                sorted_h: T.handle, tiles_h: T.handle, num_tiles: T.Buffer((1,), "int32"),
+                y_h: T.handle):
+        T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
+        nt = T.int64()
+        mt = T.int64()
+        if gate_up:
+            x = T.match_buffer(x_h, (nt, KD), "bfloat16")
+            y = T.match_buffer(y_h, (nt * K, N), out_dtype)
+        else:
+            y = T.match_buffer(y_h, (nt, K, N), out_dtype)
+            x = T.match_buffer(x_h, (nt * K, KD), "bfloat16")
+        wp0 = T.match_buffer(wp0_h, (E, N, KD // 2), "uint8")
+        ws0 = T.match_buffer(ws0_h, (E, N, KG), "uint8")
+        wp1 = T.match_buffer(wp1_h, (E, N, KD // 2), "uint8")
+        ws1 = T.match_buffer(ws1_h, (E, N, KG), "uint8")
+        sorted_pair = T.match_buffer(sorted_h, (nt * K,), "int32")
+        tiles = T.match_buffer(tiles_h, (mt, 3), "int32")
+        xf = T.decl_buffer((x.shape[0] * KD,), "bfloat16", data=x.data)
+        wq0 = T.decl_buffer((E * N * RW,), "uint32", data=wp0.data)
+        wq1 = T.decl_buffer((E * N * RW,), "uint32", data=wp1.data)
+        sq0 = T.decl_buffer((E * N * KGW,), "uint32", data=ws0.data)
+        sq1 = T.decl_buffer((E * N * KGW,), "uint32", data=ws1.data)
+        for blk in T.thread_binding(mt * NTN, thread="blockIdx.x"):
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", 1):
+                    sm = T.alloc_buffer((SM_WORDS,), "uint32", scope="shared.dyn")
+                    sc_s = T.alloc_buffer((BN * KGW,), "uint32", scope="shared.dyn")  # E8M0 bytes, whole K
+                    row_s = T.alloc_buffer((TM,), "int32", scope="shared.dyn")  # the row of x, or -1
+                    al = T.alloc_buffer((1,), "int32", scope="local")
+                    acc = T.alloc_buffer((ND,), "float32", scope="local")
+                    bf = T.alloc_buffer((32,), "uint32", scope="local")
+                    ok = T.alloc_buffer((1,), "int32", scope="local")
+                    ncols = T.alloc_buffer((1,), "int32", scope="local")  # ⌈tile rows / 32⌉
+                    desc = T.alloc_buffer((1,), "uint64", scope="local")
+                    srow = T.alloc_buffer((TCH,), "int32", scope="local")   # producer: token chunks' source rows
+                    cw = T.alloc_buffer((CCH,), "int32", scope="local")     # producer: code chunks' step-0 words
+                    if T.Cast("int32", blk // NTN) < num_tiles[0]:
+                        ncols[0] = (T.min(tiles[blk // NTN, 2] - tiles[blk // NTN, 1], TM) + 31) // 32
+                        al[0] = T.Cast("int32", (T.uint32(1024) - smem_address(T.address_of(sm[0])) % T.uint32(1024))
+                                       % T.uint32(1024) // T.uint32(4))
+                        if tx < TM:
+                            if gate_up:
+                                row_s[tx] = T.if_then_else(
+                                    tiles[blk // NTN, 1] + tx < tiles[blk // NTN, 2],
+                                    sorted_pair[T.min(tiles[blk // NTN, 1] + tx, T.Cast("int32", nt * K) - 1)] // K, -1)
+                            else:
+                                row_s[tx] = T.if_then_else(
+                                    tiles[blk // NTN, 1] + tx < tiles[blk // NTN, 2],
+                                    tiles[blk // NTN, 1] + tx, -1)
+                        for it in range((BN * KGW + NT - 1) // NT):
+                            if it * NT + tx < BN * KGW:
+                                sc_s[it * NT + tx] = block_scale_word(gate_up, sq0, sq1, tiles, blk, it * NT + tx,
+                                                                      N, NTN, KGW)
+                        if tx == 0:
+                            for i in range(NS):
+                                T.evaluate(mbar_init(T.address_of(sm[OB + 2 * i]), NP))        # full: producer lanes
+                                T.evaluate(mbar_init(T.address_of(sm[OB + 2 * (NS + i)]), NC))   # empty: consumer threads
+                        T.tvm_storage_sync("shared.dyn")
+                        if tx >= NC:
+                            T.evaluate(setmaxnreg("dec", REGS_WS[0]))
+                            # ---- producers: token chunk j of producer thread p is row p / 8 + (NP / 8)·j,
+                            # 16 bytes p % 8; code chunk i is row p / 2 + (NP / 2)·i (gate_up: W1 rows
+                            # below 64, then W3), half p % 2
+                            for j in T.unroll(TCH):
+                                srow[j] = T.max(row_s[(tx - NC) // 8 + NP // 8 * j], 0)
+                            for i in T.unroll(CCH):
+                                if gate_up:
+                                    cw[i] = (tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * 64
+                                             + ((tx - NC) // 2 + NP // 2 * i) % 64) * RW + (tx - NC) % 2 * 4
+                                else:
+                                    cw[i] = (tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * BN
+                                             + (tx - NC) // 2 + NP // 2 * i) * RW + (tx - NC) % 2 * 4
+                            for ks in range(NK):
+                                if ks >= NS:
+                                    T.evaluate(mbar_wait(T.address_of(sm[OB + 2 * (NS + ks % NS)]),
+                                                         T.Cast("uint32", (ks // NS + 1) % 2)))
+                                for j in T.unroll(TCH):
+                                    if (tx - NC) // 8 + NP // 8 * j < ncols[0] * 32:
+                                        T.evaluate(cp_async16(
+                                            T.address_of(sm[al[0] + ks % NS * TW + swizzle128_word((tx - NC) // 8, (tx - NC) % 8)
+                                                            + NP // 8 * 32 * j]),
+                                            T.address_of(xf[T.Cast("int64", srow[j]) * KD + (ks * BK + (tx - NC) % 8 * 8)]), 1))
+                                for i in T.unroll(CCH):
+                                    if gate_up and i * 2 >= CCH:
+                                        T.evaluate(cp_async16(
+                                            T.address_of(sm[al[0] + CODES + (ks % NS * BN + (tx - NC) // 2 + NP // 2 * i) * B_ROW_WORDS
+                                                            + (tx - NC) % 2 * 4]),
+                                            T.address_of(wq1[cw[i] + ks * (BK // 8)]), 1))
+                                    else:
+                                        T.evaluate(cp_async16(
+                                            T.address_of(sm[al[0] + CODES + (ks % NS * BN + (tx - NC) // 2 + NP // 2 * i) * B_ROW_WORDS
+                                                            + (tx - NC) % 2 * 4]),
+                                            T.address_of(wq0[cw[i] + ks * (BK // 8)]), 1))
+                                T.evaluate(cp_async_mbar_arrive(T.address_of(sm[OB + 2 * (ks % NS)])))
+                            T.evaluate(wait(0))
+                        else:
+                            # ---- consumers
+                            T.evaluate(setmaxnreg("inc", REGS_WS[1]))
+                            desc[0] = sw128_desc(smem_address(T.address_of(sm[al[0]])))
+                            if TM == 256 and ncols[0] >= 7:
+                                cloop(128, 128, sm, al, desc, sc_s, bf, acc, tx)
+                            elif ncols[0] >= 6:
+                                cloop(128, 64, sm, al, desc, sc_s, bf, acc, tx)
+                            elif ncols[0] == 5:
+                                cloop(128, 32, sm, al, desc, sc_s, bf, acc, tx)
+                            elif ncols[0] >= 3:
+                                cloop(128, 0, sm, al, desc, sc_s, bf, acc, tx)
+                            elif ncols[0] == 2:
+                                cloop(64, 0, sm, al, desc, sc_s, bf, acc, tx)
+                            else:
+                                cloop(32, 0, sm, al, desc, sc_s, bf, acc, tx)
+                            T.evaluate(wgmma_wait(0))
+                            # every step's stage has landed and been read: the token stages are free
+                            T.evaluate(named_barrier(1, NC))
+                            if gate_up:
+                                if tx >= NC // 2:
+                                    for i in T.unroll(ND):
+                                        sm[al[0] + i * (NC // 2) + tx - NC // 2] = T.reinterpret(
+                                            "uint32", T.Cast("float32", T.Cast("bfloat16", acc[i])))
+                                T.evaluate(named_barrier(1, NC))
+                                if tx < NC // 2:
+                                    for i in T.unroll(ND):
+                                        ok[0] = row_s[i // 4 * 8 + tx % 4 * 2 + i % 2]
+                                        if ok[0] >= 0:
+                                            y[tiles[blk // NTN, 1] + i // 4 * 8 + tx % 4 * 2 + i % 2,
+                                              permuted_position(T.Cast("int32", blk % NTN) * 64 + tx // 32 * 16
+                                                                + tx % 32 // 4 + i % 4 // 2 * 8)] = T.Cast(out_dtype, situ_expr(
+                                                  T.Cast("float32", T.Cast("bfloat16", acc[i])),
+                                                  T.reinterpret("float32", sm[al[0] + i * (NC // 2) + tx]), B, BL, use_bl))
+                            else:
+                                for i in T.unroll(ND):
+                                    ok[0] = row_s[i // 4 * 8 + tx % 4 * 2 + i % 2]
+                                    if ok[0] >= 0:
+                                        y[sorted_pair[tiles[blk // NTN, 1] + i // 4 * 8 + tx % 4 * 2 + i % 2] // K,
+                                          sorted_pair[tiles[blk // NTN, 1] + i // 4 * 8 + tx % 4 * 2 + i % 2] % K,
+                                          T.Cast("int32", blk % NTN) * BN + tx // 32 * 16 + tx % 32 // 4
+                                          + i % 4 // 2 * 8] = T.Cast(out_dtype, acc[i])
+
+    return mark(grouped)
+
+
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def moe_grouped_gate_up_wgmma_kernel(num_experts: int, latent: int, inter: int, top_k: int,
                                      beta: float, beta_lin: float | None, out_dtype: str = "bfloat16",
-                                     stages: int = STAGES, short_tiles: bool = True, staged: bool = False):
+                                     stages: int = STAGES, short_tiles: bool = True, staged: bool = False,
+                                     warp_specialized: bool = False):
     """Grouped MXFP4 GEMM for W1/W3 with SiTU fused, on wgmma (cuda-sm90a). Arguments as
     :func:`schedules.moe_mxfp4_prefill_cuda.moe_grouped_gate_up_kernel`, except: ``z [T, L]``
     in the permuted k order, ``a_sorted [T·k, I]`` written in the permuted k order.
@@ -348,6 +601,8 @@ def moe_grouped_gate_up_wgmma_kernel(num_experts: int, latent: int, inter: int, 
         ValueError: L not a multiple of 128, I not a multiple of 64; ``stages < 3``; shared
             memory over the limit (the scale table grows with L).
     """
+    if warp_specialized:
+        return _grouped_wgmma_ws("gate_up", num_experts, inter, latent, top_k, beta, beta_lin, out_dtype, stages)
     return _grouped_wgmma("gate_up", num_experts, inter, latent, top_k, beta, beta_lin, out_dtype, stages,
                           short_tiles, staged)
 
@@ -355,7 +610,7 @@ def moe_grouped_gate_up_wgmma_kernel(num_experts: int, latent: int, inter: int, 
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def moe_grouped_down_wgmma_kernel(num_experts: int, latent: int, inter: int, top_k: int,
                                   out_dtype: str = "bfloat16", stages: int = STAGES,
-                                  short_tiles: bool = True):
+                                  short_tiles: bool = True, warp_specialized: bool = False):
     """Grouped MXFP4 GEMM for W2 on wgmma (cuda-sm90a). Arguments as :func:`schedules.
     moe_mxfp4_prefill_cuda.moe_grouped_down_kernel`, with ``a_sorted`` in the permuted k order.
 
@@ -363,5 +618,7 @@ def moe_grouped_down_wgmma_kernel(num_experts: int, latent: int, inter: int, top
         ValueError: I not a multiple of 128, L not a multiple of 128; ``stages < 3``; shared
             memory over the limit.
     """
+    if warp_specialized:
+        return _grouped_wgmma_ws("down", num_experts, latent, inter, top_k, out_dtype=out_dtype, stages=stages)
     return _grouped_wgmma("down", num_experts, latent, inter, top_k, out_dtype=out_dtype, stages=stages,
                           short_tiles=short_tiles)

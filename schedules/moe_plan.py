@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 BM = 128          # rows (token-expert pairs) per tile
+BM_WS = 192       # rows per tile of the warp-specialized wgmma kernels (moe_mxfp4_prefill_wgmma.py)
 
 
 def max_tiles(num_pairs, num_experts: int, bm: int = BM):

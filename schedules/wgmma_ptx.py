@@ -19,6 +19,12 @@ TIR through ``cuda_func_call``, with the shared-memory layout their descriptors 
   (which reads through the async proxy); issued after the copies' wait, before the barrier.
 - :func:`smem_address` — the 32-bit shared-window address of a shared buffer element (to
   align a tile at run time).
+- :func:`mbar_init`, :func:`mbar_arrive`, :func:`mbar_wait`, :func:`cp_async_mbar_arrive` —
+  shared-memory ``mbarrier`` objects (PTX ISA 9.7.13.15) for producer / consumer pipelines: a
+  phase completes when its expected arrivals have arrived; ``cp.async.mbarrier.arrive.noinc``
+  arrives for the executing thread once all its earlier ``cp.async`` copies have landed (the
+  init count includes it); waits spin on ``try_wait.parity`` of the phase.
+- :func:`named_barrier` — ``bar.sync id, threads``: a barrier among some warps of a block.
 """
 
 from __future__ import annotations
@@ -35,6 +41,22 @@ _SRC = {
        f'{{ asm volatile("wgmma.wait_group.sync.aligned {n};\\n" ::: "memory"); }}\n' for n in range(4)},
     "k3_fence_proxy_async": '__forceinline__ __device__ void k3_fence_proxy_async() '
                             '{ asm volatile("fence.proxy.async.shared::cta;\\n" ::: "memory"); }\n',
+    "k3_mbar_init": '__forceinline__ __device__ void k3_mbar_init(void* bar, unsigned count) '
+                    '{ asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\\n" :: '
+                    '"r"((unsigned)__cvta_generic_to_shared(bar)), "r"(count) : "memory"); }\n',
+    "k3_mbar_arrive": '__forceinline__ __device__ void k3_mbar_arrive(void* bar) '
+                      '{ asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\\n" :: '
+                      '"r"((unsigned)__cvta_generic_to_shared(bar)) : "memory"); }\n',
+    "k3_cp_async_mbar_arrive": '__forceinline__ __device__ void k3_cp_async_mbar_arrive(void* bar) '
+                               '{ asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\\n" :: '
+                               '"r"((unsigned)__cvta_generic_to_shared(bar)) : "memory"); }\n',
+    "k3_mbar_wait": '__forceinline__ __device__ void k3_mbar_wait(void* bar, unsigned parity) {\n'
+                    '  unsigned a = (unsigned)__cvta_generic_to_shared(bar);\n'
+                    '  asm volatile("{\\n.reg .pred p;\\nK3_MBAR_WAIT_%=:\\n"\n'
+                    '               "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\\n"\n'
+                    '               "@!p bra K3_MBAR_WAIT_%=;\\n}\\n" :: "r"(a), "r"(parity) : "memory");\n}\n',
+    "k3_named_barrier": '__forceinline__ __device__ void k3_named_barrier(unsigned id, unsigned n) '
+                        '{ asm volatile("bar.sync %0, %1;\\n" :: "r"(id), "r"(n) : "memory"); }\n',
     "k3_smem_address": '__forceinline__ __device__ unsigned k3_smem_address(const void* p) '
                        '{ return (unsigned)__cvta_generic_to_shared(p); }\n',
 }
@@ -115,3 +137,54 @@ def swizzle128_word(row, chunk):
     """uint32 word offset, within a 1024-byte-aligned tile of 128-byte rows, of 16-byte chunk
     ``chunk`` (0..7) of row ``row`` under the 128-byte swizzle (Python ints or TIR exprs)."""
     return row * 32 + (chunk ^ (row % 8)) * 4
+
+
+def mbar_init(bar, count):
+    """Initialise the mbarrier at ``bar`` (address of a shared uint64) for ``count`` arrivals
+    per phase (one thread; barrier the block before others use it)."""
+    return cuda_func_call("k3_mbar_init", bar, count, source_code=_SRC["k3_mbar_init"])
+
+
+def mbar_arrive(bar):
+    """One arrival of the executing thread on the mbarrier at ``bar``."""
+    return cuda_func_call("k3_mbar_arrive", bar, source_code=_SRC["k3_mbar_arrive"])
+
+
+def cp_async_mbar_arrive(bar):
+    """An arrival on ``bar`` once the executing thread's earlier ``cp.async`` copies have
+    landed in shared memory (``.noinc``: counted in the init count)."""
+    return cuda_func_call("k3_cp_async_mbar_arrive", bar, source_code=_SRC["k3_cp_async_mbar_arrive"])
+
+
+def mbar_wait(bar, parity):
+    """Spin until the phase of parity ``parity`` (0 / 1, a uint32 expression) of the mbarrier
+    at ``bar`` has completed."""
+    return cuda_func_call("k3_mbar_wait", bar, parity, source_code=_SRC["k3_mbar_wait"])
+
+
+def named_barrier(barrier_id: int, threads: int):
+    """``bar.sync barrier_id, threads``: the first ``threads`` (a multiple of 32) threads that
+    reach barrier ``barrier_id`` (1..15; 0 is ``__syncthreads``) wait for each other."""
+    if not 1 <= barrier_id <= 15 or threads % 32:
+        raise ValueError(f"named barrier id 1..15 and a multiple of 32 threads, got {barrier_id}, {threads}")
+    return cuda_func_call("k3_named_barrier", barrier_id, threads, source_code=_SRC["k3_named_barrier"])
+
+
+
+def setmaxnreg(op: str, n: int):
+    """``setmaxnreg.{op}.sync.aligned.u32 n`` (sm_90a, executed by all threads of a
+    warpgroup): the warpgroup's registers per thread raised (``inc``) or lowered (``dec``) to
+    ``n`` (24..256, a multiple of 8), so that the producer and consumer warpgroups of a block
+    share the register file unevenly. ptxas honours it only with a known register count at
+    entry (``__launch_bounds__`` with a minimum of blocks per SM); the block's total after
+    the changes must stay within the register file.
+
+    Raises:
+        ValueError: ``op`` not inc / dec, ``n`` out of range or not a multiple of 8.
+    """
+    if op not in ("inc", "dec") or not 24 <= n <= 256 or n % 8:
+        raise ValueError(f"setmaxnreg.{op} {n}: inc / dec to a multiple of 8 in 24..256")
+    name = f"k3_setmaxnreg_{op}{n}"
+    src = (f'__forceinline__ __device__ void {name}() '
+           f'{{ asm volatile("setmaxnreg.{op}.sync.aligned.u32 {n};\\n" ::: "memory"); }}\n')
+    return cuda_func_call(name, source_code=src)
