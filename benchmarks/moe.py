@@ -121,7 +121,8 @@ PREFILL_VARIANTS = {}
 # 256 token rows per block, since removed: moe_prefill_r256_ / moe_prefill_t256_h200_2026-11-30.json)
 WGMMA_VARIANTS = {"staged_gu": ({"staged": True}, {}),
                   "ws": ({"warp_specialized": True}, {"warp_specialized": True}),
-                  "ws_s6": ({"warp_specialized": True, "stages": 6}, {"warp_specialized": True, "stages": 6})}
+                  "ws_s3": ({"warp_specialized": True, "stages": 3}, {"warp_specialized": True, "stages": 3}),
+                  "ws_s5": ({"warp_specialized": True, "stages": 5}, {"warp_specialized": True, "stages": 5})}
 
 
 def _variant_bm(gu_kw: dict) -> int:
@@ -448,7 +449,7 @@ def check_small(path: Path, g, repack) -> list:
 
 
 PREFILL_CHECK = ((37, "skewed"), (300, "hot"), (1, "uniform"))
-PREFILL_T = (8192, 2048)
+PREFILL_T = (8192, 4096, 2048)
 
 
 def run_prefill(lib_dir: Path, W, Wb, tw, g, repack) -> dict:

@@ -54,7 +54,7 @@ from schedules.moe_mxfp4_prefill_cuda import (B_ROW_WORDS, BK, BN, MMA_A_REGS, S
 from schedules.moe_plan import BM, BM_WS
 from schedules.mxfp4_ptx import commit, cp_async16, dequant8, factor_bf16x2, wait
 from schedules.wgmma_ptx import (cp_async_mbar_arrive, fence_proxy_async, mbar_arrive, mbar_init, mbar_wait,
-                                 named_barrier, setmaxnreg, smem_address, sw128_desc, swizzle128_word, wgmma_bf16_rs,
+                                 named_barrier, setmaxnreg, smem_address, global_address, cp_async16_raw, sw128_desc, swizzle128_word, wgmma_bf16_rs,
                                  wgmma_commit, wgmma_fence, wgmma_wait)
 
 NT = 256          # threads per block: two warpgroups
@@ -481,8 +481,8 @@ def _grouped_wgmma_ws(kind: str, E: int, N: int, KD: int, top_k: int, beta: floa
                     ok = T.alloc_buffer((1,), "int32", scope="local")
                     ncols = T.alloc_buffer((1,), "int32", scope="local")  # ⌈tile rows / 32⌉
                     desc = T.alloc_buffer((1,), "uint64", scope="local")
-                    srow = T.alloc_buffer((TCH,), "int32", scope="local")   # producer: token chunks' source rows
-                    cw = T.alloc_buffer((CCH,), "int32", scope="local")     # producer: code chunks' step-0 words
+                    ga = T.alloc_buffer((TCH + CCH,), "uint64", scope="local")  # producer: step-0 global addresses
+                    sb = T.alloc_buffer((1,), "uint32", scope="local")   # producer: its stage-0 shared address
                     if T.Cast("int32", blk // NTN) < num_tiles[0]:
                         ncols[0] = (T.min(tiles[blk // NTN, 2] - tiles[blk // NTN, 1], TM) + 31) // 32
                         al[0] = T.Cast("int32", (T.uint32(1024) - smem_address(T.address_of(sm[0])) % T.uint32(1024))
@@ -509,37 +509,40 @@ def _grouped_wgmma_ws(kind: str, E: int, N: int, KD: int, top_k: int, beta: floa
                             T.evaluate(setmaxnreg("dec", REGS_WS[0]))
                             # ---- producers: token chunk j of producer thread p is row p / 8 + (NP / 8)·j,
                             # 16 bytes p % 8; code chunk i is row p / 2 + (NP / 2)·i (gate_up: W1 rows
-                            # below 64, then W3), half p % 2
+                            # below 64, then W3), half p % 2. Global addresses of step 0 in registers,
+                            # advanced by a step's bytes (128 per token row, 32 per code row).
                             for j in T.unroll(TCH):
-                                srow[j] = T.max(row_s[(tx - NC) // 8 + NP // 8 * j], 0)
+                                ga[j] = global_address(T.address_of(xf[
+                                    T.Cast("int64", T.max(row_s[(tx - NC) // 8 + NP // 8 * j], 0)) * KD + (tx - NC) % 8 * 8]))
                             for i in T.unroll(CCH):
-                                if gate_up:
-                                    cw[i] = (tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * 64
-                                             + ((tx - NC) // 2 + NP // 2 * i) % 64) * RW + (tx - NC) % 2 * 4
+                                if gate_up and i * 2 >= CCH:
+                                    ga[TCH + i] = global_address(T.address_of(wq1[
+                                        (tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * 64
+                                         + ((tx - NC) // 2 + NP // 2 * i) % 64) * RW + (tx - NC) % 2 * 4]))
+                                elif gate_up:
+                                    ga[TCH + i] = global_address(T.address_of(wq0[
+                                        (tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * 64
+                                         + ((tx - NC) // 2 + NP // 2 * i) % 64) * RW + (tx - NC) % 2 * 4]))
                                 else:
-                                    cw[i] = (tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * BN
-                                             + (tx - NC) // 2 + NP // 2 * i) * RW + (tx - NC) % 2 * 4
+                                    ga[TCH + i] = global_address(T.address_of(wq0[
+                                        (tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * BN
+                                         + (tx - NC) // 2 + NP // 2 * i) * RW + (tx - NC) % 2 * 4]))
+                            sb[0] = smem_address(T.address_of(sm[al[0]]))
                             for ks in range(NK):
                                 if ks >= NS:
                                     T.evaluate(mbar_wait(T.address_of(sm[OB + 2 * (NS + ks % NS)]),
                                                          T.Cast("uint32", (ks // NS + 1) % 2)))
                                 for j in T.unroll(TCH):
                                     if (tx - NC) // 8 + NP // 8 * j < ncols[0] * 32:
-                                        T.evaluate(cp_async16(
-                                            T.address_of(sm[al[0] + ks % NS * TW + swizzle128_word((tx - NC) // 8, (tx - NC) % 8)
-                                                            + NP // 8 * 32 * j]),
-                                            T.address_of(xf[T.Cast("int64", srow[j]) * KD + (ks * BK + (tx - NC) % 8 * 8)]), 1))
+                                        T.evaluate(cp_async16_raw(
+                                            sb[0] + T.Cast("uint32", (ks % NS * TW + swizzle128_word((tx - NC) // 8, (tx - NC) % 8)
+                                                                      + NP // 8 * 32 * j) * 4),
+                                            ga[j] + T.Cast("uint64", ks * BK * 2)))
                                 for i in T.unroll(CCH):
-                                    if gate_up and i * 2 >= CCH:
-                                        T.evaluate(cp_async16(
-                                            T.address_of(sm[al[0] + CODES + (ks % NS * BN + (tx - NC) // 2 + NP // 2 * i) * B_ROW_WORDS
-                                                            + (tx - NC) % 2 * 4]),
-                                            T.address_of(wq1[cw[i] + ks * (BK // 8)]), 1))
-                                    else:
-                                        T.evaluate(cp_async16(
-                                            T.address_of(sm[al[0] + CODES + (ks % NS * BN + (tx - NC) // 2 + NP // 2 * i) * B_ROW_WORDS
-                                                            + (tx - NC) % 2 * 4]),
-                                            T.address_of(wq0[cw[i] + ks * (BK // 8)]), 1))
+                                    T.evaluate(cp_async16_raw(
+                                        sb[0] + T.Cast("uint32", (CODES + (ks % NS * BN + (tx - NC) // 2 + NP // 2 * i) * B_ROW_WORDS
+                                                                  + (tx - NC) % 2 * 4) * 4),
+                                        ga[TCH + i] + T.Cast("uint64", ks * (BK // 2))))
                                 T.evaluate(cp_async_mbar_arrive(T.address_of(sm[OB + 2 * (ks % NS)])))
                             T.evaluate(wait(0))
                         else:

@@ -25,6 +25,9 @@ TIR through ``cuda_func_call``, with the shared-memory layout their descriptors 
   arrives for the executing thread once all its earlier ``cp.async`` copies have landed (the
   init count includes it); waits spin on ``try_wait.parity`` of the phase.
 - :func:`named_barrier` — ``bar.sync id, threads``: a barrier among some warps of a block.
+- :func:`global_address`, :func:`cp_async16_raw` — a 16-byte ``cp.async.cg`` between a 32-bit
+  shared-window address and a 64-bit global address held as integers, so that a copy loop
+  keeps its addresses in registers and advances them by adds.
 """
 
 from __future__ import annotations
@@ -57,6 +60,10 @@ _SRC = {
                     '               "@!p bra K3_MBAR_WAIT_%=;\\n}\\n" :: "r"(a), "r"(parity) : "memory");\n}\n',
     "k3_named_barrier": '__forceinline__ __device__ void k3_named_barrier(unsigned id, unsigned n) '
                         '{ asm volatile("bar.sync %0, %1;\\n" :: "r"(id), "r"(n) : "memory"); }\n',
+    "k3_global_address": '__forceinline__ __device__ unsigned long long k3_global_address(const void* p) '
+                         '{ return (unsigned long long)__cvta_generic_to_global(p); }\n',
+    "k3_cp_async16_raw": '__forceinline__ __device__ void k3_cp_async16_raw(unsigned s, unsigned long long g) '
+                         '{ asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\\n" :: "r"(s), "l"(g) : "memory"); }\n',
     "k3_smem_address": '__forceinline__ __device__ unsigned k3_smem_address(const void* p) '
                        '{ return (unsigned)__cvta_generic_to_shared(p); }\n',
 }
@@ -188,3 +195,14 @@ def setmaxnreg(op: str, n: int):
     src = (f'__forceinline__ __device__ void {name}() '
            f'{{ asm volatile("setmaxnreg.{op}.sync.aligned.u32 {n};\\n" ::: "memory"); }}\n')
     return cuda_func_call(name, source_code=src)
+
+
+def global_address(p):
+    """uint64 global-window address of a global buffer element ``p`` (``T.address_of``)."""
+    return cuda_func_call("k3_global_address", p, source_code=_SRC["k3_global_address"], return_type="uint64")
+
+
+def cp_async16_raw(smem_addr, gaddr):
+    """16-byte ``cp.async.cg`` from global address ``gaddr`` (uint64) to shared address
+    ``smem_addr`` (uint32; :func:`smem_address`)."""
+    return cuda_func_call("k3_cp_async16_raw", smem_addr, gaddr, source_code=_SRC["k3_cp_async16_raw"])
