@@ -120,9 +120,7 @@ PREFILL_VARIANTS = {}
 # (stages 3, short_tiles=False: moe_prefill_wgmma_final_h200_2026-11-30.json; 256 weight rows or
 # 256 token rows per block, since removed: moe_prefill_r256_ / moe_prefill_t256_h200_2026-11-30.json)
 WGMMA_VARIANTS = {"staged_gu": ({"staged": True}, {}),
-                  "ws": ({"warp_specialized": True}, {"warp_specialized": True}),
-                  "ws_s3": ({"warp_specialized": True, "stages": 3}, {"warp_specialized": True, "stages": 3}),
-                  "ws_s5": ({"warp_specialized": True, "stages": 5}, {"warp_specialized": True, "stages": 5})}
+                  "ws": ({"warp_specialized": True}, {"warp_specialized": True})}
 
 
 def _variant_bm(gu_kw: dict) -> int:

@@ -441,9 +441,17 @@ def _grouped_wgmma_ws(kind: str, E: int, N: int, KD: int, top_k: int, beta: floa
 
     @T.macro
     def cloop(n, n2, sm, al, desc, sc_s, bf, acc, tx):
-        for k2 in range(NK // 2):
-            cstep(n, n2, k2 * 2, 0, sm, al, desc, sc_s, bf, acc, tx)
-            cstep(n, n2, k2 * 2 + 1, 1, sm, al, desc, sc_s, bf, acc, tx)
+        # unrolled by 4 where NS = 4: the stage, its parity and the A buffer are then constants
+        if NS == 4 and NK % 4 == 0:
+            for k4 in range(NK // 4):
+                cstep(n, n2, k4 * 4, 0, sm, al, desc, sc_s, bf, acc, tx)
+                cstep(n, n2, k4 * 4 + 1, 1, sm, al, desc, sc_s, bf, acc, tx)
+                cstep(n, n2, k4 * 4 + 2, 0, sm, al, desc, sc_s, bf, acc, tx)
+                cstep(n, n2, k4 * 4 + 3, 1, sm, al, desc, sc_s, bf, acc, tx)
+        else:
+            for k2 in range(NK // 2):
+                cstep(n, n2, k2 * 2, 0, sm, al, desc, sc_s, bf, acc, tx)
+                cstep(n, n2, k2 * 2 + 1, 1, sm, al, desc, sc_s, bf, acc, tx)
 
     @T.prim_func(private=True)
     def grouped(x_h: T.handle, wp0_h: T.handle, ws0_h: T.handle, wp1_h: T.handle, ws1_h: T.handle,
