@@ -115,19 +115,33 @@ PREFILL_FUNCS = ("moe_sort", "moe_grouped_gate_up", "moe_grouped_down")
 # mma.sync schedule variants besides the defaults of schedules.moe_mxfp4_prefill_cuda (none now:
 # stages 2 / 4 and warps_m 4 were slower, moe_prefill_variants_h200_2026-11-29.json)
 PREFILL_VARIANTS = {}
-# name -> (gate_up kwargs, down kwargs)
-# (stages 3 and short_tiles=False were slower: moe_prefill_wgmma_final_h200_2026-11-30.json)
-# (stages 3, short_tiles=False: moe_prefill_wgmma_final_h200_2026-11-30.json; 256 weight rows or
-# 256 token rows per block, since removed: moe_prefill_r256_ / moe_prefill_t256_h200_2026-11-30.json)
-WGMMA_VARIANTS = {"staged_gu": ({"staged": True}, {}),
-                  "ws": ({"warp_specialized": True}, {"warp_specialized": True})}
+# wgmma variants besides the dispatched build (warp-specialized from WS_MIN_PAIRS_PER_EXPERT pairs
+# per expert, schedules/moe_plan.py): name -> (gate_up kwargs, down kwargs). Slower and removed:
+# stages 3, short_tiles=False (moe_prefill_wgmma_final_h200_2026-11-30.json), 256 weight rows or
+# 256 token rows per block (moe_prefill_r256_ / moe_prefill_t256_h200_2026-11-30.json)
+WGMMA_VARIANTS = {"plain": ({"warp_specialized": False}, {"warp_specialized": False}),
+                  "ws": ({"warp_specialized": True}, {"warp_specialized": True}),
+                  "staged_gu": ({"warp_specialized": False, "staged": True}, {"warp_specialized": False})}
 
 
-def _variant_bm(gu_kw: dict) -> int:
-    """Token rows per tile (the sort's bm) of a wgmma variant's kernels."""
-    from schedules.moe_plan import BM, BM_WS
+def _variant_bm(gu_kw: dict, pairs: int) -> int:
+    """Token rows per tile (the sort's bm) of a wgmma build with gate_up kwargs ``gu_kw`` at
+    ``pairs`` token-expert pairs."""
+    from schedules.moe_plan import BM, BM_WS, tile_rows
 
-    return BM_WS if gu_kw.get("warp_specialized") else BM
+    ws = gu_kw.get("warp_specialized", "auto")
+    return tile_rows(pairs, E, True) if ws == "auto" else (BM_WS if ws else BM)
+
+
+def _wgmma_sort(gu_kw: dict):
+    """The sort kernel whose tile table a wgmma build with gate_up kwargs ``gu_kw`` reads."""
+    from schedules import moe_mxfp4_prefill_cuda as mp
+    from schedules import moe_mxfp4_prefill_wgmma as mw
+
+    ws = gu_kw.get("warp_specialized", "auto")
+    if ws == "auto":
+        return mp.moe_sort_kernel(E, TOPK, bm_large=mw.TM_WS, large_from_pairs=mw.ws_min_pairs(E))
+    return mp.moe_sort_kernel(E, TOPK, mw.TM_WS if ws else mp.BM)
 WGMMA = "wgmma"  # prefill libraries whose name holds this read z and a_sorted in the permuted k order
 SMALL = (3, 512, 512, 2)  # E, L, I, top_k of tests/gpu/check_moe_dispatch.py's model
 
@@ -147,12 +161,12 @@ def build_prefill(out_dir: Path) -> None:
     from schedules import moe_mxfp4_prefill_wgmma as mw
 
     # Hopper wgmma kernels (activations in the permuted k order; the run permutes z)
-    _compile({"moe_sort": mp.moe_sort_kernel(E, TOPK),
+    _compile({"moe_sort": _wgmma_sort({}),
               "moe_grouped_gate_up": mw.moe_grouped_gate_up_wgmma_kernel(E, L, I, TOPK, BETA, BETA_LIN),
               "moe_grouped_down": mw.moe_grouped_down_wgmma_kernel(E, L, I, TOPK)},
              out_dir / f"moe_prefill_{WGMMA}.so")
     for name, (gu_kw, d_kw) in WGMMA_VARIANTS.items():
-        _compile({"moe_sort": mp.moe_sort_kernel(E, TOPK, _variant_bm(gu_kw)),
+        _compile({"moe_sort": _wgmma_sort(gu_kw),
                   "moe_grouped_gate_up": mw.moe_grouped_gate_up_wgmma_kernel(E, L, I, TOPK, BETA, BETA_LIN, **gu_kw),
                   "moe_grouped_down": mw.moe_grouped_down_wgmma_kernel(E, L, I, TOPK, **d_kw)},
                  out_dir / f"moe_prefill_{WGMMA}_{name}.so")
@@ -447,7 +461,7 @@ def check_small(path: Path, g, repack) -> list:
 
 
 PREFILL_CHECK = ((37, "skewed"), (300, "hot"), (1, "uniform"))
-PREFILL_T = (8192, 4096, 2048)
+PREFILL_T = (8192, 6144, 4096, 2048)
 
 
 def run_prefill(lib_dir: Path, W, Wb, tw, g, repack) -> dict:
@@ -463,16 +477,15 @@ def run_prefill(lib_dir: Path, W, Wb, tw, g, repack) -> dict:
     lib = tvm.runtime.load_module(str(lib_dir / "moe_prefill.so"))
     f_sort0, f_gu0, f_down0 = (lib[n] for n in PREFILL_FUNCS)
     wg_path = lib_dir / f"moe_prefill_{WGMMA}.so"
-    flavors = {"mma_sync": (None, False, BM)}  # name -> (functions, permuted k order, tile rows)
+    flavors = {"mma_sync": (None, False, None)}  # name -> (functions, permuted k order, wgmma gate_up kwargs)
     if wg_path.exists():
         wl = tvm.runtime.load_module(str(wg_path))
-        flavors[WGMMA] = (tuple(wl[n] for n in PREFILL_FUNCS), True, BM)
+        flavors[WGMMA] = (tuple(wl[n] for n in PREFILL_FUNCS), True, {})
     for name in WGMMA_VARIANTS:  # every wgmma variant through the same checks
         vp = lib_dir / f"moe_prefill_{WGMMA}_{name}.so"
         if vp.exists():
             vl = tvm.runtime.load_module(str(vp))
-            flavors[f"{WGMMA}_{name}"] = (tuple(vl[n] for n in PREFILL_FUNCS), True,
-                                          _variant_bm(WGMMA_VARIANTS[name][0]))
+            flavors[f"{WGMMA}_{name}"] = (tuple(vl[n] for n in PREFILL_FUNCS), True, WGMMA_VARIANTS[name][0])
     dev = torch.device("cuda")
     res = {"check": [], "timing": []}
     if (lib_dir / "moe_prefill_small.so").exists():
@@ -526,7 +539,7 @@ def run_prefill(lib_dir: Path, W, Wb, tw, g, repack) -> dict:
         return bufs, route, gemms
 
     inputs = {}
-    for (T, kind), (flavor, (fns, permuted, bm)) in itertools.product(PREFILL_CHECK, flavors.items()):
+    for (T, kind), (flavor, (fns, permuted, gu_kw)) in itertools.product(PREFILL_CHECK, flavors.items()):
         # the same routing and tokens for both kernel families
         if (T, kind) not in inputs:
             inputs[T, kind] = (routing(T, kind), torch.randn(T, L, device=dev, generator=g).to(torch.bfloat16), {})
@@ -535,6 +548,7 @@ def run_prefill(lib_dir: Path, W, Wb, tw, g, repack) -> dict:
         route()
         gemms()
         torch.cuda.synchronize()
+        bm = BM if gu_kw is None else _variant_bm(gu_kw, T * TOPK)
         counts, _, tiles, order = moe_prefill_plan_reference(ids.cpu().numpy(), E, bm)
         nt = int(bufs["num_tiles"][0])
         plan_ok = (bool((bufs["counts"].cpu().numpy() == counts).all())

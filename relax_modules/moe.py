@@ -177,8 +177,8 @@ class RoutedExperts(nn.Module):
     def _prefill_tuned(self, z: Tensor, ids: Tensor) -> Tensor:
         """Prefill (many tokens): pairs sorted into expert order with a tile table (one
         kernel), then the grouped MXFP4 GEMMs (W1/W3 + SiTU into expert order, W2 back
-        into pair order) on tensor cores (``mma.sync``; on Hopper ``wgmma``); only experts that
-        received tokens are read."""
+        into pair order) on tensor cores (``mma.sync``; on Hopper ``wgmma``, warp-specialized
+        from ``mw.ws_min_pairs(E)`` pairs); only experts that received tokens are read."""
         E, L, I, k = self.sizes
         n = z.shape[0]
         pairs = n * k
@@ -191,8 +191,12 @@ class RoutedExperts(nn.Module):
         else:
             gu_kernel = mp.moe_grouped_gate_up_kernel(E, L, I, k, self.beta, self.beta_lin)
             down_kernel = mp.moe_grouped_down_kernel(E, L, I, k)
+        # wgmma: the GEMMs run warp-specialized on 192-row tiles from ws_min_pairs(E) pairs; the
+        # sort's tile table branches on the same count
+        sort = (mp.moe_sort_kernel(E, k, bm_large=mw.TM_WS, large_from_pairs=mw.ws_min_pairs(E)) if self.wgmma
+                else mp.moe_sort_kernel(E, k))
         sorted_pair, tiles, num_tiles, _ = _fill(
-            mp.moe_sort_kernel(E, k), "moe_sort", [ids],
+            sort, "moe_sort", [ids],
             [([pairs], "int32"), ([mp.max_tiles(pairs, E), 3], "int32"), ([1], "int32"), ([E], "int32")])
         a = _fill(gu_kernel, "moe_grouped_gate_up",
                   [z, self.w1.weight_packed, self.w1.weight_scale, self.w3.weight_packed,

@@ -125,7 +125,8 @@ B_ROW_WORDS = 12  # uint32 per packed weight row in shared memory (64 codes + 16
 
 # ----------------------------------------------------------------------------- permutation
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
-def moe_sort_kernel(num_experts: int, top_k: int, bm: int = BM):
+def moe_sort_kernel(num_experts: int, top_k: int, bm: int = BM, bm_large: int | None = None,
+                    large_from_pairs: int | None = None):
     """Token-expert pairs into expert order, and the GEMM tile table (CUDA, one block of
     1024 threads; E ≤ 1024).
 
@@ -138,6 +139,10 @@ def moe_sort_kernel(num_experts: int, top_k: int, bm: int = BM):
         num_tiles    [1]             int32   out: Σ_e ⌈count_e / BM⌉
         counts       [E]             int32   out: pairs per expert
 
+    BM is ``bm``, or ``bm_large`` where the pairs (T·k) reach ``large_from_pairs`` (the tiles
+    of the warp-specialized wgmma kernels, schedules/moe_mxfp4_prefill_wgmma.py, which branch
+    on the same count).
+
     Steps: shared-memory counters zeroed, one ``atomicAdd`` per pair; Hillis-Steele scans of
     the counts and of the tiles per expert; the counters become cursors at each expert's
     offset and a second ``atomicAdd`` pass places every pair. Every output is written without
@@ -148,6 +153,11 @@ def moe_sort_kernel(num_experts: int, top_k: int, bm: int = BM):
     """
     E, K = num_experts, top_k
     TX = PLAN_THREADS
+    if (bm_large is None) != (large_from_pairs is None):
+        raise ValueError("bm_large and large_from_pairs go together")
+    LARGE = bm_large is not None
+    BML = bm_large if LARGE else bm
+    FROM = large_from_pairs if LARGE else 0
     if E > TX:
         raise ValueError(f"moe_sort_kernel handles at most {TX} experts, got {E}")
     steps = (TX - 1).bit_length()
@@ -167,9 +177,14 @@ def moe_sort_kernel(num_experts: int, top_k: int, bm: int = BM):
                 cnt = T.alloc_buffer((TX,), "int32", scope="shared")
                 sc = T.alloc_buffer((2 * 2 * TX,), "int32", scope="shared")  # [buf, {rows, tiles}, e]
                 mine = T.alloc_buffer((2,), "int32", scope="local")
+                tr = T.alloc_buffer((1,), "int32", scope="local")   # rows per tile
                 i = T.alloc_buffer((1,), "int32", scope="local")
                 p = T.alloc_buffer((1,), "int32", scope="local")
                 cnt[tx] = 0
+                if LARGE:
+                    tr[0] = T.if_then_else(nt * K >= FROM, BML, bm)
+                else:
+                    tr[0] = bm
                 T.tvm_storage_sync("shared")
                 p[0] = tx
                 while p[0] < T.Cast("int32", nt * K):
@@ -177,7 +192,7 @@ def moe_sort_kernel(num_experts: int, top_k: int, bm: int = BM):
                     p[0] = p[0] + TX
                 T.tvm_storage_sync("shared")
                 mine[0] = cnt[tx]
-                mine[1] = (mine[0] + bm - 1) // bm
+                mine[1] = (mine[0] + tr[0] - 1) // tr[0]
                 sc[tx] = mine[0]
                 sc[TX + tx] = mine[1]
                 for s in range(steps):
@@ -194,7 +209,7 @@ def moe_sort_kernel(num_experts: int, top_k: int, bm: int = BM):
                     i[0] = 0
                     while i[0] < mine[1]:
                         tiles[sc[fin + TX + tx] - mine[1] + i[0], 0] = tx
-                        tiles[sc[fin + TX + tx] - mine[1] + i[0], 1] = sc[fin + tx] - mine[0] + i[0] * bm
+                        tiles[sc[fin + TX + tx] - mine[1] + i[0], 1] = sc[fin + tx] - mine[0] + i[0] * tr[0]
                         tiles[sc[fin + TX + tx] - mine[1] + i[0], 2] = sc[fin + tx]
                         i[0] = i[0] + 1
                 if tx == TX - 1:

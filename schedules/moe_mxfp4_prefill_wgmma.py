@@ -51,7 +51,7 @@ from tvm.script import tirx as T
 from schedules.barriers import mark
 from schedules.moe_mxfp4_prefill_cuda import (B_ROW_WORDS, BK, BN, MMA_A_REGS, SMEM_LIMIT, block_scale_word,
                                               situ_expr)
-from schedules.moe_plan import BM, BM_WS
+from schedules.moe_plan import BM, BM_WS, WS_MIN_PAIRS_PER_EXPERT
 from schedules.mxfp4_ptx import commit, cp_async16, dequant8, factor_bf16x2, wait
 from schedules.wgmma_ptx import (cp_async_mbar_arrive, fence_proxy_async, mbar_arrive, mbar_init, mbar_wait,
                                  named_barrier, setmaxnreg, smem_address, global_address, cp_async16_raw, sw128_desc, swizzle128_word, wgmma_bf16_rs,
@@ -86,7 +86,7 @@ def permute_inputs_reference(x: np.ndarray) -> np.ndarray:
 def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
                    beta_lin: float | None = None, out_dtype: str = "bfloat16", stages: int = STAGES,
                    short_tiles: bool = True, staged: bool = False):
-    """Builder of both kernels; arguments as :func:`schedules.moe_mxfp4_prefill_cuda.
+    """Body (a macro for :func:`_wrap`) of both kernels; arguments as :func:`schedules.moe_mxfp4_prefill_cuda.
     _grouped_gemm`, with the activations (gate_up's ``z``, down's ``a_sorted``) and gate_up's
     output in the permuted k order. ``short_tiles``: tiles of at most 64 (32) rows use a
     wgmma of N = 64 (32) instead of 128; ``staged`` (gate_up): the outputs go through shared
@@ -195,25 +195,9 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
             kstep(n, k2 * 2, 0, sm, al, pre, tsrc, desc, sc_s, xf, wq0, wq1, bf, acc, tx)
             kstep(n, k2 * 2 + 1, 1, sm, al, pre, tsrc, desc, sc_s, xf, wq0, wq1, bf, acc, tx)
 
-    @T.prim_func(private=True)
-    def grouped(x_h: T.handle, wp0_h: T.handle, ws0_h: T.handle, wp1_h: T.handle, ws1_h: T.handle,
-                sorted_h: T.handle, tiles_h: T.handle, num_tiles: T.Buffer((1,), "int32"),
-                y_h: T.handle):
-        T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
-        nt = T.int64()
-        mt = T.int64()
-        if gate_up:
-            x = T.match_buffer(x_h, (nt, KD), "bfloat16")
-            y = T.match_buffer(y_h, (nt * K, N), out_dtype)
-        else:
-            y = T.match_buffer(y_h, (nt, K, N), out_dtype)
-            x = T.match_buffer(x_h, (nt * K, KD), "bfloat16")
-        wp0 = T.match_buffer(wp0_h, (E, N, KD // 2), "uint8")
-        ws0 = T.match_buffer(ws0_h, (E, N, KG), "uint8")
-        wp1 = T.match_buffer(wp1_h, (E, N, KD // 2), "uint8")
-        ws1 = T.match_buffer(ws1_h, (E, N, KG), "uint8")
-        sorted_pair = T.match_buffer(sorted_h, (nt * K,), "int32")
-        tiles = T.match_buffer(tiles_h, (mt, 3), "int32")
+    @T.macro
+    def grouped(x, wp0, ws0, wp1, ws1, sorted_pair, tiles, num_tiles, y, nt, mt):
+        """The kernel on the buffers of :func:`_wrap`'s PrimFunc (``nt`` tokens, ``mt`` tile rows)."""
         xf = T.decl_buffer((x.shape[0] * KD,), "bfloat16", data=x.data)
         wq0 = T.decl_buffer((E * N * RW,), "uint32", data=wp0.data)
         wq1 = T.decl_buffer((E * N * RW,), "uint32", data=wp1.data)
@@ -333,8 +317,7 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
                                       T.Cast("int32", blk % NTN) * BN + tx // 32 * 16 + tx % 32 // 4
                                       + i % 4 // 2 * 8] = T.Cast(out_dtype, acc[i])
 
-    # barriers placed by hand: compile inside schedules.barriers.respect_manual_barriers()
-    return mark(grouped)
+    return grouped
 
 
 TM_WS = BM_WS      # token rows per tile of the warp-specialized kernels (the sort's bm): 192
@@ -453,25 +436,9 @@ def _grouped_wgmma_ws(kind: str, E: int, N: int, KD: int, top_k: int, beta: floa
                 cstep(n, n2, k2 * 2, 0, sm, al, desc, sc_s, bf, acc, tx)
                 cstep(n, n2, k2 * 2 + 1, 1, sm, al, desc, sc_s, bf, acc, tx)
 
-    @T.prim_func(private=True)
-    def grouped(x_h: T.handle, wp0_h: T.handle, ws0_h: T.handle, wp1_h: T.handle, ws1_h: T.handle,
-                sorted_h: T.handle, tiles_h: T.handle, num_tiles: T.Buffer((1,), "int32"),
-                y_h: T.handle):
-        T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
-        nt = T.int64()
-        mt = T.int64()
-        if gate_up:
-            x = T.match_buffer(x_h, (nt, KD), "bfloat16")
-            y = T.match_buffer(y_h, (nt * K, N), out_dtype)
-        else:
-            y = T.match_buffer(y_h, (nt, K, N), out_dtype)
-            x = T.match_buffer(x_h, (nt * K, KD), "bfloat16")
-        wp0 = T.match_buffer(wp0_h, (E, N, KD // 2), "uint8")
-        ws0 = T.match_buffer(ws0_h, (E, N, KG), "uint8")
-        wp1 = T.match_buffer(wp1_h, (E, N, KD // 2), "uint8")
-        ws1 = T.match_buffer(ws1_h, (E, N, KG), "uint8")
-        sorted_pair = T.match_buffer(sorted_h, (nt * K,), "int32")
-        tiles = T.match_buffer(tiles_h, (mt, 3), "int32")
+    @T.macro
+    def grouped(x, wp0, ws0, wp1, ws1, sorted_pair, tiles, num_tiles, y, nt, mt):
+        """The kernel on the buffers of :func:`_wrap`'s PrimFunc (``nt`` tokens, ``mt`` tile rows)."""
         xf = T.decl_buffer((x.shape[0] * KD,), "bfloat16", data=x.data)
         wq0 = T.decl_buffer((E * N * RW,), "uint32", data=wp0.data)
         wq1 = T.decl_buffer((E * N * RW,), "uint32", data=wp1.data)
@@ -596,14 +563,75 @@ def _grouped_wgmma_ws(kind: str, E: int, N: int, KD: int, top_k: int, beta: floa
                                           T.Cast("int32", blk % NTN) * BN + tx // 32 * 16 + tx % 32 // 4
                                           + i % 4 // 2 * 8] = T.Cast(out_dtype, acc[i])
 
+    return grouped
+
+
+def ws_min_pairs(num_experts: int) -> int:
+    """Token-expert pairs from which the kernels take their warp-specialized form (tiles of
+    :data:`TM_WS` rows): :data:`schedules.moe_plan.WS_MIN_PAIRS_PER_EXPERT` per expert."""
+    return WS_MIN_PAIRS_PER_EXPERT * num_experts
+
+
+def _wrap(kind: str, E: int, N: int, KD: int, top_k: int, out_dtype: str, plain, ws, ws_from: int):
+    """The PrimFunc around the kernel bodies: ``plain`` (:func:`_grouped_wgmma`) or ``ws``
+    (:func:`_grouped_wgmma_ws`), or both with a host-side branch — the warp-specialized form
+    where the pairs (tokens · top_k) reach ``ws_from``, which the sort's tile table follows
+    (``moe_sort_kernel(..., bm_large=TM_WS, large_from_pairs=ws_from)``)."""
+    K = top_k
+    KG = KD // 32
+    gate_up = kind == "gate_up"
+    BOTH = plain is not None and ws is not None
+    only = plain if ws is None else ws
+
+    @T.prim_func(private=True)
+    def grouped(x_h: T.handle, wp0_h: T.handle, ws0_h: T.handle, wp1_h: T.handle, ws1_h: T.handle,
+                sorted_h: T.handle, tiles_h: T.handle, num_tiles: T.Buffer((1,), "int32"),
+                y_h: T.handle):
+        T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
+        nt = T.int64()
+        mt = T.int64()
+        if gate_up:
+            x = T.match_buffer(x_h, (nt, KD), "bfloat16")
+            y = T.match_buffer(y_h, (nt * K, N), out_dtype)
+        else:
+            y = T.match_buffer(y_h, (nt, K, N), out_dtype)
+            x = T.match_buffer(x_h, (nt * K, KD), "bfloat16")
+        wp0 = T.match_buffer(wp0_h, (E, N, KD // 2), "uint8")
+        ws0 = T.match_buffer(ws0_h, (E, N, KG), "uint8")
+        wp1 = T.match_buffer(wp1_h, (E, N, KD // 2), "uint8")
+        ws1 = T.match_buffer(ws1_h, (E, N, KG), "uint8")
+        sorted_pair = T.match_buffer(sorted_h, (nt * K,), "int32")
+        tiles = T.match_buffer(tiles_h, (mt, 3), "int32")
+        if BOTH:
+            if nt * K >= ws_from:
+                ws(x, wp0, ws0, wp1, ws1, sorted_pair, tiles, num_tiles, y, nt, mt)
+            else:
+                plain(x, wp0, ws0, wp1, ws1, sorted_pair, tiles, num_tiles, y, nt, mt)
+        else:
+            only(x, wp0, ws0, wp1, ws1, sorted_pair, tiles, num_tiles, y, nt, mt)
+
+    # barriers placed by hand: compile inside schedules.barriers.respect_manual_barriers()
     return mark(grouped)
+
+
+def _bodies(kind, E, N, KD, top_k, beta, beta_lin, out_dtype, stages, short_tiles, staged, warp_specialized):
+    """(plain body or None, warp-specialized body or None, the branch's pair count) for the
+    ``warp_specialized`` choice (False, True or "auto")."""
+    if warp_specialized not in (False, True, "auto"):
+        raise ValueError(f"warp_specialized must be False, True or 'auto', got {warp_specialized!r}")
+    plain = ws = None
+    if warp_specialized is not True:
+        plain = _grouped_wgmma(kind, E, N, KD, top_k, beta, beta_lin, out_dtype, stages, short_tiles, staged)
+    if warp_specialized:
+        ws = _grouped_wgmma_ws(kind, E, N, KD, top_k, beta, beta_lin, out_dtype, STAGES)
+    return plain, ws, ws_min_pairs(E)
 
 
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def moe_grouped_gate_up_wgmma_kernel(num_experts: int, latent: int, inter: int, top_k: int,
                                      beta: float, beta_lin: float | None, out_dtype: str = "bfloat16",
                                      stages: int = STAGES, short_tiles: bool = True, staged: bool = False,
-                                     warp_specialized: bool = False):
+                                     warp_specialized: bool | str = "auto"):
     """Grouped MXFP4 GEMM for W1/W3 with SiTU fused, on wgmma (cuda-sm90a). Arguments as
     :func:`schedules.moe_mxfp4_prefill_cuda.moe_grouped_gate_up_kernel`, except: ``z [T, L]``
     in the permuted k order, ``a_sorted [T·k, I]`` written in the permuted k order.
@@ -612,16 +640,15 @@ def moe_grouped_gate_up_wgmma_kernel(num_experts: int, latent: int, inter: int, 
         ValueError: L not a multiple of 128, I not a multiple of 64; ``stages < 3``; shared
             memory over the limit (the scale table grows with L).
     """
-    if warp_specialized:
-        return _grouped_wgmma_ws("gate_up", num_experts, inter, latent, top_k, beta, beta_lin, out_dtype, stages)
-    return _grouped_wgmma("gate_up", num_experts, inter, latent, top_k, beta, beta_lin, out_dtype, stages,
-                          short_tiles, staged)
+    plain, ws, ws_from = _bodies("gate_up", num_experts, inter, latent, top_k, beta, beta_lin, out_dtype, stages,
+                                 short_tiles, staged, warp_specialized)
+    return _wrap("gate_up", num_experts, inter, latent, top_k, out_dtype, plain, ws, ws_from)
 
 
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def moe_grouped_down_wgmma_kernel(num_experts: int, latent: int, inter: int, top_k: int,
                                   out_dtype: str = "bfloat16", stages: int = STAGES,
-                                  short_tiles: bool = True, warp_specialized: bool = False):
+                                  short_tiles: bool = True, warp_specialized: bool | str = "auto"):
     """Grouped MXFP4 GEMM for W2 on wgmma (cuda-sm90a). Arguments as :func:`schedules.
     moe_mxfp4_prefill_cuda.moe_grouped_down_kernel`, with ``a_sorted`` in the permuted k order.
 
@@ -629,7 +656,6 @@ def moe_grouped_down_wgmma_kernel(num_experts: int, latent: int, inter: int, top
         ValueError: I not a multiple of 128, L not a multiple of 128; ``stages < 3``; shared
             memory over the limit.
     """
-    if warp_specialized:
-        return _grouped_wgmma_ws("down", num_experts, latent, inter, top_k, out_dtype=out_dtype, stages=stages)
-    return _grouped_wgmma("down", num_experts, latent, inter, top_k, out_dtype=out_dtype, stages=stages,
-                          short_tiles=short_tiles)
+    plain, ws, ws_from = _bodies("down", num_experts, latent, inter, top_k, 0.0, None, out_dtype, stages,
+                                 short_tiles, False, warp_specialized)
+    return _wrap("down", num_experts, latent, inter, top_k, out_dtype, plain, ws, ws_from)

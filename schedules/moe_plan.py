@@ -8,6 +8,17 @@ import numpy as np
 
 BM = 128          # rows (token-expert pairs) per tile
 BM_WS = 192       # rows per tile of the warp-specialized wgmma kernels (moe_mxfp4_prefill_wgmma.py)
+# the wgmma kernels take their warp-specialized form (and the sort BM_WS-row tiles) from this many
+# token-expert pairs per expert on average (H200: faster at 146, slower at 73;
+# benchmarks/results/moe_prefill_ws_h200_2026-11-30.json)
+WS_MIN_PAIRS_PER_EXPERT = 104
+
+
+def tile_rows(num_pairs: int, num_experts: int, warp_specialized: bool) -> int:
+    """Rows per tile of the sort's tile table for ``num_pairs`` pairs: :data:`BM_WS` where the
+    wgmma kernels run warp-specialized (``warp_specialized`` and at least
+    :data:`WS_MIN_PAIRS_PER_EXPERT` pairs per expert), else :data:`BM`."""
+    return BM_WS if warp_specialized and num_pairs >= WS_MIN_PAIRS_PER_EXPERT * num_experts else BM
 
 
 def max_tiles(num_pairs, num_experts: int, bm: int = BM):
