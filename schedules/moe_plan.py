@@ -11,7 +11,7 @@ BM_WS = 192       # rows per tile of the warp-specialized wgmma kernels (moe_mxf
 # the wgmma kernels take their warp-specialized form (and the sort BM_WS-row tiles) from this many
 # token-expert pairs per expert on average (H200: faster at 146, slower at 73;
 # benchmarks/results/moe_prefill_ws_h200_2026-11-30.json)
-WS_MIN_PAIRS_PER_EXPERT = 104
+WS_MIN_PAIRS_PER_EXPERT = 128
 
 
 def tile_rows(num_pairs: int, num_experts: int, warp_specialized: bool) -> int:
