@@ -122,8 +122,7 @@ PREFILL_VARIANTS = {}
 WGMMA_VARIANTS = {"plain": ({"warp_specialized": False}, {"warp_specialized": False}),
                   "ws": ({"warp_specialized": True}, {"warp_specialized": True}),
                   **{f"ws_{n}": ({"warp_specialized": True, "ws_options": o}, {"warp_specialized": True, "ws_options": o})
-                     for n, o in (("l2", (("l2_hints", True),)), ("split", (("split_codes", True),)),
-                                  ("l2_split", (("l2_hints", True), ("split_codes", True))))},
+                     for n, o in (("split", (("split_codes", True),)),)},
                   "staged_gu": ({"warp_specialized": False, "staged": True}, {"warp_specialized": False})}
 
 

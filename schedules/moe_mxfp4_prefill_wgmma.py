@@ -368,7 +368,7 @@ def _grouped_wgmma_ws(kind: str, E: int, N: int, KD: int, top_k: int, beta: floa
     OB = 256 + NS * TW + NS * BN * B_ROW_WORDS   # word offset of the mbarriers (full, empty, codes)
     SM_WORDS = OB + 6 * NS
     CB = 2 * NS                  # split_codes: barrier index of codes[0]
-    smem = SM_WORDS * 4 + BN * KGW * 4 + TM * 4
+    smem = SM_WORDS * 4 + BN * KGW * 4 + TM * 8
     if smem > SMEM_LIMIT:
         raise ValueError(f"input width {KD} needs {smem} bytes of shared memory per block (limit {SMEM_LIMIT})")
     ND = TM // 2                 # fp32 accumulators per consumer thread (64 rows × TM tokens / 128)
@@ -383,6 +383,17 @@ def _grouped_wgmma_ws(kind: str, E: int, N: int, KD: int, top_k: int, beta: floa
     BL = float(beta_lin) if beta_lin is not None else 0.0
     use_bl = beta_lin is not None
     A0, A1 = MMA_A_REGS
+
+    @T.macro
+    def situ_store(y, row_s, tiles, blk, t, i, val, ok):
+        """gate_up output ``i`` of consumer thread ``t`` (of a warpgroup's 128): row i // 4 · 8 +
+        2(t % 4) + i % 2 of the tile, column 16(t / 32) + (t % 32) / 4 + 8((i % 4) / 2) of the
+        block's 64, permuted; rows past the tile's end are skipped."""
+        ok[0] = row_s[i // 4 * 8 + t % 4 * 2 + i % 2]
+        if ok[0] >= 0:
+            y[tiles[blk // NTN, 1] + i // 4 * 8 + t % 4 * 2 + i % 2,
+              permuted_position(T.Cast("int32", blk % NTN) * 64 + t // 32 * 16 + t % 32 // 4 + i % 4 // 2 * 8)] = \
+                T.Cast(out_dtype, val)
 
     @T.macro
     def wg(n, regs, buf, hk, m, half, desc, bf, acc, ks):
@@ -453,12 +464,14 @@ def _grouped_wgmma_ws(kind: str, E: int, N: int, KD: int, top_k: int, beta: floa
         wq1 = T.decl_buffer((E * N * RW,), "uint32", data=wp1.data)
         sq0 = T.decl_buffer((E * N * KGW,), "uint32", data=ws0.data)
         sq1 = T.decl_buffer((E * N * KGW,), "uint32", data=ws1.data)
+        yf = T.decl_buffer((y.shape[0] * (1 if gate_up else K) * N,), out_dtype, data=y.data)
         for blk in T.thread_binding(mt * NTN, thread="blockIdx.x"):
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
                 with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", 1):
                     sm = T.alloc_buffer((SM_WORDS,), "uint32", scope="shared.dyn")
                     sc_s = T.alloc_buffer((BN * KGW,), "uint32", scope="shared.dyn")  # E8M0 bytes, whole K
                     row_s = T.alloc_buffer((TM,), "int32", scope="shared.dyn")  # the row of x, or -1
+                    dst_s = T.alloc_buffer((TM,), "int32", scope="shared.dyn")  # down: the row of o (t·k + j), or -1
                     al = T.alloc_buffer((1,), "int32", scope="local")
                     acc = T.alloc_buffer((ND,), "float32", scope="local")
                     bf = T.alloc_buffer((32,), "uint32", scope="local")
@@ -481,6 +494,9 @@ def _grouped_wgmma_ws(kind: str, E: int, N: int, KD: int, top_k: int, beta: floa
                                 row_s[tx] = T.if_then_else(
                                     tiles[blk // NTN, 1] + tx < tiles[blk // NTN, 2],
                                     tiles[blk // NTN, 1] + tx, -1)
+                                dst_s[tx] = T.if_then_else(
+                                    tiles[blk // NTN, 1] + tx < tiles[blk // NTN, 2],
+                                    sorted_pair[T.min(tiles[blk // NTN, 1] + tx, T.Cast("int32", nt * K) - 1)], -1)
                         for it in range((BN * KGW + NT - 1) // NT):
                             if it * NT + tx < BN * KGW:
                                 sc_s[it * NT + tx] = block_scale_word(gate_up, sq0, sq1, tiles, blk, it * NT + tx,
@@ -568,28 +584,34 @@ def _grouped_wgmma_ws(kind: str, E: int, N: int, KD: int, top_k: int, beta: floa
                             # every step's stage has landed and been read: the token stages are free
                             T.evaluate(named_barrier(1, NC))
                             if gate_up:
+                                # SiTU split between the warpgroups: outputs i < ND/2 on the W1 one (u from
+                                # the W3 one), i >= ND/2 on the W3 one (g from the W1 one); thread t = tx %
+                                # (NC/2) of either holds the same rows and columns
                                 if tx >= NC // 2:
-                                    for i in T.unroll(ND):
+                                    for i in T.unroll(ND // 2):
                                         sm[al[0] + i * (NC // 2) + tx - NC // 2] = T.reinterpret(
                                             "uint32", T.Cast("float32", T.Cast("bfloat16", acc[i])))
+                                else:
+                                    for i in T.unroll(ND // 2):
+                                        sm[al[0] + (ND // 2 + i) * (NC // 2) + tx] = T.reinterpret(
+                                            "uint32", T.Cast("float32", T.Cast("bfloat16", acc[ND // 2 + i])))
                                 T.evaluate(named_barrier(1, NC))
                                 if tx < NC // 2:
-                                    for i in T.unroll(ND):
-                                        ok[0] = row_s[i // 4 * 8 + tx % 4 * 2 + i % 2]
-                                        if ok[0] >= 0:
-                                            y[tiles[blk // NTN, 1] + i // 4 * 8 + tx % 4 * 2 + i % 2,
-                                              permuted_position(T.Cast("int32", blk % NTN) * 64 + tx // 32 * 16
-                                                                + tx % 32 // 4 + i % 4 // 2 * 8)] = T.Cast(out_dtype, situ_expr(
-                                                  T.Cast("float32", T.Cast("bfloat16", acc[i])),
-                                                  T.reinterpret("float32", sm[al[0] + i * (NC // 2) + tx]), B, BL, use_bl))
+                                    for i in T.unroll(ND // 2):
+                                        situ_store(y, row_s, tiles, blk, tx, i, situ_expr(
+                                            T.Cast("float32", T.Cast("bfloat16", acc[i])),
+                                            T.reinterpret("float32", sm[al[0] + i * (NC // 2) + tx]), B, BL, use_bl), ok)
+                                else:
+                                    for i in T.unroll(ND // 2):
+                                        situ_store(y, row_s, tiles, blk, tx - NC // 2, ND // 2 + i, situ_expr(
+                                            T.reinterpret("float32", sm[al[0] + (ND // 2 + i) * (NC // 2) + tx - NC // 2]),
+                                            T.Cast("float32", T.Cast("bfloat16", acc[ND // 2 + i])), B, BL, use_bl), ok)
                             else:
                                 for i in T.unroll(ND):
-                                    ok[0] = row_s[i // 4 * 8 + tx % 4 * 2 + i % 2]
+                                    ok[0] = dst_s[i // 4 * 8 + tx % 4 * 2 + i % 2]
                                     if ok[0] >= 0:
-                                        y[sorted_pair[tiles[blk // NTN, 1] + i // 4 * 8 + tx % 4 * 2 + i % 2] // K,
-                                          sorted_pair[tiles[blk // NTN, 1] + i // 4 * 8 + tx % 4 * 2 + i % 2] % K,
-                                          T.Cast("int32", blk % NTN) * BN + tx // 32 * 16 + tx % 32 // 4
-                                          + i % 4 // 2 * 8] = T.Cast(out_dtype, acc[i])
+                                        yf[T.Cast("int64", ok[0]) * N + T.Cast("int32", blk % NTN) * BN + tx // 32 * 16
+                                           + tx % 32 // 4 + i % 4 // 2 * 8] = T.Cast(out_dtype, acc[i])
 
     return grouped
 
