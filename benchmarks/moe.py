@@ -29,10 +29,14 @@ w3, w2) / measured device-to-device copy bandwidth; the torch loop runs per dist
 Prefill correctness: the tile table and permutation vs NumPy, both GEMM outputs vs torch fp32
 for routings with experts of 0, 1 and 300 tokens, for both kernel families on the same inputs
 (their a and o compared with each other; the wgmma ones un-permuted), and at the small shapes of
-tests/gpu/check_moe_dispatch.py. Prefill timing (T = 8192, 2048, uniform top-16 routing):
+tests/gpu/check_moe_dispatch.py. Prefill timing (T = 8192, 6144, 4096, 2048, uniform top-16 routing):
 the two grouped GEMMs (and the sort on its own) vs ``torch._grouped_mm`` over the same sorted
 tokens with bf16 copies of all 896 experts (sorting outside its timing), and vs the bf16
-peak measured with an 8192³ ``torch.matmul``. Results: JSON + PNG under ``--out``.
+peak measured with an 8192³ ``torch.matmul``; ``ours_*`` are the ``mma.sync`` kernels (other
+CUDA targets), ``dispatched_sm90a_*`` what cuda-sm90a runs (the wgmma build: plain, or
+warp-specialized from WS_MIN_PAIRS_PER_EXPERT pairs per expert), and every wgmma variant's
+time and largest output difference from the ``mma.sync`` output are under ``variants_*``
+(each variant also runs every prefill check). Results: JSON + PNG under ``--out``.
 """
 
 from __future__ import annotations
@@ -121,8 +125,6 @@ PREFILL_VARIANTS = {}
 # 256 token rows per block (moe_prefill_r256_ / moe_prefill_t256_h200_2026-11-30.json)
 WGMMA_VARIANTS = {"plain": ({"warp_specialized": False}, {"warp_specialized": False}),
                   "ws": ({"warp_specialized": True}, {"warp_specialized": True}),
-                  **{f"ws_{n}": ({"warp_specialized": True, "ws_options": o}, {"warp_specialized": True, "ws_options": o})
-                     for n, o in (("split", (("split_codes", True),)),)},
                   "staged_gu": ({"warp_specialized": False, "staged": True}, {"warp_specialized": False})}
 
 
@@ -664,6 +666,14 @@ def run_prefill(lib_dir: Path, W, Wb, tw, g, repack) -> dict:
             row["rel_diff_vs_torch"] = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
         except Exception as exc:  # noqa: BLE001 - keep our numbers if torch lacks the op
             row["torch_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        # what cuda-sm90a dispatches (the wgmma build; warp-specialized from WS_MIN_PAIRS_PER_EXPERT)
+        t_wg = row.get("variants_gemms_ms", {}).get(f"moe_prefill_{WGMMA}")
+        if t_wg:
+            row.update({"dispatched_sm90a_ms": t_wg, "dispatched_sm90a_tflops": flop / (t_wg / 1e3) / 1e12,
+                        "dispatched_sm90a_pct_peak": 100 * flop / (t_wg / 1e3) / 1e12 / peak,
+                        "dispatched_sm90a_form": "warp_specialized" if _variant_bm({}, P) != BM else "plain"})
+            if "torch_grouped_mm_ms" in row:
+                row["dispatched_sm90a_speedup_vs_torch_grouped_mm"] = row["torch_grouped_mm_ms"] / t_wg
         res["timing"].append(row)
         print("prefill timing", json.dumps(row), flush=True)
     return res

@@ -54,7 +54,7 @@ from schedules.moe_mxfp4_prefill_cuda import (B_ROW_WORDS, BK, BN, MMA_A_REGS, S
 from schedules.moe_plan import BM, BM_WS, WS_MIN_PAIRS_PER_EXPERT
 from schedules.mxfp4_ptx import commit, cp_async16, dequant8, factor_bf16x2, wait
 from schedules.wgmma_ptx import (cp_async_mbar_arrive, fence_proxy_async, mbar_arrive, mbar_init, mbar_wait,
-                                 named_barrier, setmaxnreg, smem_address, global_address, cp_async16_raw, cp_async16_hint, l2_policy, sw128_desc, swizzle128_word, wgmma_bf16_rs,
+                                 named_barrier, setmaxnreg, smem_address, global_address, cp_async16_raw, sw128_desc, swizzle128_word, wgmma_bf16_rs,
                                  wgmma_commit, wgmma_fence, wgmma_wait)
 
 NT = 256          # threads per block: two warpgroups
@@ -326,8 +326,7 @@ NCW, NPW = 8, 4    # their consumer warps (two warpgroups: wgmma) and producer w
 
 
 def _grouped_wgmma_ws(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
-                      beta_lin: float | None = None, out_dtype: str = "bfloat16", stages: int = STAGES,
-                      l2_hints: bool = False, split_codes: bool = False):
+                      beta_lin: float | None = None, out_dtype: str = "bfloat16", stages: int = STAGES):
     """Warp-specialized builder of both kernels (arguments as :func:`_grouped_wgmma`; tiles of
     up to :data:`TM_WS` token rows, the tile table of ``moe_sort_kernel(..., bm=TM_WS)``).
 
@@ -340,9 +339,7 @@ def _grouped_wgmma_ws(kind: str, E: int, N: int, KD: int, top_k: int, beta: floa
     accumulators 64..95) and, once a step's wgmmas are done, arrive on its stage's ``empty``
     mbarrier, which the producers wait on before refilling it. No block-wide barrier and no
     copy addressing in the consumers' K loop (setmaxnreg: 224 registers per consumer thread, 56
-    per producer thread; one block per SM). ``l2_hints``: the copies carry L2 eviction hints
-    (weights evict-first, tokens evict-last); ``split_codes``: a step's codes land on their own
-    mbarrier, so that the consumers dequantize while its tokens are still in flight."""
+    per producer thread; one block per SM)."""
     K = top_k
     NS = stages
     if NS < 3:
@@ -365,9 +362,8 @@ def _grouped_wgmma_ws(kind: str, E: int, N: int, KD: int, top_k: int, beta: floa
     NP = NPW * 32                # producer threads
     NT = NC + NP
     TW = TM * 32                 # uint32 words of one stage's token tile (TM rows of 128 bytes)
-    OB = 256 + NS * TW + NS * BN * B_ROW_WORDS   # word offset of the mbarriers (full, empty, codes)
-    SM_WORDS = OB + 6 * NS
-    CB = 2 * NS                  # split_codes: barrier index of codes[0]
+    OB = 256 + NS * TW + NS * BN * B_ROW_WORDS   # word offset of the mbarriers (full[NS], empty[NS])
+    SM_WORDS = OB + 4 * NS
     smem = SM_WORDS * 4 + BN * KGW * 4 + TM * 8
     if smem > SMEM_LIMIT:
         raise ValueError(f"input width {KD} needs {smem} bytes of shared memory per block (limit {SMEM_LIMIT})")
@@ -415,10 +411,7 @@ def _grouped_wgmma_ws(kind: str, E: int, N: int, KD: int, top_k: int, beta: floa
         """Consumer K step ``ks``: wait for its stage, dequantize into half ``buf`` of ``bf``
         (while step ks - 1's wgmmas run), issue this step's wgmmas, wait for step ks - 1's and
         release its stage."""
-        if split_codes:
-            T.evaluate(mbar_wait(T.address_of(sm[OB + 2 * (CB + ks % NS)]), T.Cast("uint32", ks // NS % 2)))
-        else:
-            T.evaluate(mbar_wait(T.address_of(sm[OB + 2 * (ks % NS)]), T.Cast("uint32", ks // NS % 2)))
+        T.evaluate(mbar_wait(T.address_of(sm[OB + 2 * (ks % NS)]), T.Cast("uint32", ks // NS % 2)))
         for hk in T.unroll(2):
             for h in T.unroll(2):
                 T.evaluate(dequant8(
@@ -426,8 +419,6 @@ def _grouped_wgmma_ws(kind: str, E: int, N: int, KD: int, top_k: int, beta: floa
                     sm[al[0] + CODES + (ks % NS * BN + tx // 32 * 16 + tx % 32 // 4 + h * 8) * B_ROW_WORDS
                        + hk * 4 + tx % 4],
                     factor_bf16x2(sc_s[(tx // 32 * 16 + tx % 32 // 4 + h * 8) * KGW + ks // 2], buf * 2 + hk)))
-        if split_codes:
-            T.evaluate(mbar_wait(T.address_of(sm[OB + 2 * (ks % NS)]), T.Cast("uint32", ks // NS % 2)))
         T.evaluate(fence_proxy_async())  # the producers' copies, visible to the wgmma's reads
         T.evaluate(wgmma_fence())
         for hk in T.unroll(2):
@@ -480,7 +471,6 @@ def _grouped_wgmma_ws(kind: str, E: int, N: int, KD: int, top_k: int, beta: floa
                     desc = T.alloc_buffer((1,), "uint64", scope="local")
                     ga = T.alloc_buffer((TCH + CCH,), "uint64", scope="local")  # producer: step-0 global addresses
                     sb = T.alloc_buffer((1,), "uint32", scope="local")   # producer: its stage-0 shared address
-                    pol = T.alloc_buffer((2,), "uint64", scope="local")  # producer: L2 policies (weights, tokens)
                     if T.Cast("int32", blk // NTN) < num_tiles[0]:
                         ncols[0] = (T.min(tiles[blk // NTN, 2] - tiles[blk // NTN, 1], TM) + 31) // 32
                         al[0] = T.Cast("int32", (T.uint32(1024) - smem_address(T.address_of(sm[0])) % T.uint32(1024))
@@ -505,7 +495,6 @@ def _grouped_wgmma_ws(kind: str, E: int, N: int, KD: int, top_k: int, beta: floa
                             for i in range(NS):
                                 T.evaluate(mbar_init(T.address_of(sm[OB + 2 * i]), NP))        # full: producer lanes
                                 T.evaluate(mbar_init(T.address_of(sm[OB + 2 * (NS + i)]), NC))   # empty: consumer threads
-                                T.evaluate(mbar_init(T.address_of(sm[OB + 2 * (CB + i)]), NP))   # codes: producer lanes
                         T.tvm_storage_sync("shared.dyn")
                         if tx >= NC:
                             T.evaluate(setmaxnreg("dec", REGS_WS[0]))
@@ -530,38 +519,21 @@ def _grouped_wgmma_ws(kind: str, E: int, N: int, KD: int, top_k: int, beta: floa
                                         (tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * BN
                                          + (tx - NC) // 2 + NP // 2 * i) * RW + (tx - NC) % 2 * 4]))
                             sb[0] = smem_address(T.address_of(sm[al[0]]))
-                            if l2_hints:
-                                pol[0] = l2_policy("evict_first")
-                                pol[1] = l2_policy("evict_last")
                             for ks in range(NK):
                                 if ks >= NS:
                                     T.evaluate(mbar_wait(T.address_of(sm[OB + 2 * (NS + ks % NS)]),
                                                          T.Cast("uint32", (ks // NS + 1) % 2)))
                                 for i in T.unroll(CCH):
-                                    if l2_hints:
-                                        T.evaluate(cp_async16_hint(
-                                            sb[0] + T.Cast("uint32", (CODES + (ks % NS * BN + (tx - NC) // 2 + NP // 2 * i) * B_ROW_WORDS
-                                                                      + (tx - NC) % 2 * 4) * 4),
-                                            ga[TCH + i] + T.Cast("uint64", ks * (BK // 2)), pol[0]))
-                                    else:
-                                        T.evaluate(cp_async16_raw(
-                                            sb[0] + T.Cast("uint32", (CODES + (ks % NS * BN + (tx - NC) // 2 + NP // 2 * i) * B_ROW_WORDS
-                                                                      + (tx - NC) % 2 * 4) * 4),
-                                            ga[TCH + i] + T.Cast("uint64", ks * (BK // 2))))
-                                if split_codes:
-                                    T.evaluate(cp_async_mbar_arrive(T.address_of(sm[OB + 2 * (CB + ks % NS)])))
+                                    T.evaluate(cp_async16_raw(
+                                        sb[0] + T.Cast("uint32", (CODES + (ks % NS * BN + (tx - NC) // 2 + NP // 2 * i) * B_ROW_WORDS
+                                                                  + (tx - NC) % 2 * 4) * 4),
+                                        ga[TCH + i] + T.Cast("uint64", ks * (BK // 2))))
                                 for j in T.unroll(TCH):
                                     if (tx - NC) // 8 + NP // 8 * j < ncols[0] * 32:
-                                        if l2_hints:
-                                            T.evaluate(cp_async16_hint(
-                                                sb[0] + T.Cast("uint32", (ks % NS * TW + swizzle128_word((tx - NC) // 8, (tx - NC) % 8)
-                                                                          + NP // 8 * 32 * j) * 4),
-                                                ga[j] + T.Cast("uint64", ks * BK * 2), pol[1]))
-                                        else:
-                                            T.evaluate(cp_async16_raw(
-                                                sb[0] + T.Cast("uint32", (ks % NS * TW + swizzle128_word((tx - NC) // 8, (tx - NC) % 8)
-                                                                          + NP // 8 * 32 * j) * 4),
-                                                ga[j] + T.Cast("uint64", ks * BK * 2)))
+                                        T.evaluate(cp_async16_raw(
+                                            sb[0] + T.Cast("uint32", (ks % NS * TW + swizzle128_word((tx - NC) // 8, (tx - NC) % 8)
+                                                                      + NP // 8 * 32 * j) * 4),
+                                            ga[j] + T.Cast("uint64", ks * BK * 2)))
                                 T.evaluate(cp_async_mbar_arrive(T.address_of(sm[OB + 2 * (ks % NS)])))
                             T.evaluate(wait(0))
                         else:
@@ -664,8 +636,7 @@ def _wrap(kind: str, E: int, N: int, KD: int, top_k: int, out_dtype: str, plain,
     return mark(grouped)
 
 
-def _bodies(kind, E, N, KD, top_k, beta, beta_lin, out_dtype, stages, short_tiles, staged, warp_specialized,
-            ws_options=()):
+def _bodies(kind, E, N, KD, top_k, beta, beta_lin, out_dtype, stages, short_tiles, staged, warp_specialized):
     """(plain body or None, warp-specialized body or None, the branch's pair count) for the
     ``warp_specialized`` choice (False, True or "auto")."""
     if warp_specialized not in (False, True, "auto"):
@@ -674,7 +645,7 @@ def _bodies(kind, E, N, KD, top_k, beta, beta_lin, out_dtype, stages, short_tile
     if warp_specialized is not True:
         plain = _grouped_wgmma(kind, E, N, KD, top_k, beta, beta_lin, out_dtype, stages, short_tiles, staged)
     if warp_specialized:
-        ws = _grouped_wgmma_ws(kind, E, N, KD, top_k, beta, beta_lin, out_dtype, STAGES, **dict(ws_options))
+        ws = _grouped_wgmma_ws(kind, E, N, KD, top_k, beta, beta_lin, out_dtype, STAGES)
     return plain, ws, ws_min_pairs(E)
 
 
@@ -682,7 +653,7 @@ def _bodies(kind, E, N, KD, top_k, beta, beta_lin, out_dtype, stages, short_tile
 def moe_grouped_gate_up_wgmma_kernel(num_experts: int, latent: int, inter: int, top_k: int,
                                      beta: float, beta_lin: float | None, out_dtype: str = "bfloat16",
                                      stages: int = STAGES, short_tiles: bool = True, staged: bool = False,
-                                     warp_specialized: bool | str = "auto", ws_options: tuple = ()):
+                                     warp_specialized: bool | str = "auto"):
     """Grouped MXFP4 GEMM for W1/W3 with SiTU fused, on wgmma (cuda-sm90a). Arguments as
     :func:`schedules.moe_mxfp4_prefill_cuda.moe_grouped_gate_up_kernel`, except: ``z [T, L]``
     in the permuted k order, ``a_sorted [T·k, I]`` written in the permuted k order.
@@ -692,15 +663,14 @@ def moe_grouped_gate_up_wgmma_kernel(num_experts: int, latent: int, inter: int, 
             memory over the limit (the scale table grows with L).
     """
     plain, ws, ws_from = _bodies("gate_up", num_experts, inter, latent, top_k, beta, beta_lin, out_dtype, stages,
-                                 short_tiles, staged, warp_specialized, ws_options)
+                                 short_tiles, staged, warp_specialized)
     return _wrap("gate_up", num_experts, inter, latent, top_k, out_dtype, plain, ws, ws_from)
 
 
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def moe_grouped_down_wgmma_kernel(num_experts: int, latent: int, inter: int, top_k: int,
                                   out_dtype: str = "bfloat16", stages: int = STAGES,
-                                  short_tiles: bool = True, warp_specialized: bool | str = "auto",
-                                  ws_options: tuple = ()):
+                                  short_tiles: bool = True, warp_specialized: bool | str = "auto"):
     """Grouped MXFP4 GEMM for W2 on wgmma (cuda-sm90a). Arguments as :func:`schedules.
     moe_mxfp4_prefill_cuda.moe_grouped_down_kernel`, with ``a_sorted`` in the permuted k order.
 
@@ -709,5 +679,5 @@ def moe_grouped_down_wgmma_kernel(num_experts: int, latent: int, inter: int, top
             memory over the limit.
     """
     plain, ws, ws_from = _bodies("down", num_experts, latent, inter, top_k, 0.0, None, out_dtype, stages,
-                                 short_tiles, False, warp_specialized, ws_options)
+                                 short_tiles, False, warp_specialized)
     return _wrap("down", num_experts, latent, inter, top_k, out_dtype, plain, ws, ws_from)

@@ -9,9 +9,9 @@ import numpy as np
 BM = 128          # rows (token-expert pairs) per tile
 BM_WS = 192       # rows per tile of the warp-specialized wgmma kernels (moe_mxfp4_prefill_wgmma.py)
 # the wgmma kernels take their warp-specialized form (and the sort BM_WS-row tiles) from this many
-# token-expert pairs per expert on average (H200: faster at 146, slower at 73;
-# benchmarks/results/moe_prefill_ws_h200_2026-11-30.json)
-WS_MIN_PAIRS_PER_EXPERT = 128
+# token-expert pairs per expert on average (H200, K3 shapes: 1.3x faster at 146, even at 110, 11%
+# slower at 73; benchmarks/results/moe_prefill_ws_h200_2026-11-30.json)
+WS_MIN_PAIRS_PER_EXPERT = 112
 
 
 def tile_rows(num_pairs: int, num_experts: int, warp_specialized: bool) -> int:

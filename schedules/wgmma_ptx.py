@@ -64,12 +64,6 @@ _SRC = {
                          '{ return (unsigned long long)__cvta_generic_to_global(p); }\n',
     "k3_cp_async16_raw": '__forceinline__ __device__ void k3_cp_async16_raw(unsigned s, unsigned long long g) '
                          '{ asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\\n" :: "r"(s), "l"(g) : "memory"); }\n',
-    "k3_cp_async16_hint": '__forceinline__ __device__ void k3_cp_async16_hint(unsigned s, unsigned long long g, '
-                          'unsigned long long pol) { asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\\n" '
-                          ':: "r"(s), "l"(g), "l"(pol) : "memory"); }\n',
-    **{f"k3_l2_policy_{p}": f'__forceinline__ __device__ unsigned long long k3_l2_policy_{p}() {{ unsigned long long r; '
-       f'asm volatile("createpolicy.fractional.L2::{p}.b64 %0, 1.0;\\n" : "=l"(r)); return r; }}\n'
-       for p in ("evict_first", "evict_last")},
     "k3_smem_address": '__forceinline__ __device__ unsigned k3_smem_address(const void* p) '
                        '{ return (unsigned)__cvta_generic_to_shared(p); }\n',
 }
@@ -213,15 +207,3 @@ def cp_async16_raw(smem_addr, gaddr):
     ``smem_addr`` (uint32; :func:`smem_address`)."""
     return cuda_func_call("k3_cp_async16_raw", smem_addr, gaddr, source_code=_SRC["k3_cp_async16_raw"])
 
-
-def cp_async16_hint(smem_addr, gaddr, policy):
-    """:func:`cp_async16_raw` with an L2 cache-eviction ``policy`` (uint64, :func:`l2_policy`)."""
-    return cuda_func_call("k3_cp_async16_hint", smem_addr, gaddr, policy, source_code=_SRC["k3_cp_async16_hint"])
-
-
-def l2_policy(kind: str):
-    """uint64 L2 cache policy (``createpolicy.fractional``, fraction 1): ``"evict_first"`` for data
-    read once (streamed weights), ``"evict_last"`` for data read again (gathered tokens)."""
-    if kind not in ("evict_first", "evict_last"):
-        raise ValueError(f"l2_policy: evict_first or evict_last, got {kind!r}")
-    return cuda_func_call(f"k3_l2_policy_{kind}", source_code=_SRC[f"k3_l2_policy_{kind}"], return_type="uint64")
