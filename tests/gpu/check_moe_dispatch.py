@@ -6,7 +6,8 @@ fit the tuned kernels (512: multiples of 128, and 4 warps split its K; KDA head_
 output (no routed_expert_norm, whose RMS normalization would hide a wrong scale, and
 ``routed_expert_up_proj`` ×20), and compiles it for cuda-sm90a in bf16 twice: with the tuned
 kernels and with ``--generic-kernels``. ``run OUT`` (H200, runtime-only TVM): prefill 150
-tokens (three KDA chunks) then 16 decode steps with each library (the tuned one fed the generic one's greedy
+tokens (three KDA chunks) then 16 decode steps, and a second sequence's prefill of 200 tokens
+(the MoE prefill's warp-specialized wgmma form) with each library (the tuned one fed the generic one's greedy
 tokens); reports the largest prefill-logit difference and each decode step's; exits 1 if a
 logit differs by more than ``TOLERANCE`` (10%) of the largest. Seen on the H200 (2026-11-29) with the
 tensor-core decode GEMVs: prefill logits equal, decode logits within 0.029 of 2.6 at every
@@ -69,8 +70,11 @@ def run(out: Path) -> dict:
     that one library breaks the other way cannot make the later steps incomparable."""
     from k3_compile.runtime.model_runner import load_model
 
-    # 150 tokens: three KDA chunks of 64, so the prefill's inter-chunk state pass runs
+    # 150 tokens: three KDA chunks of 64, so the prefill's inter-chunk state pass runs; a second
+    # sequence of 200 tokens: 400 pairs over 3 experts reach the wgmma kernels' warp-specialized
+    # form (schedules/moe_plan.py WS_MIN_PAIRS_PER_EXPERT · 3 = 336), 150 (300 pairs) do not
     ids = [int(t) for t in np.random.default_rng(0).integers(3, 97, size=150)]
+    ids_ws = [int(t) for t in np.random.default_rng(1).integers(3, 97, size=200)]
     res, forced = {}, None
     for name in ("generic", "tuned"):
         m = load_model(out / "ckpt", lib=out / f"{name}.so", device="cuda:0")
@@ -84,7 +88,9 @@ def run(out: Path) -> dict:
             toks.append(t)
             logits = eng.decode([s], [t])
             rows.append(np.array(logits[0]))
-        res[name] = (toks, np.stack(rows), first)
+        s_ws = eng.add_sequence()
+        first_ws = np.array(eng.prefill([s_ws], [ids_ws])[0])
+        res[name] = (toks, np.stack(rows), first, first_ws)
         forced = toks
     step_diff = np.abs(res["tuned"][1] - res["generic"][1]).max(axis=1)
     report = {"tokens": res["generic"][0],
@@ -94,6 +100,8 @@ def run(out: Path) -> dict:
               "max_decode_logit_diff": float(step_diff.max()),
               "max_prefill_logit_diff": float(np.abs(res["tuned"][2] - res["generic"][2]).max()),
               "max_abs_prefill_logit": float(np.abs(res["generic"][2]).max()),
+              "max_prefill_ws_logit_diff": float(np.abs(res["tuned"][3] - res["generic"][3]).max()),
+              "max_abs_prefill_ws_logit": float(np.abs(res["generic"][3]).max()),
               "max_abs_logit": float(np.abs(res["generic"][1]).max())}
     print(json.dumps(report))
     return report
@@ -111,6 +119,7 @@ def ok(report: dict) -> bool:
     """Every prefill and decode logit within TOLERANCE of the largest |logit| (the greedy
     tokens are reported, not required to agree: near-ties flip)."""
     return (report["max_prefill_logit_diff"] <= TOLERANCE * report["max_abs_prefill_logit"]
+            and report["max_prefill_ws_logit_diff"] <= TOLERANCE * report["max_abs_prefill_ws_logit"]
             and report["max_decode_logit_diff"] <= TOLERANCE * report["max_abs_logit"])
 
 
