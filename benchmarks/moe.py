@@ -177,6 +177,15 @@ def build_prefill(out_dir: Path) -> None:
     for name, kw in PREFILL_VARIANTS.items():  # timed in the same run
         _compile(kernels(E, L, I, TOPK, **kw), out_dir / f"moe_prefill_{name}.so")
     _compile(kernels(*SMALL), out_dir / "moe_prefill_small.so")
+    e_, l_, i_, k_ = SMALL
+    for name, ws in (("", "auto"), ("_ws", True)):
+        sort = (mp.moe_sort_kernel(e_, k_, bm_large=mw.TM_WS, large_from_pairs=mw.ws_min_pairs(e_)) if ws == "auto"
+                else mp.moe_sort_kernel(e_, k_, mw.TM_WS))
+        _compile({"moe_sort": sort,
+                  "moe_grouped_gate_up": mw.moe_grouped_gate_up_wgmma_kernel(e_, l_, i_, k_, BETA, BETA_LIN,
+                                                                            warp_specialized=ws),
+                  "moe_grouped_down": mw.moe_grouped_down_wgmma_kernel(e_, l_, i_, k_, warp_specialized=ws)},
+                 out_dir / f"moe_prefill_small_{WGMMA}{name}.so")
 
 
 def random_experts(num_experts: int, latent: int, inter: int, device, generator=None) -> dict:
@@ -413,8 +422,15 @@ def run(lib_dir: Path, decode: bool = True, prefill: bool = True) -> dict:
     return results
 
 
-def check_small(path: Path, g, repack) -> list:
-    """The :data:`SMALL` shapes (the dispatch check's model): every output vs torch fp32."""
+def _permute_k(x):
+    """x [rows, K] in the wgmma kernels' permuted k order (schedules/moe_mxfp4_prefill_wgmma.py
+    permuted_position: in each 32 inputs, the 4x4 matrix of input pairs transposed; an involution)."""
+    return x.view(x.shape[0], -1, 4, 4, 2).transpose(2, 3).reshape(x.shape)
+
+
+def check_small(path: Path, g, repack, permuted: bool = False) -> list:
+    """The :data:`SMALL` shapes (the dispatch check's model): every output vs torch fp32
+    (``permuted``: a wgmma build, z and a in the permuted k order)."""
     import torch
     import tvm
 
@@ -440,6 +456,8 @@ def check_small(path: Path, g, repack) -> list:
         t = {n: tvm.runtime.from_dlpack(v) for n, v in b.items()}
         tz, tids = tvm.runtime.from_dlpack(z), tvm.runtime.from_dlpack(ids)
         f_sort(tids, t["sorted"], t["tiles"], t["num_tiles"], t["counts"])
+        if permuted:
+            tz = tvm.runtime.from_dlpack(_permute_k(z).contiguous())
         f_gu(tz, *tw["w1"], *tw["w3"], t["sorted"], t["tiles"], t["num_tiles"], t["a"])
         f_down(t["a"], *tw["w2"], *tw["w2"], t["sorted"], t["tiles"], t["num_tiles"], t["o"])
         torch.cuda.synchronize()
@@ -451,9 +469,10 @@ def check_small(path: Path, g, repack) -> list:
         orf = torch.einsum("tki,tkli->tkl", ar, w2[ids.long()]).bfloat16().float()
         inv = torch.empty(P, dtype=torch.long, device=dev)
         inv[b["sorted"].long()] = torch.arange(P, device=dev)
-        got_a = b["a"][inv].reshape(T, k_, i_).float()
+        got_a = b["a"][inv].float()
+        got_a = (_permute_k(got_a) if permuted else got_a).reshape(T, k_, i_)
         bad = ((b["o"].float() - orf).abs() > 0.02 * orf.abs().max()).nonzero()
-        row = {"T": T, "counts": b["counts"].tolist(),
+        row = {"T": T, "lib": path.stem, "counts": b["counts"].tolist(),
                "num_tiles": int(b["num_tiles"][0]), "tiles": b["tiles"].tolist()[:8],
                "sorted_head": b["sorted"].tolist()[:12],
                "rel_err_a": ((got_a - ar).abs().max() / ar.abs().max()).item(),
@@ -494,6 +513,8 @@ def run_prefill(lib_dir: Path, W, Wb, tw, g, repack) -> dict:
     res = {"check": [], "timing": []}
     if (lib_dir / "moe_prefill_small.so").exists():
         res["check_small"] = check_small(lib_dir / "moe_prefill_small.so", g, repack)
+    for sp in sorted(lib_dir.glob(f"moe_prefill_small_{WGMMA}*.so")):  # the wgmma builds, as dispatched and ws
+        res.setdefault("check_small", []).extend(check_small(sp, g, repack, permuted=True))
 
     def routing(T, kind):
         if kind == "uniform":
@@ -508,10 +529,7 @@ def run_prefill(lib_dir: Path, W, Wb, tw, g, repack) -> dict:
             ids[:, 1:] = torch.where(ids[:, 1:] == 6, torch.full_like(ids[:, 1:], 7), ids[:, 1:])
         return ids
 
-    def permute_k(x):
-        """x [rows, K] in the wgmma kernels' permuted k order (schedules/moe_mxfp4_prefill_wgmma.py
-        permuted_position: in each 32 inputs, the 4x4 matrix of input pairs transposed)."""
-        return x.view(x.shape[0], -1, 4, 4, 2).transpose(2, 3).reshape(x.shape)
+    permute_k = _permute_k
 
     def pipeline(T, ids, z, fns=None, permuted=False):
         f_sort, f_gu, f_down = fns or (f_sort0, f_gu0, f_down0)
@@ -617,7 +635,7 @@ def run_prefill(lib_dir: Path, W, Wb, tw, g, repack) -> dict:
                "ours_gate_up_ms": t_gu, "ours_down_ms": t_gemm - t_gu,
                "ours_tflops": flop / (t_gemm / 1e3) / 1e12}
         row["ours_pct_peak"] = 100 * row["ours_tflops"] / peak
-        for vp in sorted(p for p in lib_dir.glob("moe_prefill_*.so") if p.stem != "moe_prefill_small"):
+        for vp in sorted(p for p in lib_dir.glob("moe_prefill_*.so") if not p.stem.startswith("moe_prefill_small")):
             vl = tvm.runtime.load_module(str(vp))
             v_gu, v_down = vl["moe_grouped_gate_up"], vl["moe_grouped_down"]
             tv = {k: tvm.runtime.from_dlpack(bufs[k]) for k in ("sorted", "tiles", "num_tiles", "a", "o")}
@@ -767,7 +785,8 @@ def failures(res: dict) -> list[str]:
     pre = res.get("prefill", {})
     for r in pre.get("check_small", []):
         if r["n_bad_o"] or not r["rel_err_a"] <= REL_TOL:
-            out.append(f"prefill small T={r['T']}: {r['n_bad_o']} bad outputs, rel_err_a {r['rel_err_a']:.3g}")
+            out.append(f"prefill small {r.get('lib', '')} T={r['T']}: {r['n_bad_o']} bad outputs, "
+                       f"rel_err_a {r['rel_err_a']:.3g}")
     for r in pre.get("check", []):
         if not (r["plan_ok"] and r["permutation_ok"] and r["rel_err_a"] <= REL_TOL and r["rel_err_o"] <= REL_TOL):
             out.append(f"prefill T={r['T']} {r['routing']}: {r}")
