@@ -131,10 +131,10 @@ WGMMA_VARIANTS = {"plain": ({"warp_specialized": False}, {"warp_specialized": Fa
 def _variant_bm(gu_kw: dict, pairs: int) -> int:
     """Token rows per tile (the sort's bm) of a wgmma build with gate_up kwargs ``gu_kw`` at
     ``pairs`` token-expert pairs."""
-    from schedules.moe_plan import BM, BM_WS, tile_rows
+    from schedules.moe_plan import BM, BM_WS, tile_rows, warp_specialized_shapes
 
     ws = gu_kw.get("warp_specialized", "auto")
-    return tile_rows(pairs, E, True) if ws == "auto" else (BM_WS if ws else BM)
+    return tile_rows(pairs, E, warp_specialized_shapes(L, I)) if ws == "auto" else (BM_WS if ws else BM)
 
 
 def _wgmma_sort(gu_kw: dict):
@@ -180,7 +180,7 @@ def build_prefill(out_dir: Path) -> None:
     e_, l_, i_, k_ = SMALL
     for name, ws in (("", "auto"), ("_ws", True)):
         sort = (mp.moe_sort_kernel(e_, k_, bm_large=mw.TM_WS, large_from_pairs=mw.ws_min_pairs(e_)) if ws == "auto"
-                else mp.moe_sort_kernel(e_, k_, mw.TM_WS))
+                else mp.moe_sort_kernel(e_, k_, mw.TM_WS))  # SMALL's widths (512) have the form
         _compile({"moe_sort": sort,
                   "moe_grouped_gate_up": mw.moe_grouped_gate_up_wgmma_kernel(e_, l_, i_, k_, BETA, BETA_LIN,
                                                                             warp_specialized=ws),

@@ -51,7 +51,7 @@ from tvm.script import tirx as T
 from schedules.barriers import mark
 from schedules.moe_mxfp4_prefill_cuda import (B_ROW_WORDS, BK, BN, MMA_A_REGS, SMEM_LIMIT, block_scale_word,
                                               situ_expr)
-from schedules.moe_plan import BM, BM_WS, WS_MIN_PAIRS_PER_EXPERT
+from schedules.moe_plan import BM, BM_WS, WS_MIN_PAIRS_PER_EXPERT, warp_specialized_shapes
 from schedules.mxfp4_ptx import commit, cp_async16, dequant8, factor_bf16x2, wait
 from schedules.wgmma_ptx import (cp_async_mbar_arrive, fence_proxy_async, mbar_arrive, mbar_init, mbar_wait,
                                  named_barrier, setmaxnreg, smem_address, global_address, cp_async16_raw, sw128_desc, swizzle128_word, wgmma_bf16_rs,
@@ -638,9 +638,12 @@ def _wrap(kind: str, E: int, N: int, KD: int, top_k: int, out_dtype: str, plain,
 
 def _bodies(kind, E, N, KD, top_k, beta, beta_lin, out_dtype, stages, short_tiles, staged, warp_specialized):
     """(plain body or None, warp-specialized body or None, the branch's pair count) for the
-    ``warp_specialized`` choice (False, True or "auto")."""
+    ``warp_specialized`` choice (False, True or "auto": both where
+    ``moe_plan.warp_specialized_shapes``, else plain)."""
     if warp_specialized not in (False, True, "auto"):
         raise ValueError(f"warp_specialized must be False, True or 'auto', got {warp_specialized!r}")
+    if warp_specialized == "auto" and not warp_specialized_shapes(KD, N):  # (L, I) or (I, L)
+        warp_specialized = False
     plain = ws = None
     if warp_specialized is not True:
         plain = _grouped_wgmma(kind, E, N, KD, top_k, beta, beta_lin, out_dtype, stages, short_tiles, staged)

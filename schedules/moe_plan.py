@@ -12,12 +12,22 @@ BM_WS = 192       # rows per tile of the warp-specialized wgmma kernels (moe_mxf
 # token-expert pairs per expert on average (H200, K3 shapes: 1.3x faster at 146, even at 110, 11%
 # slower at 73; benchmarks/results/moe_prefill_ws_h200_2026-11-30.json)
 WS_MIN_PAIRS_PER_EXPERT = 112
+# ... and only where both GEMMs reduce over at least this many inputs (8 K steps of 64): a short
+# K loop leaves the one block per SM of the warp-specialized form waiting on its pipeline
+WS_MIN_WIDTH = 512
+
+
+def warp_specialized_shapes(latent: int, inter: int) -> bool:
+    """Whether the MoE prefill of these widths has the warp-specialized form at all (both
+    ``latent`` and ``inter`` at least :data:`WS_MIN_WIDTH`; K3: 3584 and 3072)."""
+    return min(latent, inter) >= WS_MIN_WIDTH
 
 
 def tile_rows(num_pairs: int, num_experts: int, warp_specialized: bool) -> int:
     """Rows per tile of the sort's tile table for ``num_pairs`` pairs: :data:`BM_WS` where the
-    wgmma kernels run warp-specialized (``warp_specialized`` and at least
-    :data:`WS_MIN_PAIRS_PER_EXPERT` pairs per expert), else :data:`BM`."""
+    wgmma kernels run warp-specialized (``warp_specialized``: the target has them and
+    :func:`warp_specialized_shapes`; and at least :data:`WS_MIN_PAIRS_PER_EXPERT` pairs per
+    expert), else :data:`BM`."""
     return BM_WS if warp_specialized and num_pairs >= WS_MIN_PAIRS_PER_EXPERT * num_experts else BM
 
 
