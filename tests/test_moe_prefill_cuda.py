@@ -179,6 +179,7 @@ def _module():
     from schedules import moe_mxfp4_decode_tc as dt
 
     fs = {"s": mp.moe_sort_kernel(5, 3),
+          "s_ws": mp.moe_sort_kernel(5, 3, bm_large=192, large_from_pairs=600),  # run-time tile rows
           "gu": mp.moe_grouped_gate_up_kernel(5, 256, 192, 3, 4.0, 25.0),
           "d": mp.moe_grouped_down_kernel(5, 256, 384, 3),
           "tc_gu": dt.moe_mxfp4_gate_up_tc_kernel(5, 256, 96, 3, 4.0, 25.0, warps=2),

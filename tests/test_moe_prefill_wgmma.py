@@ -191,3 +191,106 @@ def test_only_hopper_builds_use_wgmma():
     on = export_model(cfg, "bfloat16", gpu=True, tuned=True, wgmma=True).mod.script()
     off = export_model(cfg, "bfloat16", gpu=True, tuned=True, wgmma=False).mod.script()
     assert "k3_wgmma_m64n128k16" in on and "k3_wgmma_m64n128k16" not in off
+
+
+# ----------------------------------------------------------------------------- warp-specialized form
+def _ws_module(warp_specialized="auto"):
+    import tvm
+
+    fs = {"gu": mw.moe_grouped_gate_up_wgmma_kernel(5, 512, 512, 3, 4.0, 25.0, warp_specialized=warp_specialized),
+          "d": mw.moe_grouped_down_wgmma_kernel(5, 512, 512, 3, warp_specialized=warp_specialized)}
+    return tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in fs.items()})
+
+
+def _cuda_source(mod) -> str:
+    import tvm
+
+    from schedules.barriers import respect_manual_barriers
+    from targets import get_target
+
+    with respect_manual_barriers():
+        lib = tvm.tirx.build(mod, target=get_target("cuda-sm90a").tvm_target())
+    return lib.imports[0].inspect_source()
+
+
+def test_auto_builds_both_forms_behind_a_host_branch():
+    """"auto": each PrimFunc holds the plain kernel (256 threads, two blocks per SM) and the
+    warp-specialized one (two consumer warpgroups + a producer warpgroup, one block per SM,
+    registers split by setmaxnreg, stages handed over through mbarriers, the consumers' own
+    barrier for the epilogue), picked on the host by the pair count."""
+    src = _cuda_source(_ws_module())
+    assert "__launch_bounds__(256, 2) gu_kernel" in src or "__launch_bounds__(256, 2) gu_kernel_1" in src
+    assert src.count("__launch_bounds__(384, 1)") == 4  # declaration + definition, gate_up and down
+    for ptx in ("setmaxnreg.dec.sync.aligned.u32 56", "setmaxnreg.inc.sync.aligned.u32 224",
+                "mbarrier.try_wait.parity.shared::cta.b64", "cp.async.mbarrier.arrive.noinc.shared::cta.b64",
+                "mbarrier.arrive.shared::cta.b64", "bar.sync %0, %1"):
+        assert ptx in src, ptx
+    # tokens 128.. of a 192-row tile: a second wgmma of N 32 or 64
+    assert {int(n) for n in re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", src)} == {32, 64, 128}
+    plain_only = _cuda_source(_ws_module(False))
+    assert "setmaxnreg" not in plain_only and "__launch_bounds__(384" not in plain_only
+
+
+@needs_nvcc
+def test_warp_specialized_kernels_fit_their_registers(tmp_path):
+    """ptxas: the warp-specialized kernels (forced) without spills and with the wgmmas
+    pipelined (no C7511 'wgmma serialized' note): 168 registers at entry, 224 per consumer
+    thread after setmaxnreg."""
+    import subprocess
+
+    (tmp_path / "ws.cu").write_text(_cuda_source(_ws_module(True)))
+    out = subprocess.run(["nvcc", "-cubin", "-arch=sm_90a", "-Xptxas", "-v", "-o", str(tmp_path / "ws.cubin"),
+                          str(tmp_path / "ws.cu")], capture_output=True, text=True, check=True).stderr
+    assert "C7511" not in out and "C7508" not in out
+    spills = re.findall(r"(\d+) bytes spill stores", out)
+    assert spills and all(int(n) == 0 for n in spills), out
+
+
+@needs_nvcc
+def test_auto_kernels_compile_to_fatbin_for_sm90a(tmp_path):
+    out = build_sm90a_fatbin(
+        "from tests.test_moe_prefill_wgmma import _ws_module\n"
+        "from schedules.barriers import respect_manual_barriers\n"
+        "mod = _ws_module()", tmp_path, contexts="respect_manual_barriers()")
+    assert "fatbin" in out
+
+
+def test_dispatch_threshold_is_shared_by_sort_and_gemms():
+    """The GEMMs branch at ``ws_min_pairs(E)`` pairs and the model builds the sort with
+    ``large_from_pairs=ws_min_pairs(E)``; ``moe_plan.tile_rows`` (the NumPy side) switches
+    at the same count, and only for widths that have the form."""
+    from schedules import moe_plan
+
+    E = 896
+    edge = mw.ws_min_pairs(E)
+    assert edge == moe_plan.WS_MIN_PAIRS_PER_EXPERT * E
+    assert moe_plan.tile_rows(edge - 1, E, True) == moe_plan.BM == 128
+    assert moe_plan.tile_rows(edge, E, True) == moe_plan.BM_WS == mw.TM_WS == 192
+    assert moe_plan.tile_rows(edge, E, False) == 128
+    assert moe_plan.warp_specialized_shapes(3584, 3072) and not moe_plan.warp_specialized_shapes(128, 256)
+    # K3 at 8192 tokens x top-16 (146 pairs per expert) takes the form, 4096 (73) does not
+    assert moe_plan.tile_rows(8192 * 16, E, True) == 192 and moe_plan.tile_rows(4096 * 16, E, True) == 128
+
+
+def test_model_export_dispatches_the_warp_specialized_form():
+    """A cuda-sm90a bf16 export with MoE widths of 512 carries the warp-specialized kernels and
+    the sort with the run-time tile rows; k3-nano-sized widths (128 / 256) do not."""
+    from k3_compile.config import K3Config
+    from k3_compile.pipeline import export_model
+    from oracle_mlx import tiny_config
+
+    wide = K3Config.from_dict(tiny_config(routed_expert_hidden_size=512, moe_intermediate_size=512))
+    narrow = K3Config.from_dict(tiny_config(routed_expert_hidden_size=128, moe_intermediate_size=256))
+    assert "k3_setmaxnreg_inc224" in export_model(wide, "bfloat16", gpu=True, tuned=True, wgmma=True).mod.script()
+    assert "k3_setmaxnreg" not in export_model(narrow, "bfloat16", gpu=True, tuned=True, wgmma=True).mod.script()
+
+
+def test_bad_warp_specialized_arguments_rejected():
+    with pytest.raises(ValueError, match="warp_specialized must be"):
+        mw.moe_grouped_gate_up_wgmma_kernel(4, 512, 512, 2, 4.0, None, warp_specialized="yes")
+    with pytest.raises(ValueError, match="go together"):
+        mp.moe_sort_kernel(4, 2, bm_large=192)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        wgmma_ptx.setmaxnreg("inc", 230)
+    with pytest.raises(ValueError, match="named barrier"):
+        wgmma_ptx.named_barrier(0, 256)
