@@ -24,7 +24,7 @@ permuted: in every group of 32, the 16 pairs of inputs are a 4×4 matrix transpo
 with a reshape-transpose-reshape, :func:`permute_inputs_reference`) and writes ``a_sorted`` in
 the permuted order that down reads. Sums over k do not depend on the order of k.
 
-Pipeline: ``STAGES`` shared-memory stages; at K step ``ks`` a block waits for its stage,
+Pipeline (plain form): ``STAGES`` shared-memory stages; at K step ``ks`` a block waits for its stage,
 refills the stage of step ks - 2 (``cp.async``; each thread's copy addresses are computed once
 per block), dequantizes into one half of a double-buffered A (4 ``dequant8`` per thread),
 issues the step's four wgmmas (one per k16 slice; N = 32, 64 or 128, the least that covers
@@ -32,10 +32,30 @@ the tile's rows, one copy of the K loop each) and waits for the previous step's.
 per SM where their shared memory fits (``__launch_bounds__(256, 2)``: 128 registers, 12 bytes
 of spills at K3 sizes).
 
-Status (H200, K3 shapes; benchmarks/results/moe_prefill_wgmma_final_h200_2026-11-30.json):
-25.6 ms at 8192 tokens × top-16 = 42–46% of the measured bf16 peak, 1.22×
-``torch._grouped_mm`` (bf16 weights), 1.72× the ``mma.sync`` kernels, outputs equal to
-theirs; issue-bound (docs/DESIGN.md).
+Warp-specialized form (:func:`_grouped_wgmma_ws`, large prefills). The plain kernels run each
+expert's ~146 tokens (8192 tokens × top-16 over 896 experts) as a 128-row and an ~18-row tile,
+each dequantizing the whole weight tile, and every warp spends ~40% of a K step on copy
+addressing and the block barrier. Here a block is two consumer warpgroups and one producer
+warpgroup: the producers alone issue the ``cp.async`` copies of a K step (token rows gathered
+by ``sorted_pair``, addresses kept in registers) into one of 4 stages and arrive on its
+``full`` mbarrier when they land; the consumers wait on it, dequantize their 64 weight rows
+once for up to :data:`TM_WS` = 192 tokens (a wgmma of N 128 and one of N 32 / 64 into
+accumulators 64..95) and, after the step's wgmmas, arrive on its ``empty`` mbarrier. No block
+barrier in the K loop; ``setmaxnreg`` gives the consumers 224 registers and the producers 56
+(one block per SM); gate_up's SiTU epilogue is split between the two warpgroups. Both forms sit
+in one PrimFunc behind a host-side branch on the pair count (:func:`ws_min_pairs`: 112 per
+expert, :data:`schedules.moe_plan.WS_MIN_PAIRS_PER_EXPERT`), and ``moe_sort_kernel`` builds
+its tile table with 192 rows from the same count; only where both widths are at least 512.
+
+Status (H200, K3 shapes, one run; benchmarks/results/moe_prefill_ws_h200_2026-11-30.json):
+8192 tokens × top-16 as dispatched (warp-specialized) 19.1 ms = 452 TFLOP/s = 57.5% of the
+bf16 peak measured in the same run (787 TFLOP/s; 55–61% over this session's runs, the peak
+itself measuring 724–811), 1.63× ``torch._grouped_mm`` on bf16 weights, 1.31× the plain
+kernels (25.2 ms; 42–46% in earlier runs); 6144 / 4096 / 2048 tokens with the plain kernels
+17.0 / 14.7 / 11.0 ms (1.6× / 1.6× / 1.8× torch). Outputs equal the ``mma.sync`` kernels' bit
+for bit. What limits the warp-specialized form (ncu, docs/DESIGN.md): consumers wait on their
+stage's data, the producer on free stages — a latency-bound 4-stage ring at one block per SM —
+and each block's start (scales, first stages) and epilogue leave the tensor cores idle.
 
 Reference: :func:`schedules.moe_mxfp4_cuda.moe_experts_reference` (values) and the ``mma.sync``
 kernels (benchmarks/moe.py compares the outputs and times both in one run).
