@@ -125,8 +125,6 @@ PREFILL_VARIANTS = {}
 # 256 token rows per block (moe_prefill_r256_ / moe_prefill_t256_h200_2026-11-30.json)
 WGMMA_VARIANTS = {"plain": ({"warp_specialized": False}, {"warp_specialized": False}),
                   "ws": ({"warp_specialized": True}, {"warp_specialized": True}),
-                  **{f"ws_s{n}": ({"warp_specialized": True, "ws_stages": n}, {"warp_specialized": True, "ws_stages": n})
-                     for n in (5, 6)},
                   "staged_gu": ({"warp_specialized": False, "staged": True}, {"warp_specialized": False})}
 
 

@@ -411,71 +411,61 @@ def _grouped_wgmma_ws(kind: str, E: int, N: int, KD: int, top_k: int, beta: floa
               permuted_position(T.Cast("int32", blk % NTN) * 64 + t // 32 * 16 + t % 32 // 4 + i % 4 // 2 * 8)] = \
                 T.Cast(out_dtype, val)
 
-    def pstage(ks, cs):   # producer: stage of step ks (NS = 4: ks % 4; else the counter)
-        return ks % NS if NS == 4 else cs[0]
-
-    def plap(ks, cs):     # producer: parity of step ks's lap ks // NS
-        return ks // NS % 2 if NS == 4 else cs[1]
-
     @T.macro
-    def wg(n, regs, buf, hk, m, half, desc, bf, acc, ks, st):
+    def wg(n, regs, buf, hk, m, half, desc, bf, acc, ks):
         """One wgmma: k16 slice 2hk + m of step ks (A registers ``regs``) over ``n`` token rows
         from row 128·half into acc[64·half:]; the first of each accumulator half overwrites."""
         if m == 0:
             T.evaluate(wgmma_bf16_rs(
                 n, T.address_of(acc[64 * half]), bf[buf * 16 + hk * 8 + regs[0]], bf[buf * 16 + hk * 8 + regs[1]],
                 bf[buf * 16 + hk * 8 + regs[2]], bf[buf * 16 + hk * 8 + regs[3]],
-                desc[0] + T.Cast("uint64", st * (TW // 4) + hk * 4 + half * HALF), T.Cast("int32", ks + hk > 0)))
+                desc[0] + T.Cast("uint64", ks % NS * (TW // 4) + hk * 4 + half * HALF), T.Cast("int32", ks + hk > 0)))
         else:
             T.evaluate(wgmma_bf16_rs(
                 n, T.address_of(acc[64 * half]), bf[buf * 16 + hk * 8 + regs[0]], bf[buf * 16 + hk * 8 + regs[1]],
                 bf[buf * 16 + hk * 8 + regs[2]], bf[buf * 16 + hk * 8 + regs[3]],
-                desc[0] + T.Cast("uint64", st * (TW // 4) + hk * 4 + 2 + half * HALF)))
+                desc[0] + T.Cast("uint64", ks % NS * (TW // 4) + hk * 4 + 2 + half * HALF)))
 
     @T.macro
-    def cstep(n, n2, ks, buf, st, ph, pst, sm, al, desc, sc_s, bf, acc, tx):
-        """Consumer K step ``ks`` in stage ``st`` of parity ``ph`` (the previous step's stage
-        ``pst``): wait for it, dequantize into half ``buf`` of ``bf`` (while step ks - 1's
-        wgmmas run), issue this step's wgmmas, wait for step ks - 1's and release its stage."""
-        T.evaluate(mbar_wait(T.address_of(sm[OB + 2 * st]), T.Cast("uint32", ph)))
+    def cstep(n, n2, ks, buf, sm, al, desc, sc_s, bf, acc, tx):
+        """Consumer K step ``ks``: wait for its stage, dequantize into half ``buf`` of ``bf``
+        (while step ks - 1's wgmmas run), issue this step's wgmmas, wait for step ks - 1's and
+        release its stage."""
+        T.evaluate(mbar_wait(T.address_of(sm[OB + 2 * (ks % NS)]), T.Cast("uint32", ks // NS % 2)))
         for hk in T.unroll(2):
             for h in T.unroll(2):
                 T.evaluate(dequant8(
                     T.address_of(bf[buf * 16 + (hk * 2 + h) * 4]),
-                    sm[al[0] + CODES + (st * BN + tx // 32 * 16 + tx % 32 // 4 + h * 8) * B_ROW_WORDS
+                    sm[al[0] + CODES + (ks % NS * BN + tx // 32 * 16 + tx % 32 // 4 + h * 8) * B_ROW_WORDS
                        + hk * 4 + tx % 4],
                     factor_bf16x2(sc_s[(tx // 32 * 16 + tx % 32 // 4 + h * 8) * KGW + ks // 2], buf * 2 + hk)))
         T.evaluate(fence_proxy_async())  # the producers' copies, visible to the wgmma's reads
         T.evaluate(wgmma_fence())
         for hk in T.unroll(2):
-            wg(n, A0, buf, hk, 0, 0, desc, bf, acc, ks, st)
+            wg(n, A0, buf, hk, 0, 0, desc, bf, acc, ks)
             if n2 > 0:
-                wg(n2, A0, buf, hk, 0, 1, desc, bf, acc, ks, st)
-            wg(n, A1, buf, hk, 1, 0, desc, bf, acc, ks, st)
+                wg(n2, A0, buf, hk, 0, 1, desc, bf, acc, ks)
+            wg(n, A1, buf, hk, 1, 0, desc, bf, acc, ks)
             if n2 > 0:
-                wg(n2, A1, buf, hk, 1, 1, desc, bf, acc, ks, st)
+                wg(n2, A1, buf, hk, 1, 1, desc, bf, acc, ks)
         T.evaluate(wgmma_commit())
         T.evaluate(wgmma_wait(1))
         if ks > 0:  # step ks - 1's wgmmas are done: its stage may be refilled
-            T.evaluate(mbar_arrive(T.address_of(sm[OB + 2 * (NS + pst)])))
+            T.evaluate(mbar_arrive(T.address_of(sm[OB + 2 * (NS + (ks + NS - 1) % NS)])))
 
     @T.macro
-    def cloop(n, n2, sm, al, desc, sc_s, bf, acc, tx, cs):
-        # unrolled by 4 where NS = 4: the stage, its parity and the A buffer are then constants;
-        # otherwise stage and parity are counters in registers (cs), not ks % NS
+    def cloop(n, n2, sm, al, desc, sc_s, bf, acc, tx):
+        # unrolled by 4 where NS = 4: the stage, its parity and the A buffer are then constants
         if NS == 4 and NK % 4 == 0:
             for k4 in range(NK // 4):
-                for u in T.unroll(4):
-                    cstep(n, n2, k4 * 4 + u, u % 2, u, k4 % 2, (u + 3) % 4, sm, al, desc, sc_s, bf, acc, tx)
+                cstep(n, n2, k4 * 4, 0, sm, al, desc, sc_s, bf, acc, tx)
+                cstep(n, n2, k4 * 4 + 1, 1, sm, al, desc, sc_s, bf, acc, tx)
+                cstep(n, n2, k4 * 4 + 2, 0, sm, al, desc, sc_s, bf, acc, tx)
+                cstep(n, n2, k4 * 4 + 3, 1, sm, al, desc, sc_s, bf, acc, tx)
         else:
-            cs[0] = 0
-            cs[1] = 0
             for k2 in range(NK // 2):
-                for u in T.unroll(2):
-                    cstep(n, n2, k2 * 2 + u, u, cs[0], cs[1], T.if_then_else(cs[0] == 0, NS - 1, cs[0] - 1),
-                          sm, al, desc, sc_s, bf, acc, tx)
-                    cs[1] = T.if_then_else(cs[0] == NS - 1, 1 - cs[1], cs[1])
-                    cs[0] = T.if_then_else(cs[0] == NS - 1, 0, cs[0] + 1)
+                cstep(n, n2, k2 * 2, 0, sm, al, desc, sc_s, bf, acc, tx)
+                cstep(n, n2, k2 * 2 + 1, 1, sm, al, desc, sc_s, bf, acc, tx)
 
     @T.macro
     def grouped(x, wp0, ws0, wp1, ws1, sorted_pair, tiles, num_tiles, y, nt, mt):
@@ -501,7 +491,6 @@ def _grouped_wgmma_ws(kind: str, E: int, N: int, KD: int, top_k: int, beta: floa
                     desc = T.alloc_buffer((1,), "uint64", scope="local")
                     ga = T.alloc_buffer((TCH + CCH,), "uint64", scope="local")  # producer: step-0 global addresses
                     sb = T.alloc_buffer((1,), "uint32", scope="local")   # producer: its stage-0 shared address
-                    cs = T.alloc_buffer((2,), "int32", scope="local")    # stage and parity (counters, NS != 4)
                     if T.Cast("int32", blk // NTN) < num_tiles[0]:
                         ncols[0] = (T.min(tiles[blk // NTN, 2] - tiles[blk // NTN, 1], TM) + 31) // 32
                         al[0] = T.Cast("int32", (T.uint32(1024) - smem_address(T.address_of(sm[0])) % T.uint32(1024))
@@ -550,44 +539,39 @@ def _grouped_wgmma_ws(kind: str, E: int, N: int, KD: int, top_k: int, beta: floa
                                         (tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * BN
                                          + (tx - NC) // 2 + NP // 2 * i) * RW + (tx - NC) % 2 * 4]))
                             sb[0] = smem_address(T.address_of(sm[al[0]]))
-                            cs[0] = 0   # NS != 4: stage of step ks, parity of its lap (ks // NS)
-                            cs[1] = 0
                             for ks in range(NK):
                                 if ks >= NS:
-                                    T.evaluate(mbar_wait(T.address_of(sm[OB + 2 * (NS + pstage(ks, cs))]),
-                                                         T.Cast("uint32", 1 - plap(ks, cs))))
+                                    T.evaluate(mbar_wait(T.address_of(sm[OB + 2 * (NS + ks % NS)]),
+                                                         T.Cast("uint32", (ks // NS + 1) % 2)))
                                 for i in T.unroll(CCH):
                                     T.evaluate(cp_async16_raw(
-                                        sb[0] + T.Cast("uint32", (CODES + (pstage(ks, cs) * BN + (tx - NC) // 2 + NP // 2 * i) * B_ROW_WORDS
+                                        sb[0] + T.Cast("uint32", (CODES + (ks % NS * BN + (tx - NC) // 2 + NP // 2 * i) * B_ROW_WORDS
                                                                   + (tx - NC) % 2 * 4) * 4),
                                         ga[TCH + i] + T.Cast("uint64", ks * (BK // 2))))
                                 for j in T.unroll(TCH):
                                     if (tx - NC) // 8 + NP // 8 * j < ncols[0] * 32:
                                         T.evaluate(cp_async16_raw(
-                                            sb[0] + T.Cast("uint32", (pstage(ks, cs) * TW + swizzle128_word((tx - NC) // 8, (tx - NC) % 8)
+                                            sb[0] + T.Cast("uint32", (ks % NS * TW + swizzle128_word((tx - NC) // 8, (tx - NC) % 8)
                                                                       + NP // 8 * 32 * j) * 4),
                                             ga[j] + T.Cast("uint64", ks * BK * 2)))
-                                T.evaluate(cp_async_mbar_arrive(T.address_of(sm[OB + 2 * pstage(ks, cs)])))
-                                if NS != 4:
-                                    cs[1] = T.if_then_else(cs[0] == NS - 1, 1 - cs[1], cs[1])
-                                    cs[0] = T.if_then_else(cs[0] == NS - 1, 0, cs[0] + 1)
+                                T.evaluate(cp_async_mbar_arrive(T.address_of(sm[OB + 2 * (ks % NS)])))
                             T.evaluate(wait(0))
                         else:
                             # ---- consumers
                             T.evaluate(setmaxnreg("inc", REGS_WS[1]))
                             desc[0] = sw128_desc(smem_address(T.address_of(sm[al[0]])))
                             if TM == 256 and ncols[0] >= 7:
-                                cloop(128, 128, sm, al, desc, sc_s, bf, acc, tx, cs)
+                                cloop(128, 128, sm, al, desc, sc_s, bf, acc, tx)
                             elif ncols[0] >= 6:
-                                cloop(128, 64, sm, al, desc, sc_s, bf, acc, tx, cs)
+                                cloop(128, 64, sm, al, desc, sc_s, bf, acc, tx)
                             elif ncols[0] == 5:
-                                cloop(128, 32, sm, al, desc, sc_s, bf, acc, tx, cs)
+                                cloop(128, 32, sm, al, desc, sc_s, bf, acc, tx)
                             elif ncols[0] >= 3:
-                                cloop(128, 0, sm, al, desc, sc_s, bf, acc, tx, cs)
+                                cloop(128, 0, sm, al, desc, sc_s, bf, acc, tx)
                             elif ncols[0] == 2:
-                                cloop(64, 0, sm, al, desc, sc_s, bf, acc, tx, cs)
+                                cloop(64, 0, sm, al, desc, sc_s, bf, acc, tx)
                             else:
-                                cloop(32, 0, sm, al, desc, sc_s, bf, acc, tx, cs)
+                                cloop(32, 0, sm, al, desc, sc_s, bf, acc, tx)
                             T.evaluate(wgmma_wait(0))
                             # every step's stage has landed and been read: the token stages are free
                             T.evaluate(named_barrier(1, NC))
@@ -672,8 +656,7 @@ def _wrap(kind: str, E: int, N: int, KD: int, top_k: int, out_dtype: str, plain,
     return mark(grouped)
 
 
-def _bodies(kind, E, N, KD, top_k, beta, beta_lin, out_dtype, stages, short_tiles, staged, warp_specialized,
-            ws_stages=STAGES):
+def _bodies(kind, E, N, KD, top_k, beta, beta_lin, out_dtype, stages, short_tiles, staged, warp_specialized):
     """(plain body or None, warp-specialized body or None, the branch's pair count) for the
     ``warp_specialized`` choice (False, True or "auto": both where
     ``moe_plan.warp_specialized_shapes``, else plain)."""
@@ -685,7 +668,7 @@ def _bodies(kind, E, N, KD, top_k, beta, beta_lin, out_dtype, stages, short_tile
     if warp_specialized is not True:
         plain = _grouped_wgmma(kind, E, N, KD, top_k, beta, beta_lin, out_dtype, stages, short_tiles, staged)
     if warp_specialized:
-        ws = _grouped_wgmma_ws(kind, E, N, KD, top_k, beta, beta_lin, out_dtype, ws_stages)
+        ws = _grouped_wgmma_ws(kind, E, N, KD, top_k, beta, beta_lin, out_dtype, STAGES)
     return plain, ws, ws_min_pairs(E)
 
 
@@ -693,7 +676,7 @@ def _bodies(kind, E, N, KD, top_k, beta, beta_lin, out_dtype, stages, short_tile
 def moe_grouped_gate_up_wgmma_kernel(num_experts: int, latent: int, inter: int, top_k: int,
                                      beta: float, beta_lin: float | None, out_dtype: str = "bfloat16",
                                      stages: int = STAGES, short_tiles: bool = True, staged: bool = False,
-                                     warp_specialized: bool | str = "auto", ws_stages: int = STAGES):
+                                     warp_specialized: bool | str = "auto"):
     """Grouped MXFP4 GEMM for W1/W3 with SiTU fused, on wgmma (cuda-sm90a). Arguments as
     :func:`schedules.moe_mxfp4_prefill_cuda.moe_grouped_gate_up_kernel`, except: ``z [T, L]``
     in the permuted k order, ``a_sorted [T·k, I]`` written in the permuted k order.
@@ -703,15 +686,14 @@ def moe_grouped_gate_up_wgmma_kernel(num_experts: int, latent: int, inter: int, 
             memory over the limit (the scale table grows with L).
     """
     plain, ws, ws_from = _bodies("gate_up", num_experts, inter, latent, top_k, beta, beta_lin, out_dtype, stages,
-                                 short_tiles, staged, warp_specialized, ws_stages)
+                                 short_tiles, staged, warp_specialized)
     return _wrap("gate_up", num_experts, inter, latent, top_k, out_dtype, plain, ws, ws_from)
 
 
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def moe_grouped_down_wgmma_kernel(num_experts: int, latent: int, inter: int, top_k: int,
                                   out_dtype: str = "bfloat16", stages: int = STAGES,
-                                  short_tiles: bool = True, warp_specialized: bool | str = "auto",
-                                  ws_stages: int = STAGES):
+                                  short_tiles: bool = True, warp_specialized: bool | str = "auto"):
     """Grouped MXFP4 GEMM for W2 on wgmma (cuda-sm90a). Arguments as :func:`schedules.
     moe_mxfp4_prefill_cuda.moe_grouped_down_kernel`, with ``a_sorted`` in the permuted k order.
 
@@ -720,5 +702,5 @@ def moe_grouped_down_wgmma_kernel(num_experts: int, latent: int, inter: int, top
             memory over the limit.
     """
     plain, ws, ws_from = _bodies("down", num_experts, latent, inter, top_k, 0.0, None, out_dtype, stages,
-                                 short_tiles, False, warp_specialized, ws_stages)
+                                 short_tiles, False, warp_specialized)
     return _wrap("down", num_experts, latent, inter, top_k, out_dtype, plain, ws, ws_from)
