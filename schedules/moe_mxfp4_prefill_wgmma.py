@@ -47,11 +47,11 @@ in one PrimFunc behind a host-side branch on the pair count (:func:`ws_min_pairs
 expert, :data:`schedules.moe_plan.WS_MIN_PAIRS_PER_EXPERT`), and ``moe_sort_kernel`` builds
 its tile table with 192 rows from the same count; only where both widths are at least 512.
 
-Status (H200, K3 shapes, one run; benchmarks/results/moe_prefill_ws_h200_2026-11-30.json):
-8192 tokens × top-16 as dispatched (warp-specialized) 19.1 ms = 452 TFLOP/s = 57.5% of the
-bf16 peak measured in the same run (787 TFLOP/s; a later run 19.0 ms = 59.1% of 772; 55–61%
-over this session's runs, the peak itself measuring 724–811), 1.63× ``torch._grouped_mm`` on bf16 weights, 1.31× the plain
-kernels (25.2 ms; 42–46% in earlier runs); 6144 / 4096 / 2048 tokens with the plain kernels
+Status (H200, K3 shapes; benchmarks/results/moe_prefill_ws_h200_2026-11-30.json): 8192
+tokens × top-16 as dispatched (warp-specialized) 19.1 ms = 452 TFLOP/s = 57.5% of the bf16 peak
+measured in the same run (787 TFLOP/s; a later run 19.0 ms = 59.1% of 772; 55–61% over this
+session's runs, the peak itself measuring 724–811), 1.63× ``torch._grouped_mm`` on bf16
+weights, 1.31× the plain kernels (25.2 ms; 42–46% in earlier runs); 6144 / 4096 / 2048 tokens with the plain kernels
 17.0 / 14.7 / 11.0 ms (1.6× / 1.6× / 1.8× torch). Outputs equal the ``mma.sync`` kernels' bit
 for bit. What limits the warp-specialized form (ncu, docs/DESIGN.md): consumers wait on their
 stage's data, the producer on free stages — a latency-bound 4-stage ring at one block per SM —
@@ -73,9 +73,9 @@ from schedules.moe_mxfp4_prefill_cuda import (B_ROW_WORDS, BK, BN, MMA_A_REGS, S
                                               situ_expr)
 from schedules.moe_plan import BM, BM_WS, WS_MIN_PAIRS_PER_EXPERT, warp_specialized_shapes
 from schedules.mxfp4_ptx import commit, cp_async16, dequant8, factor_bf16x2, wait
-from schedules.wgmma_ptx import (cp_async_mbar_arrive, fence_proxy_async, mbar_arrive, mbar_init, mbar_wait,
-                                 named_barrier, setmaxnreg, smem_address, global_address, cp_async16_raw, sw128_desc, swizzle128_word, wgmma_bf16_rs,
-                                 wgmma_commit, wgmma_fence, wgmma_wait)
+from schedules.wgmma_ptx import (cp_async16_raw, cp_async_mbar_arrive, fence_proxy_async, global_address, mbar_arrive,
+                                 mbar_init, mbar_wait, named_barrier, setmaxnreg, smem_address, sw128_desc,
+                                 swizzle128_word, wgmma_bf16_rs, wgmma_commit, wgmma_fence, wgmma_wait)
 
 NT = 256          # threads per block: two warpgroups
 STAGES = 4        # shared-memory stages: loads run STAGES - 2 K steps ahead, one step of wgmmas in flight
