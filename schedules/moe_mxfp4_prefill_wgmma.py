@@ -103,6 +103,35 @@ def permute_inputs_reference(x: np.ndarray) -> np.ndarray:
     return out
 
 
+@T.macro
+def tile_prologue(tiles, sorted_pair, sq0, sq1, sm, al, ncols, row_s, dst_s, sc_s, blk, tx, nt,
+                  gate_up: bool, rows: int, threads: int, N: int, NTN: int, K: int, KGW: int):
+    """Start of a grouped-GEMM block (both forms): ``ncols`` = ⌈tile rows / 32⌉ (at most
+    ``rows``), ``al`` = words from ``sm`` to its first 1024-byte boundary, ``row_s`` = each
+    tile row's row of x (gate_up: the token, sorted_pair / k; down: the sorted row) or -1 past
+    the tile, ``dst_s`` (down, when given) = its row of o (t·k + j) or -1, ``sc_s`` = the E8M0
+    words of the block's weight rows (:func:`schedules.moe_mxfp4_prefill_cuda.block_scale_word`)."""
+    ncols[0] = (T.min(tiles[blk // NTN, 2] - tiles[blk // NTN, 1], rows) + 31) // 32
+    al[0] = T.Cast("int32", (T.uint32(1024) - smem_address(T.address_of(sm[0])) % T.uint32(1024))
+                   % T.uint32(1024) // T.uint32(4))
+    if tx < rows:
+        if gate_up:
+            row_s[tx] = T.if_then_else(
+                tiles[blk // NTN, 1] + tx < tiles[blk // NTN, 2],
+                sorted_pair[T.min(tiles[blk // NTN, 1] + tx, T.Cast("int32", nt * K) - 1)] // K, -1)
+        else:
+            row_s[tx] = T.if_then_else(
+                tiles[blk // NTN, 1] + tx < tiles[blk // NTN, 2],
+                tiles[blk // NTN, 1] + tx, -1)
+            if dst_s is not None:
+                dst_s[tx] = T.if_then_else(
+                    tiles[blk // NTN, 1] + tx < tiles[blk // NTN, 2],
+                    sorted_pair[T.min(tiles[blk // NTN, 1] + tx, T.Cast("int32", nt * K) - 1)], -1)
+    for it in range((BN * KGW + threads - 1) // threads):
+        if it * threads + tx < BN * KGW:
+            sc_s[it * threads + tx] = block_scale_word(gate_up, sq0, sq1, tiles, blk, it * threads + tx, N, NTN, KGW)
+
+
 def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
                    beta_lin: float | None = None, out_dtype: str = "bfloat16", stages: int = STAGES,
                    short_tiles: bool = True, staged: bool = False):
@@ -243,23 +272,9 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
                     tsrc = T.alloc_buffer((A_CH,), "int32", scope="local")  # token chunks' source rows
                     desc = T.alloc_buffer((1,), "uint64", scope="local")  # stage 0's token tile
                     if T.Cast("int32", blk // NTN) < num_tiles[0]:
-                        ncols[0] = (T.min(tiles[blk // NTN, 2] - tiles[blk // NTN, 1], BM) + 31) // 32
-                        al[0] = T.Cast("int32", (T.uint32(1024) - smem_address(T.address_of(sm[0])) % T.uint32(1024))
-                                       % T.uint32(1024) // T.uint32(4))
                         # ---- tile metadata: gathered rows, scales of the block's weight rows
-                        if tx < BM:
-                            if gate_up:
-                                row_s[tx] = T.if_then_else(
-                                    tiles[blk // NTN, 1] + tx < tiles[blk // NTN, 2],
-                                    sorted_pair[T.min(tiles[blk // NTN, 1] + tx, T.Cast("int32", nt * K) - 1)] // K, -1)
-                            else:
-                                row_s[tx] = T.if_then_else(
-                                    tiles[blk // NTN, 1] + tx < tiles[blk // NTN, 2],
-                                    tiles[blk // NTN, 1] + tx, -1)
-                        for it in range((BN * KGW + NT - 1) // NT):
-                            if it * NT + tx < BN * KGW:
-                                sc_s[it * NT + tx] = block_scale_word(gate_up, sq0, sq1, tiles, blk, it * NT + tx,
-                                                                      N, NTN, KGW)
+                        tile_prologue(tiles, sorted_pair, sq0, sq1, sm, al, ncols, row_s, None, sc_s, blk, tx, nt,
+                                      gate_up, BM, NT, N, NTN, K, KGW)
                         T.tvm_storage_sync("shared.dyn")
                         # ---- K loop (NK is even: KD % 128 == 0)
                         # per-thread copy addresses, fixed for the whole K loop
@@ -492,25 +507,8 @@ def _grouped_wgmma_ws(kind: str, E: int, N: int, KD: int, top_k: int, beta: floa
                     ga = T.alloc_buffer((TCH + CCH,), "uint64", scope="local")  # producer: step-0 global addresses
                     sb = T.alloc_buffer((1,), "uint32", scope="local")   # producer: its stage-0 shared address
                     if T.Cast("int32", blk // NTN) < num_tiles[0]:
-                        ncols[0] = (T.min(tiles[blk // NTN, 2] - tiles[blk // NTN, 1], TM) + 31) // 32
-                        al[0] = T.Cast("int32", (T.uint32(1024) - smem_address(T.address_of(sm[0])) % T.uint32(1024))
-                                       % T.uint32(1024) // T.uint32(4))
-                        if tx < TM:
-                            if gate_up:
-                                row_s[tx] = T.if_then_else(
-                                    tiles[blk // NTN, 1] + tx < tiles[blk // NTN, 2],
-                                    sorted_pair[T.min(tiles[blk // NTN, 1] + tx, T.Cast("int32", nt * K) - 1)] // K, -1)
-                            else:
-                                row_s[tx] = T.if_then_else(
-                                    tiles[blk // NTN, 1] + tx < tiles[blk // NTN, 2],
-                                    tiles[blk // NTN, 1] + tx, -1)
-                                dst_s[tx] = T.if_then_else(
-                                    tiles[blk // NTN, 1] + tx < tiles[blk // NTN, 2],
-                                    sorted_pair[T.min(tiles[blk // NTN, 1] + tx, T.Cast("int32", nt * K) - 1)], -1)
-                        for it in range((BN * KGW + NT - 1) // NT):
-                            if it * NT + tx < BN * KGW:
-                                sc_s[it * NT + tx] = block_scale_word(gate_up, sq0, sq1, tiles, blk, it * NT + tx,
-                                                                      N, NTN, KGW)
+                        tile_prologue(tiles, sorted_pair, sq0, sq1, sm, al, ncols, row_s, dst_s, sc_s, blk, tx, nt,
+                                      gate_up, TM, NT, N, NTN, K, KGW)
                         if tx == 0:
                             for i in range(NS):
                                 T.evaluate(mbar_init(T.address_of(sm[OB + 2 * i]), NP))        # full: producer lanes
