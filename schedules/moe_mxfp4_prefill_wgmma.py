@@ -49,8 +49,8 @@ its tile table with 192 rows from the same count; only where both widths are at 
 
 Status (H200, K3 shapes; benchmarks/results/moe_prefill_ws_h200_2026-11-30.json): 8192
 tokens × top-16 as dispatched (warp-specialized) 19.1 ms = 452 TFLOP/s = 57.5% of the bf16 peak
-measured in the same run (787 TFLOP/s; a later run 19.0 ms = 59.1% of 772; 55–61% over this
-session's runs, the peak itself measuring 724–811), 1.63× ``torch._grouped_mm`` on bf16
+measured in the same run (787 TFLOP/s; later runs 19.0 ms = 59.1% of 772 and 20.0 ms = 60.3%
+of 717, moe_prefill_ws_final_h200_2026-11-30.json), 1.63× ``torch._grouped_mm`` on bf16
 weights, 1.31× the plain kernels (25.2 ms; 42–46% in earlier runs); 6144 / 4096 / 2048 tokens with the plain kernels
 17.0 / 14.7 / 11.0 ms (1.6× / 1.6× / 1.8× torch). Outputs equal the ``mma.sync`` kernels' bit
 for bit. What limits the warp-specialized form (ncu, docs/DESIGN.md): consumers wait on their
