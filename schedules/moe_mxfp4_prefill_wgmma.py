@@ -41,7 +41,7 @@ by ``sorted_pair``, addresses kept in registers) into one of 4 stages and arrive
 ``full`` mbarrier when they land; the consumers wait on it, dequantize their 64 weight rows
 once for up to :data:`TM_WS` = 192 tokens (a wgmma of N 128 and one of N 32 / 64 into
 accumulators 64..95) and, after the step's wgmmas, arrive on its ``empty`` mbarrier. No block
-barrier in the K loop; ``setmaxnreg`` gives the consumers 224 registers and the producers 56
+barrier in the K loop; ``setmaxnreg`` gives the consumers 224 registers and the producers 64
 (one block per SM); gate_up's SiTU epilogue is split between the two warpgroups. Both forms sit
 in one PrimFunc behind a host-side branch on the pair count (:func:`ws_min_pairs`: 112 per
 expert, :data:`schedules.moe_plan.WS_MIN_PAIRS_PER_EXPERT`), and ``moe_sort_kernel`` builds
@@ -356,8 +356,28 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
 
 
 TM_WS = BM_WS      # token rows per tile of the warp-specialized kernels (the sort's bm): 192
-REGS_WS = (56, 224)  # registers per thread of their producer / consumer warpgroups (setmaxnreg)
+REGS_WS = (64, 224)  # registers per thread of their producer / consumer warpgroups (setmaxnreg)
 NCW, NPW = 8, 4    # their consumer warps (two warpgroups: wgmma) and producer warps (a warpgroup: copies)
+
+
+def ws_token_chunk(p, j, producers: int):
+    """(tile row, 16-byte chunk) that producer thread ``p`` copies as its token chunk ``j`` in a
+    K step of the warp-specialized kernels: row p / 8 + (producers / 8)·j, chunk p % 8 (a warp
+    copies 4 whole 128-byte rows). Python ints or TIR expressions."""
+    return p // 8 + producers // 8 * j, p % 8
+
+
+def ws_code_chunk(p, i, producers: int):
+    """(block weight row, 16-byte half) that producer thread ``p`` copies as its code chunk ``i``:
+    row p / 2 + (producers / 2)·i, half p % 2 (gate_up: rows below 64 are W1's, the rest W3's)."""
+    return p // 2 + producers // 2 * i, p % 2
+
+
+def ws_wgmma_rows(ncols):
+    """Token rows the consumers' wgmmas read for a tile of ⌈rows / 32⌉ = ``ncols`` (1..6):
+    N = 32, 64, 128, 128, 128 + 32, 128 + 64 (a Python int or TIR expression) — what the
+    producer copies, so that no wgmma reads a row left from an earlier step."""
+    return T.if_then_else(ncols == 3, 4, ncols) * 32 if not isinstance(ncols, int) else (4 if ncols == 3 else ncols) * 32
 
 
 def _grouped_wgmma_ws(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
@@ -373,7 +393,7 @@ def _grouped_wgmma_ws(kind: str, E: int, N: int, KD: int, top_k: int, beta: floa
     tile's tokens (wgmmas over tokens 0-127 and, where the tile has more, 128-191 into
     accumulators 64..95) and, once a step's wgmmas are done, arrive on its stage's ``empty``
     mbarrier, which the producers wait on before refilling it. No block-wide barrier and no
-    copy addressing in the consumers' K loop (setmaxnreg: 224 registers per consumer thread, 56
+    copy addressing in the consumers' K loop (setmaxnreg: 224 registers per consumer thread, 64
     per producer thread; one block per SM)."""
     K = top_k
     NS = stages
@@ -395,10 +415,14 @@ def _grouped_wgmma_ws(kind: str, E: int, N: int, KD: int, top_k: int, beta: floa
         raise ValueError("weights too large for int32 word indexing")
     NC = NCW * 32                # consumer threads
     NP = NPW * 32                # producer threads
-    NT = NC + NP
+    NTH = NC + NP                # threads per block
+    if NP * REGS_WS[0] + NC * REGS_WS[1] > 65536:
+        raise ValueError(f"setmaxnreg {REGS_WS} over the register file for {NP} + {NC} threads")
+    if gate_up and (NP // 2) % 64:
+        raise ValueError("a producer's code chunk i must be all W1 or all W3 rows")
     TW = TM * 32                 # uint32 words of one stage's token tile (TM rows of 128 bytes)
-    OB = 256 + NS * TW + NS * BN * B_ROW_WORDS   # word offset of the mbarriers (full[NS], empty[NS])
-    SM_WORDS = OB + 4 * NS
+    OB = NS * TW + NS * BN * B_ROW_WORDS   # words from the aligned base to the mbarriers (full[NS], empty[NS])
+    SM_WORDS = 256 + OB + 4 * NS           # + up to 1 KiB to align the base
     smem = SM_WORDS * 4 + BN * KGW * 4 + TM * 8
     if smem > SMEM_LIMIT:
         raise ValueError(f"input width {KD} needs {smem} bytes of shared memory per block (limit {SMEM_LIMIT})")
@@ -407,7 +431,6 @@ def _grouped_wgmma_ws(kind: str, E: int, N: int, KD: int, top_k: int, beta: floa
         raise ValueError("the SiTU exchange does not fit in the token stages")
     CODES = NS * TW
     TCH = TM * (BK // 8) // NP   # token chunks per producer thread per step
-    assert NP % 64 == 0 and (NP // 2) % 64 == 0 or not gate_up  # a code chunk i is all W1 or all W3 rows
     CCH = BN * 2 // NP           # code chunks (16 bytes) per producer thread per step
     HALF = 128 * 128 // 16       # descriptor units from token row 0 to token row 128
     B = float(beta)
@@ -446,7 +469,7 @@ def _grouped_wgmma_ws(kind: str, E: int, N: int, KD: int, top_k: int, beta: floa
         """Consumer K step ``ks``: wait for its stage, dequantize into half ``buf`` of ``bf``
         (while step ks - 1's wgmmas run), issue this step's wgmmas, wait for step ks - 1's and
         release its stage."""
-        T.evaluate(mbar_wait(T.address_of(sm[OB + 2 * (ks % NS)]), T.Cast("uint32", ks // NS % 2)))
+        T.evaluate(mbar_wait(T.address_of(sm[al[0] + OB + 2 * (ks % NS)]), T.Cast("uint32", ks // NS % 2)))
         for hk in T.unroll(2):
             for h in T.unroll(2):
                 T.evaluate(dequant8(
@@ -466,11 +489,12 @@ def _grouped_wgmma_ws(kind: str, E: int, N: int, KD: int, top_k: int, beta: floa
         T.evaluate(wgmma_commit())
         T.evaluate(wgmma_wait(1))
         if ks > 0:  # step ks - 1's wgmmas are done: its stage may be refilled
-            T.evaluate(mbar_arrive(T.address_of(sm[OB + 2 * (NS + (ks + NS - 1) % NS)])))
+            T.evaluate(mbar_arrive(T.address_of(sm[al[0] + OB + 2 * (NS + (ks + NS - 1) % NS)])))
 
     @T.macro
     def cloop(n, n2, sm, al, desc, sc_s, bf, acc, tx):
-        # unrolled by 4 where NS = 4: the stage, its parity and the A buffer are then constants
+        # unrolled by 4 where NS = 4: the stage, the A buffer and the parity's arithmetic
+        # (k4 & 1) are then simple
         if NS == 4 and NK % 4 == 0:
             for k4 in range(NK // 4):
                 cstep(n, n2, k4 * 4, 0, sm, al, desc, sc_s, bf, acc, tx)
@@ -492,7 +516,7 @@ def _grouped_wgmma_ws(kind: str, E: int, N: int, KD: int, top_k: int, beta: floa
         sq1 = T.decl_buffer((E * N * KGW,), "uint32", data=ws1.data)
         yf = T.decl_buffer((y.shape[0] * (1 if gate_up else K) * N,), out_dtype, data=y.data)
         for blk in T.thread_binding(mt * NTN, thread="blockIdx.x"):
-            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+            for tx in T.thread_binding(NTH, thread="threadIdx.x"):
                 with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", 1):
                     sm = T.alloc_buffer((SM_WORDS,), "uint32", scope="shared.dyn")
                     sc_s = T.alloc_buffer((BN * KGW,), "uint32", scope="shared.dyn")  # E8M0 bytes, whole K
@@ -508,11 +532,11 @@ def _grouped_wgmma_ws(kind: str, E: int, N: int, KD: int, top_k: int, beta: floa
                     sb = T.alloc_buffer((1,), "uint32", scope="local")   # producer: its stage-0 shared address
                     if T.Cast("int32", blk // NTN) < num_tiles[0]:
                         tile_prologue(tiles, sorted_pair, sq0, sq1, sm, al, ncols, row_s, dst_s, sc_s, blk, tx, nt,
-                                      gate_up, TM, NT, N, NTN, K, KGW)
+                                      gate_up, TM, NTH, N, NTN, K, KGW)
                         if tx == 0:
                             for i in range(NS):
-                                T.evaluate(mbar_init(T.address_of(sm[OB + 2 * i]), NP))        # full: producer lanes
-                                T.evaluate(mbar_init(T.address_of(sm[OB + 2 * (NS + i)]), NC))   # empty: consumer threads
+                                T.evaluate(mbar_init(T.address_of(sm[al[0] + OB + 2 * i]), NP))        # full: producer lanes
+                                T.evaluate(mbar_init(T.address_of(sm[al[0] + OB + 2 * (NS + i)]), NC))   # empty: consumer threads
                         T.tvm_storage_sync("shared.dyn")
                         if tx >= NC:
                             T.evaluate(setmaxnreg("dec", REGS_WS[0]))
@@ -522,45 +546,46 @@ def _grouped_wgmma_ws(kind: str, E: int, N: int, KD: int, top_k: int, beta: floa
                             # advanced by a step's bytes (128 per token row, 32 per code row).
                             for j in T.unroll(TCH):
                                 ga[j] = global_address(T.address_of(xf[
-                                    T.Cast("int64", T.max(row_s[(tx - NC) // 8 + NP // 8 * j], 0)) * KD + (tx - NC) % 8 * 8]))
+                                    T.Cast("int64", T.max(row_s[ws_token_chunk(tx - NC, j, NP)[0]], 0)) * KD
+                                    + ws_token_chunk(tx - NC, j, NP)[1] * 8]))
                             for i in T.unroll(CCH):
                                 if gate_up and i * 2 >= CCH:
                                     ga[TCH + i] = global_address(T.address_of(wq1[
                                         (tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * 64
-                                         + ((tx - NC) // 2 + NP // 2 * i) % 64) * RW + (tx - NC) % 2 * 4]))
+                                         + ws_code_chunk(tx - NC, i, NP)[0] % 64) * RW + ws_code_chunk(tx - NC, i, NP)[1] * 4]))
                                 elif gate_up:
                                     ga[TCH + i] = global_address(T.address_of(wq0[
                                         (tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * 64
-                                         + ((tx - NC) // 2 + NP // 2 * i) % 64) * RW + (tx - NC) % 2 * 4]))
+                                         + ws_code_chunk(tx - NC, i, NP)[0] % 64) * RW + ws_code_chunk(tx - NC, i, NP)[1] * 4]))
                                 else:
                                     ga[TCH + i] = global_address(T.address_of(wq0[
                                         (tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * BN
-                                         + (tx - NC) // 2 + NP // 2 * i) * RW + (tx - NC) % 2 * 4]))
+                                         + ws_code_chunk(tx - NC, i, NP)[0]) * RW + ws_code_chunk(tx - NC, i, NP)[1] * 4]))
                             sb[0] = smem_address(T.address_of(sm[al[0]]))
                             for ks in range(NK):
                                 if ks >= NS:
-                                    T.evaluate(mbar_wait(T.address_of(sm[OB + 2 * (NS + ks % NS)]),
+                                    T.evaluate(mbar_wait(T.address_of(sm[al[0] + OB + 2 * (NS + ks % NS)]),
                                                          T.Cast("uint32", (ks // NS + 1) % 2)))
                                 for i in T.unroll(CCH):
                                     T.evaluate(cp_async16_raw(
-                                        sb[0] + T.Cast("uint32", (CODES + (ks % NS * BN + (tx - NC) // 2 + NP // 2 * i) * B_ROW_WORDS
-                                                                  + (tx - NC) % 2 * 4) * 4),
+                                        sb[0] + T.Cast("uint32", (CODES + (ks % NS * BN + ws_code_chunk(tx - NC, i, NP)[0])
+                                                                  * B_ROW_WORDS + ws_code_chunk(tx - NC, i, NP)[1] * 4) * 4),
                                         ga[TCH + i] + T.Cast("uint64", ks * (BK // 2))))
                                 for j in T.unroll(TCH):
-                                    if (tx - NC) // 8 + NP // 8 * j < ncols[0] * 32:
+                                    # the rows the consumers' wgmmas read (ws_wgmma_rows), so none is stale
+                                    if ws_token_chunk(tx - NC, j, NP)[0] < ws_wgmma_rows(ncols[0]):
                                         T.evaluate(cp_async16_raw(
-                                            sb[0] + T.Cast("uint32", (ks % NS * TW + swizzle128_word((tx - NC) // 8, (tx - NC) % 8)
-                                                                      + NP // 8 * 32 * j) * 4),
+                                            sb[0] + T.Cast("uint32", (ks % NS * TW + swizzle128_word(*ws_token_chunk(tx - NC, j, NP)))
+                                                           * 4),
                                             ga[j] + T.Cast("uint64", ks * BK * 2)))
-                                T.evaluate(cp_async_mbar_arrive(T.address_of(sm[OB + 2 * (ks % NS)])))
+                                T.evaluate(cp_async_mbar_arrive(T.address_of(sm[al[0] + OB + 2 * (ks % NS)])))
                             T.evaluate(wait(0))
                         else:
                             # ---- consumers
                             T.evaluate(setmaxnreg("inc", REGS_WS[1]))
                             desc[0] = sw128_desc(smem_address(T.address_of(sm[al[0]])))
-                            if TM == 256 and ncols[0] >= 7:
-                                cloop(128, 128, sm, al, desc, sc_s, bf, acc, tx)
-                            elif ncols[0] >= 6:
+                            # wgmma N by the tile's rows: 32, 64, 128, then 128 + 32 / 64 (ws_wgmma_rows)
+                            if ncols[0] >= 6:
                                 cloop(128, 64, sm, al, desc, sc_s, bf, acc, tx)
                             elif ncols[0] == 5:
                                 cloop(128, 32, sm, al, desc, sc_s, bf, acc, tx)
@@ -677,7 +702,11 @@ def moe_grouped_gate_up_wgmma_kernel(num_experts: int, latent: int, inter: int, 
                                      warp_specialized: bool | str = "auto"):
     """Grouped MXFP4 GEMM for W1/W3 with SiTU fused, on wgmma (cuda-sm90a). Arguments as
     :func:`schedules.moe_mxfp4_prefill_cuda.moe_grouped_gate_up_kernel`, except: ``z [T, L]``
-    in the permuted k order, ``a_sorted [T·k, I]`` written in the permuted k order.
+    in the permuted k order, ``a_sorted [T·k, I]`` written in the permuted k order;
+    ``warp_specialized``: False (plain), True (warp-specialized, tiles of TM_WS rows) or
+    "auto" (both behind a host branch at :func:`ws_min_pairs` pairs, where
+    ``moe_plan.warp_specialized_shapes``); ``stages``, ``short_tiles``, ``staged``: the plain
+    form's (the warp-specialized one has 4 stages).
 
     Raises:
         ValueError: L not a multiple of 128, I not a multiple of 64; ``stages < 3``; shared
@@ -693,7 +722,8 @@ def moe_grouped_down_wgmma_kernel(num_experts: int, latent: int, inter: int, top
                                   out_dtype: str = "bfloat16", stages: int = STAGES,
                                   short_tiles: bool = True, warp_specialized: bool | str = "auto"):
     """Grouped MXFP4 GEMM for W2 on wgmma (cuda-sm90a). Arguments as :func:`schedules.
-    moe_mxfp4_prefill_cuda.moe_grouped_down_kernel`, with ``a_sorted`` in the permuted k order.
+    moe_mxfp4_prefill_cuda.moe_grouped_down_kernel`, with ``a_sorted`` in the permuted k order;
+    ``warp_specialized`` as for :func:`moe_grouped_gate_up_wgmma_kernel`.
 
     Raises:
         ValueError: I not a multiple of 128, L not a multiple of 128; ``stages < 3``; shared

@@ -177,7 +177,6 @@ def named_barrier(barrier_id: int, threads: int):
     return cuda_func_call("k3_named_barrier", barrier_id, threads, source_code=_SRC["k3_named_barrier"])
 
 
-
 def setmaxnreg(op: str, n: int):
     """``setmaxnreg.{op}.sync.aligned.u32 n`` (sm_90a, executed by all threads of a
     warpgroup): the warpgroup's registers per thread raised (``inc``) or lowered (``dec``) to

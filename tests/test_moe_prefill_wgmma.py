@@ -221,27 +221,29 @@ def test_auto_builds_both_forms_behind_a_host_branch():
     src = _cuda_source(_ws_module())
     assert "__launch_bounds__(256, 2) gu_kernel" in src or "__launch_bounds__(256, 2) gu_kernel_1" in src
     assert src.count("__launch_bounds__(384, 1)") == 4  # declaration + definition, gate_up and down
-    for ptx in ("setmaxnreg.dec.sync.aligned.u32 56", "setmaxnreg.inc.sync.aligned.u32 224",
+    for ptx in ("setmaxnreg.dec.sync.aligned.u32 64", "setmaxnreg.inc.sync.aligned.u32 224",
                 "mbarrier.try_wait.parity.shared::cta.b64", "cp.async.mbarrier.arrive.noinc.shared::cta.b64",
                 "mbarrier.arrive.shared::cta.b64", "bar.sync %0, %1"):
         assert ptx in src, ptx
-    # tokens 128.. of a 192-row tile: a second wgmma of N 32 or 64
-    assert {int(n) for n in re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", src)} == {32, 64, 128}
+    # tokens 128.. of a 192-row tile: a second wgmma of N 32 or 64 into accumulators 64..95
+    second = set(re.findall(r"k3_wgmma_m64n(\d+)k16_bf16_rs\(\(&\(acc_ptr\[64\]\)\)", src))
+    assert second == {"32", "64"}, second
     plain_only = _cuda_source(_ws_module(False))
     assert "setmaxnreg" not in plain_only and "__launch_bounds__(384" not in plain_only
+    assert "acc_ptr[64]))" not in plain_only
 
 
 @needs_nvcc
 def test_warp_specialized_kernels_fit_their_registers(tmp_path):
     """ptxas: the warp-specialized kernels (forced) without spills and with the wgmmas
-    pipelined (no C7511 'wgmma serialized' note): 168 registers at entry, 224 per consumer
-    thread after setmaxnreg."""
+    pipelined (no "wgmma ... serialized" note, C7511 / C7512 and the like; no C7508 'setmaxnreg
+    ignored'): 168 registers at entry, 224 per consumer thread after setmaxnreg."""
     import subprocess
 
     (tmp_path / "ws.cu").write_text(_cuda_source(_ws_module(True)))
     out = subprocess.run(["nvcc", "-cubin", "-arch=sm_90a", "-Xptxas", "-v", "-o", str(tmp_path / "ws.cubin"),
                           str(tmp_path / "ws.cu")], capture_output=True, text=True, check=True).stderr
-    assert "C7511" not in out and "C7508" not in out
+    assert "serialized" not in out and "C7508" not in out, out
     spills = re.findall(r"(\d+) bytes spill stores", out)
     assert spills and all(int(n) == 0 for n in spills), out
 
@@ -255,34 +257,108 @@ def test_auto_kernels_compile_to_fatbin_for_sm90a(tmp_path):
     assert "fatbin" in out
 
 
+def _branches(script: str):
+    """(top_k, pair threshold, then-block, else-block) of the host-side branch a wgmma PrimFunc
+    wrapper opens with (``if nt * k >= threshold:``), or None."""
+    lines = script.splitlines()
+    for i, line in enumerate(lines):
+        m = re.match(r"^(\s*)if nt \* T\.int64\((\d+)\) >= T\.int64\((\d+)\):$", line)
+        if m:
+            ind = m.group(1)
+            j = next(k for k in range(i + 1, len(lines)) if lines[k] == f"{ind}else:")
+            end = next((k for k in range(j + 1, len(lines)) if lines[k].strip() and
+                        len(lines[k]) - len(lines[k].lstrip()) <= len(ind)), len(lines))
+            return int(m.group(2)), int(m.group(3)), "\n".join(lines[i + 1:j]), "\n".join(lines[j + 1:end])
+    return None
+
+
+def _sort_rows(script: str):
+    """(top_k, pair threshold, large rows, rows) of a sort PrimFunc with run-time tile rows, or None."""
+    m = re.search(r"if_then_else\(nt \* T\.int64\((\d+)\) >= T\.int64\((\d+)\), (\d+), (\d+)\)", script)
+    return tuple(int(g) for g in m.groups()) if m else None
+
+
 def test_dispatch_threshold_is_shared_by_sort_and_gemms():
-    """The GEMMs branch at ``ws_min_pairs(E)`` pairs and the model builds the sort with
-    ``large_from_pairs=ws_min_pairs(E)``; ``moe_plan.tile_rows`` (the NumPy side) switches
-    at the same count, and only for widths that have the form."""
+    """The GEMMs' host branch (pairs >= ws_min_pairs(E): the warp-specialized body, the one with
+    setmaxnreg; else the plain one) and the sort's run-time tile rows (192 from the same count,
+    else 128) agree, and ``moe_plan.tile_rows`` (the NumPy side) switches at the same count,
+    only for widths that have the form."""
     from schedules import moe_plan
 
-    E = 896
+    E, k = 5, 3
     edge = mw.ws_min_pairs(E)
-    assert edge == moe_plan.WS_MIN_PAIRS_PER_EXPERT * E
+    for f in (mw.moe_grouped_gate_up_wgmma_kernel(E, 512, 512, k, 4.0, 25.0), mw.moe_grouped_down_wgmma_kernel(E, 512, 512, k)):
+        kk, thr, then, other = _branches(f.script())
+        assert (kk, thr) == (k, edge)
+        assert "k3_setmaxnreg" in then and "k3_setmaxnreg" not in other
+    sort = mp.moe_sort_kernel(E, k, bm_large=mw.TM_WS, large_from_pairs=edge)
+    assert _sort_rows(sort.script()) == (k, edge, 192, 128)
+    assert _sort_rows(mp.moe_sort_kernel(E, k).script()) is None
     assert moe_plan.tile_rows(edge - 1, E, True) == moe_plan.BM == 128
     assert moe_plan.tile_rows(edge, E, True) == moe_plan.BM_WS == mw.TM_WS == 192
     assert moe_plan.tile_rows(edge, E, False) == 128
     assert moe_plan.warp_specialized_shapes(3584, 3072) and not moe_plan.warp_specialized_shapes(128, 256)
     # K3 at 8192 tokens x top-16 (146 pairs per expert) takes the form, 4096 (73) does not
-    assert moe_plan.tile_rows(8192 * 16, E, True) == 192 and moe_plan.tile_rows(4096 * 16, E, True) == 128
+    assert moe_plan.tile_rows(8192 * 16, 896, True) == 192 and moe_plan.tile_rows(4096 * 16, 896, True) == 128
+    # Σ⌈c/192⌉ ≤ Σ⌈c/128⌉: the tile table sized for 128-row tiles holds the 192-row ones
+    rng = np.random.default_rng(0)
+    for T in (1, 37, 300, 5000):
+        ids = rng.integers(0, E, (T, k))
+        assert len(mp.moe_prefill_plan_reference(ids, E, 192)[2]) <= mp.max_tiles(T * k, E)
 
 
 def test_model_export_dispatches_the_warp_specialized_form():
-    """A cuda-sm90a bf16 export with MoE widths of 512 carries the warp-specialized kernels and
-    the sort with the run-time tile rows; k3-nano-sized widths (128 / 256) do not."""
+    """A cuda-sm90a bf16 export with MoE widths of 512: the sort's tile rows and both GEMMs'
+    branch on the same pair count (ws_min_pairs(E)) and only the GEMMs' then-branch is the
+    warp-specialized body; with k3-nano-sized widths (128 / 256) neither has the form (a
+    192-row tile table read by the plain kernels would leave rows 128..191 uncomputed)."""
+    import tvm
+
     from k3_compile.config import K3Config
     from k3_compile.pipeline import export_model
     from oracle_mlx import tiny_config
 
+    def funcs(cfg):
+        mod = export_model(cfg, "bfloat16", gpu=True, tuned=True, wgmma=True).mod
+        return {gv.name_hint: f.script() for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
+
     wide = K3Config.from_dict(tiny_config(routed_expert_hidden_size=512, moe_intermediate_size=512))
+    fw = funcs(wide)
+    E, k = wide.num_experts, wide.num_experts_per_token
+    edge = mw.ws_min_pairs(E)
+    assert _sort_rows(fw["moe_sort"]) == (k, edge, 192, 128)
+    for name in ("moe_grouped_gate_up", "moe_grouped_down"):
+        kk, thr, then, other = _branches(fw[name])
+        assert (kk, thr) == (k, edge) and "k3_setmaxnreg_inc224" in then and "k3_setmaxnreg" not in other
     narrow = K3Config.from_dict(tiny_config(routed_expert_hidden_size=128, moe_intermediate_size=256))
-    assert "k3_setmaxnreg_inc224" in export_model(wide, "bfloat16", gpu=True, tuned=True, wgmma=True).mod.script()
-    assert "k3_setmaxnreg" not in export_model(narrow, "bfloat16", gpu=True, tuned=True, wgmma=True).mod.script()
+    fn = funcs(narrow)
+    assert _sort_rows(fn["moe_sort"]) is None
+    assert all(_branches(fn[n]) is None and "k3_setmaxnreg" not in fn[n] for n in ("moe_grouped_gate_up", "moe_grouped_down"))
+
+
+def test_producer_copies_cover_each_stage_once():
+    """The warp-specialized producers' index maps (``ws_token_chunk``, ``ws_code_chunk``, used
+    by the kernel): every (token row, 16-byte chunk) of a 192-row stage and every (weight row,
+    half) of the 128 weight rows is copied by exactly one (thread, chunk); a warp's token
+    copies are whole 128-byte rows; the rows copied for each tile width are those its wgmmas
+    read (``ws_wgmma_rows``), and the swizzled destinations of a stage are all distinct."""
+    from schedules.wgmma_ptx import swizzle128_word
+
+    NP = mw.NPW * 32
+    tch, cch = mw.TM_WS * 8 // NP, 128 * 2 // NP
+    tok = [mw.ws_token_chunk(p, j, NP) for p in range(NP) for j in range(tch)]
+    assert sorted(tok) == [(r, c) for r in range(mw.TM_WS) for c in range(8)]
+    assert len({swizzle128_word(r, c) for r, c in tok}) == len(tok)
+    for p0 in range(0, NP, 32):  # a warp: 4 rows × 8 chunks per j
+        for j in range(tch):
+            rows = {mw.ws_token_chunk(p, j, NP)[0] for p in range(p0, p0 + 32)}
+            assert len(rows) == 4
+    code = [mw.ws_code_chunk(p, i, NP) for p in range(NP) for i in range(cch)]
+    assert sorted(code) == [(r, h) for r in range(128) for h in range(2)]
+    # gate_up: a code chunk i is all W1 rows (i < cch / 2) or all W3 rows
+    assert all((mw.ws_code_chunk(p, i, NP)[0] >= 64) == (2 * i >= cch) for p in range(NP) for i in range(cch))
+    assert [mw.ws_wgmma_rows(n) for n in range(1, 7)] == [32, 64, 128, 128, 160, 192]
+    assert NP * mw.REGS_WS[0] + mw.NCW * 32 * mw.REGS_WS[1] <= 65536
 
 
 def test_bad_warp_specialized_arguments_rejected():

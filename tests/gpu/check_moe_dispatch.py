@@ -77,8 +77,12 @@ def run(out: Path) -> dict:
     # of before this form as well (2026-11-30): not the MoE kernels, which equal the mma.sync
     # ones bit for bit; probably a routing near-tie flipped by the TF32 KDA prefill and amplified
     # by the x20 experts — not traced yet.)
+    from schedules.moe_mxfp4_prefill_wgmma import ws_min_pairs
+
     ids = [int(t) for t in np.random.default_rng(0).integers(3, 97, size=150)]
-    ids_ws = [int(t) for t in np.random.default_rng(2).integers(3, 97, size=170)]
+    n_ws = ws_min_pairs(3) // 2 + 2   # 170 tokens at 112 pairs per expert: past the threshold
+    assert 150 * 2 < ws_min_pairs(3) <= n_ws * 2
+    ids_ws = [int(t) for t in np.random.default_rng(2).integers(3, 97, size=n_ws)]
     res, forced = {}, None
     for name in ("generic", "tuned"):
         m = load_model(out / "ckpt", lib=out / f"{name}.so", device="cuda:0")
