@@ -356,7 +356,7 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
 
 
 TM_WS = BM_WS      # token rows per tile of the warp-specialized kernels (the sort's bm): 192
-REGS_WS = (64, 224)  # registers per thread of their producer / consumer warpgroups (setmaxnreg)
+REGS_WS = (56, 224)  # registers per thread of their producer / consumer warpgroups (setmaxnreg)
 NCW, NPW = 8, 4    # their consumer warps (two warpgroups: wgmma) and producer warps (a warpgroup: copies)
 
 
@@ -371,6 +371,12 @@ def ws_code_chunk(p, i, producers: int):
     """(block weight row, 16-byte half) that producer thread ``p`` copies as its code chunk ``i``:
     row p / 2 + (producers / 2)·i, half p % 2 (gate_up: rows below 64 are W1's, the rest W3's)."""
     return p // 2 + producers // 2 * i, p % 2
+
+
+def ws_entry_registers(threads: int) -> int:
+    """Registers per thread of a one-block-per-SM launch of ``threads`` threads: 65536 / threads
+    rounded down to a multiple of 8 (384 threads: 168)."""
+    return 65536 // threads // 8 * 8
 
 
 def ws_wgmma_rows(ncols):
@@ -416,13 +422,19 @@ def _grouped_wgmma_ws(kind: str, E: int, N: int, KD: int, top_k: int, beta: floa
     NC = NCW * 32                # consumer threads
     NP = NPW * 32                # producer threads
     NTH = NC + NP                # threads per block
-    if NP * REGS_WS[0] + NC * REGS_WS[1] > 65536:
-        raise ValueError(f"setmaxnreg {REGS_WS} over the register file for {NP} + {NC} threads")
+    # setmaxnreg only moves the registers the block got at launch (ptxas: 65536 / threads, in
+    # multiples of 8); a larger total leaves the consumers' increase waiting for ever
+    if NP * REGS_WS[0] + NC * REGS_WS[1] > (NTH * ws_entry_registers(NTH)):
+        raise ValueError(f"setmaxnreg {REGS_WS} over the {ws_entry_registers(NTH)} registers per thread the "
+                         f"block gets at launch ({NP} + {NC} threads)")
     if gate_up and (NP // 2) % 64:
         raise ValueError("a producer's code chunk i must be all W1 or all W3 rows")
     TW = TM * 32                 # uint32 words of one stage's token tile (TM rows of 128 bytes)
-    OB = NS * TW + NS * BN * B_ROW_WORDS   # words from the aligned base to the mbarriers (full[NS], empty[NS])
-    SM_WORDS = 256 + OB + 4 * NS           # + up to 1 KiB to align the base
+    # word offset from sm[0] of the mbarriers (full[NS], empty[NS]), past the aligned data; even,
+    # and sm's offset in the merged shared memory is a multiple of 8 bytes (checked on the
+    # generated source: tests/test_moe_prefill_wgmma.py)
+    OB = 256 + NS * TW + NS * BN * B_ROW_WORDS
+    SM_WORDS = OB + 4 * NS
     smem = SM_WORDS * 4 + BN * KGW * 4 + TM * 8
     if smem > SMEM_LIMIT:
         raise ValueError(f"input width {KD} needs {smem} bytes of shared memory per block (limit {SMEM_LIMIT})")
@@ -469,7 +481,7 @@ def _grouped_wgmma_ws(kind: str, E: int, N: int, KD: int, top_k: int, beta: floa
         """Consumer K step ``ks``: wait for its stage, dequantize into half ``buf`` of ``bf``
         (while step ks - 1's wgmmas run), issue this step's wgmmas, wait for step ks - 1's and
         release its stage."""
-        T.evaluate(mbar_wait(T.address_of(sm[al[0] + OB + 2 * (ks % NS)]), T.Cast("uint32", ks // NS % 2)))
+        T.evaluate(mbar_wait(T.address_of(sm[OB + 2 * (ks % NS)]), T.Cast("uint32", ks // NS % 2)))
         for hk in T.unroll(2):
             for h in T.unroll(2):
                 T.evaluate(dequant8(
@@ -489,7 +501,7 @@ def _grouped_wgmma_ws(kind: str, E: int, N: int, KD: int, top_k: int, beta: floa
         T.evaluate(wgmma_commit())
         T.evaluate(wgmma_wait(1))
         if ks > 0:  # step ks - 1's wgmmas are done: its stage may be refilled
-            T.evaluate(mbar_arrive(T.address_of(sm[al[0] + OB + 2 * (NS + (ks + NS - 1) % NS)])))
+            T.evaluate(mbar_arrive(T.address_of(sm[OB + 2 * (NS + (ks + NS - 1) % NS)])))
 
     @T.macro
     def cloop(n, n2, sm, al, desc, sc_s, bf, acc, tx):
@@ -535,8 +547,8 @@ def _grouped_wgmma_ws(kind: str, E: int, N: int, KD: int, top_k: int, beta: floa
                                       gate_up, TM, NTH, N, NTN, K, KGW)
                         if tx == 0:
                             for i in range(NS):
-                                T.evaluate(mbar_init(T.address_of(sm[al[0] + OB + 2 * i]), NP))        # full: producer lanes
-                                T.evaluate(mbar_init(T.address_of(sm[al[0] + OB + 2 * (NS + i)]), NC))   # empty: consumer threads
+                                T.evaluate(mbar_init(T.address_of(sm[OB + 2 * i]), NP))        # full: producer lanes
+                                T.evaluate(mbar_init(T.address_of(sm[OB + 2 * (NS + i)]), NC))   # empty: consumer threads
                         T.tvm_storage_sync("shared.dyn")
                         if tx >= NC:
                             T.evaluate(setmaxnreg("dec", REGS_WS[0]))
@@ -564,7 +576,7 @@ def _grouped_wgmma_ws(kind: str, E: int, N: int, KD: int, top_k: int, beta: floa
                             sb[0] = smem_address(T.address_of(sm[al[0]]))
                             for ks in range(NK):
                                 if ks >= NS:
-                                    T.evaluate(mbar_wait(T.address_of(sm[al[0] + OB + 2 * (NS + ks % NS)]),
+                                    T.evaluate(mbar_wait(T.address_of(sm[OB + 2 * (NS + ks % NS)]),
                                                          T.Cast("uint32", (ks // NS + 1) % 2)))
                                 for i in T.unroll(CCH):
                                     T.evaluate(cp_async16_raw(
@@ -572,13 +584,15 @@ def _grouped_wgmma_ws(kind: str, E: int, N: int, KD: int, top_k: int, beta: floa
                                                                   * B_ROW_WORDS + ws_code_chunk(tx - NC, i, NP)[1] * 4) * 4),
                                         ga[TCH + i] + T.Cast("uint64", ks * (BK // 2))))
                                 for j in T.unroll(TCH):
-                                    # the rows the consumers' wgmmas read (ws_wgmma_rows), so none is stale
-                                    if ws_token_chunk(tx - NC, j, NP)[0] < ws_wgmma_rows(ncols[0]):
+                                    # rows of the tile's ⌈rows / 32⌉·32; a 3-column tile's wgmma (N 128,
+                                    # ws_wgmma_rows) also reads rows 96..127, left from an earlier step:
+                                    # they only reach the outputs of rows past the tile, never stored
+                                    if ws_token_chunk(tx - NC, j, NP)[0] < ncols[0] * 32:
                                         T.evaluate(cp_async16_raw(
                                             sb[0] + T.Cast("uint32", (ks % NS * TW + swizzle128_word(*ws_token_chunk(tx - NC, j, NP)))
                                                            * 4),
                                             ga[j] + T.Cast("uint64", ks * BK * 2)))
-                                T.evaluate(cp_async_mbar_arrive(T.address_of(sm[al[0] + OB + 2 * (ks % NS)])))
+                                T.evaluate(cp_async_mbar_arrive(T.address_of(sm[OB + 2 * (ks % NS)])))
                             T.evaluate(wait(0))
                         else:
                             # ---- consumers
