@@ -379,13 +379,6 @@ def ws_entry_registers(threads: int) -> int:
     return 65536 // threads // 8 * 8
 
 
-def ws_wgmma_rows(ncols):
-    """Token rows the consumers' wgmmas read for a tile of ⌈rows / 32⌉ = ``ncols`` (1..6):
-    N = 32, 64, 128, 128, 128 + 32, 128 + 64 (a Python int or TIR expression) — what the
-    producer copies, so that no wgmma reads a row left from an earlier step."""
-    return T.if_then_else(ncols == 3, 4, ncols) * 32 if not isinstance(ncols, int) else (4 if ncols == 3 else ncols) * 32
-
-
 def _grouped_wgmma_ws(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
                       beta_lin: float | None = None, out_dtype: str = "bfloat16", stages: int = STAGES):
     """Warp-specialized builder of both kernels (arguments as :func:`_grouped_wgmma`; tiles of
@@ -584,9 +577,9 @@ def _grouped_wgmma_ws(kind: str, E: int, N: int, KD: int, top_k: int, beta: floa
                                                                   * B_ROW_WORDS + ws_code_chunk(tx - NC, i, NP)[1] * 4) * 4),
                                         ga[TCH + i] + T.Cast("uint64", ks * (BK // 2))))
                                 for j in T.unroll(TCH):
-                                    # rows of the tile's ⌈rows / 32⌉·32; a 3-column tile's wgmma (N 128,
-                                    # ws_wgmma_rows) also reads rows 96..127, left from an earlier step:
-                                    # they only reach the outputs of rows past the tile, never stored
+                                    # rows of the tile's ⌈rows / 32⌉·32; a 3-column tile's wgmma (N 128)
+                                    # also reads rows 96..127, left from an earlier step: they only reach
+                                    # the outputs of rows past the tile, never stored
                                     if ws_token_chunk(tx - NC, j, NP)[0] < ncols[0] * 32:
                                         T.evaluate(cp_async16_raw(
                                             sb[0] + T.Cast("uint32", (ks % NS * TW + swizzle128_word(*ws_token_chunk(tx - NC, j, NP)))
@@ -598,7 +591,7 @@ def _grouped_wgmma_ws(kind: str, E: int, N: int, KD: int, top_k: int, beta: floa
                             # ---- consumers
                             T.evaluate(setmaxnreg("inc", REGS_WS[1]))
                             desc[0] = sw128_desc(smem_address(T.address_of(sm[al[0]])))
-                            # wgmma N by the tile's rows: 32, 64, 128, then 128 + 32 / 64 (ws_wgmma_rows)
+                            # wgmma N by the tile's rows: 32, 64, 128, then 128 + 32 / 64
                             if ncols[0] >= 6:
                                 cloop(128, 64, sm, al, desc, sc_s, bf, acc, tx)
                             elif ncols[0] == 5:
