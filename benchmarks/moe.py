@@ -34,7 +34,8 @@ the two grouped GEMMs (and the sort on its own) vs ``torch._grouped_mm`` over th
 tokens with bf16 copies of all 896 experts (sorting outside its timing), and vs the bf16
 peak measured with an 8192³ ``torch.matmul``; ``ours_*`` are the ``mma.sync`` kernels (other
 CUDA targets), ``dispatched_sm90a_*`` what cuda-sm90a runs (the wgmma build: plain, or
-warp-specialized from WS_MIN_PAIRS_PER_EXPERT pairs per expert), and every wgmma variant's
+warp-specialized from WS_MIN_PAIRS_PER_EXPERT pairs per expert; ``_form`` is that rule's
+prediction), and every wgmma variant's
 time and largest output difference from the ``mma.sync`` output are under ``variants_*``
 (each variant also runs every prefill check). Results: JSON + PNG under ``--out``.
 """

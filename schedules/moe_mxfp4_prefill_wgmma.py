@@ -41,7 +41,7 @@ by ``sorted_pair``, addresses kept in registers) into one of 4 stages and arrive
 ``full`` mbarrier when they land; the consumers wait on it, dequantize their 64 weight rows
 once for up to :data:`TM_WS` = 192 tokens (a wgmma of N 128 and one of N 32 / 64 into
 accumulators 64..95) and, after the step's wgmmas, arrive on its ``empty`` mbarrier. No block
-barrier in the K loop; ``setmaxnreg`` gives the consumers 224 registers and the producers 64
+barrier in the K loop; ``setmaxnreg`` gives the consumers 224 registers and the producers 56
 (one block per SM); gate_up's SiTU epilogue is split between the two warpgroups. Both forms sit
 in one PrimFunc behind a host-side branch on the pair count (:func:`ws_min_pairs`: 112 per
 expert, :data:`schedules.moe_plan.WS_MIN_PAIRS_PER_EXPERT`), and ``moe_sort_kernel`` builds
@@ -132,6 +132,27 @@ def tile_prologue(tiles, sorted_pair, sq0, sq1, sm, al, ncols, row_s, dst_s, sc_
             sc_s[it * threads + tx] = block_scale_word(gate_up, sq0, sq1, tiles, blk, it * threads + tx, N, NTN, KGW)
 
 
+def _sizes(kind: str, E: int, N: int, KD: int, stages: int):
+    """(gate_up, output columns per block, column tiles, K steps, scale groups, their words, code
+    words per row) of a grouped GEMM with ``N`` outputs over ``KD`` inputs (both forms).
+
+    Raises:
+        ValueError: fewer than 3 stages; KD not a multiple of 128; N not a multiple of the
+            block's columns; weights past int32 word indexing.
+    """
+    if stages < 3:
+        raise ValueError(f"stages must be at least 3, got {stages}")
+    gate_up = kind == "gate_up"
+    if KD % 128:
+        raise ValueError(f"input width {KD} must be a multiple of 128")
+    cols = BN // 2 if gate_up else BN
+    if N % cols:
+        raise ValueError(f"output width {N} must be a multiple of {cols}")
+    if E * N * (KD // 8) >= 2 ** 31:
+        raise ValueError("weights too large for int32 word indexing")
+    return gate_up, cols, N // cols, KD // BK, KD // 32, KD // 128, KD // 8
+
+
 def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
                    beta_lin: float | None = None, out_dtype: str = "bfloat16", stages: int = STAGES,
                    short_tiles: bool = True, staged: bool = False):
@@ -143,21 +164,7 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
     registers (correct on the H200; its speed alone not yet measured, see docs/DESIGN.md)."""
     K = top_k
     NS = stages
-    if NS < 3:
-        raise ValueError(f"stages must be at least 3, got {NS}")
-    gate_up = kind == "gate_up"
-    if KD % 128:
-        raise ValueError(f"input width {KD} must be a multiple of 128")
-    cols = BN // 2 if gate_up else BN
-    if N % cols:
-        raise ValueError(f"output width {N} must be a multiple of {cols}")
-    NTN = N // cols
-    NK = KD // BK
-    KG = KD // 32
-    KGW = KG // 4
-    RW = KD // 8
-    if E * N * RW >= 2 ** 31:
-        raise ValueError("weights too large for int32 word indexing")
+    gate_up, cols, NTN, NK, KG, KGW, RW = _sizes(kind, E, N, KD, NS)
     SM_WORDS = 256 + NS * TOK_WORDS + NS * BN * B_ROW_WORDS  # + up to 1 KiB to align the token tiles
     smem = SM_WORDS * 4 + BN * KGW * 4 + BM * 4
     if smem > SMEM_LIMIT:
@@ -392,26 +399,12 @@ def _grouped_wgmma_ws(kind: str, E: int, N: int, KD: int, top_k: int, beta: floa
     tile's tokens (wgmmas over tokens 0-127 and, where the tile has more, 128-191 into
     accumulators 64..95) and, once a step's wgmmas are done, arrive on its stage's ``empty``
     mbarrier, which the producers wait on before refilling it. No block-wide barrier and no
-    copy addressing in the consumers' K loop (setmaxnreg: 224 registers per consumer thread, 64
+    copy addressing in the consumers' K loop (setmaxnreg: 224 registers per consumer thread, 56
     per producer thread; one block per SM)."""
     K = top_k
     NS = stages
-    if NS < 3:
-        raise ValueError(f"stages must be at least 3, got {NS}")
-    gate_up = kind == "gate_up"
-    if KD % 128:
-        raise ValueError(f"input width {KD} must be a multiple of 128")
-    cols = BN // 2 if gate_up else BN
-    if N % cols:
-        raise ValueError(f"output width {N} must be a multiple of {cols}")
+    gate_up, cols, NTN, NK, KG, KGW, RW = _sizes(kind, E, N, KD, NS)
     TM = TM_WS
-    NTN = N // cols
-    NK = KD // BK
-    KG = KD // 32
-    KGW = KG // 4
-    RW = KD // 8
-    if E * N * RW >= 2 ** 31:
-        raise ValueError("weights too large for int32 word indexing")
     NC = NCW * 32                # consumer threads
     NP = NPW * 32                # producer threads
     NTH = NC + NP                # threads per block
