@@ -48,7 +48,6 @@ from schedules import moe_mxfp4_decode_tc as dt
 from schedules import moe_mxfp4_prefill_cuda as mp
 from schedules import moe_mxfp4_prefill_wgmma as mw
 from schedules import mxfp4_tc_layout as tcl
-from schedules.moe_plan import warp_specialized_shapes
 
 
 def _private(func):
@@ -193,9 +192,8 @@ class RoutedExperts(nn.Module):
             gu_kernel = mp.moe_grouped_gate_up_kernel(E, L, I, k, self.beta, self.beta_lin)
             down_kernel = mp.moe_grouped_down_kernel(E, L, I, k)
         # wgmma: the GEMMs run warp-specialized on 192-row tiles from ws_min_pairs(E) pairs (where
-        # the widths allow, schedules/moe_plan.py); the sort's tile table branches on the same count
-        sort = (mp.moe_sort_kernel(E, k, bm_large=mw.TM_WS, large_from_pairs=mw.ws_min_pairs(E))
-                if self.wgmma and warp_specialized_shapes(L, I) else mp.moe_sort_kernel(E, k))
+        # the widths allow); the sort's tile table branches on the same count
+        sort = mw.moe_sort_wgmma_kernel(E, L, I, k) if self.wgmma else mp.moe_sort_kernel(E, k)
         sorted_pair, tiles, num_tiles, _ = _fill(
             sort, "moe_sort", [ids],
             [([pairs], "int32"), ([mp.max_tiles(pairs, E), 3], "int32"), ([1], "int32"), ([E], "int32")])

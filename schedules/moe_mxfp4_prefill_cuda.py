@@ -303,30 +303,9 @@ def _grouped_gemm(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 
                 T.address_of(wq0[(tiles[blk // NTN, 0] * N + T.Cast("int32", blk % NTN) * BN
                                   + tx // 2) * RW + step * (BK // 8) + tx % 2 * 4]), 1))
 
-    @T.prim_func(private=True)
-    def grouped(x_h: T.handle, wp0_h: T.handle, ws0_h: T.handle, wp1_h: T.handle, ws1_h: T.handle,
-                sorted_h: T.handle, tiles_h: T.handle, num_tiles: T.Buffer((1,), "int32"),
-                y_h: T.handle):
-        T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
-        nt = T.int64()
-        mt = T.int64()
-        if gate_up:
-            x = T.match_buffer(x_h, (nt, KD), "bfloat16")
-            y = T.match_buffer(y_h, (nt * K, N), out_dtype)
-        else:
-            y = T.match_buffer(y_h, (nt, K, N), out_dtype)
-            x = T.match_buffer(x_h, (nt * K, KD), "bfloat16")
-        wp0 = T.match_buffer(wp0_h, (E, N, KD // 2), "uint8")
-        ws0 = T.match_buffer(ws0_h, (E, N, KG), "uint8")
-        wp1 = T.match_buffer(wp1_h, (E, N, KD // 2), "uint8")
-        ws1 = T.match_buffer(ws1_h, (E, N, KG), "uint8")
-        sorted_pair = T.match_buffer(sorted_h, (nt * K,), "int32")
-        tiles = T.match_buffer(tiles_h, (mt, 3), "int32")
-        xf = T.decl_buffer((x.shape[0] * KD,), "bfloat16", data=x.data)
-        wq0 = T.decl_buffer((E * N * RW,), "uint32", data=wp0.data)
-        wq1 = T.decl_buffer((E * N * RW,), "uint32", data=wp1.data)
-        sq0 = T.decl_buffer((E * N * KGW,), "uint32", data=ws0.data)
-        sq1 = T.decl_buffer((E * N * KGW,), "uint32", data=ws1.data)
+    @T.macro
+    def grouped(xf, wq0, wq1, sq0, sq1, sorted_pair, tiles, num_tiles, y, nt, mt):
+        """The kernel on the buffers and views of :func:`grouped_gemm_primfunc`."""
         for blk in T.thread_binding(mt * NTN, thread="blockIdx.x"):
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
                 a_s = T.alloc_buffer((NS * BM * ROW_WORDS,), "uint32", scope="shared.dyn")
@@ -427,7 +406,7 @@ def _grouped_gemm(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 
 
     # its barriers are its own (TVM's planner cannot follow the cp.async pipeline):
     # compile inside schedules.barriers.respect_manual_barriers()
-    return mark(grouped)
+    return grouped_gemm_primfunc(kind, E, N, KD, top_k, out_dtype, grouped)
 
 
 def block_scale_word(gate_up: bool, sq0, sq1, tiles, blk, w, N: int, NTN: int, KGW: int):
@@ -449,6 +428,57 @@ def situ_expr(g, u, beta, beta_lin, use_bl):
     ``u' = β_lin·tanh(u/β_lin)`` (``use_bl``) or ``u``."""
     up = T.float32(beta_lin) * T.tanh(u * T.float32(1.0 / beta_lin)) if use_bl else u
     return T.float32(beta) * T.tanh(g * T.float32(1.0 / beta)) * T.sigmoid(g) * up
+
+
+def grouped_gemm_primfunc(kind: str, E: int, N: int, KD: int, top_k: int, out_dtype: str, body,
+                          ws_body=None, ws_from: int = 0):
+    """The PrimFunc of a grouped GEMM (both kernel families): the arguments of
+    :func:`_grouped_gemm` matched to buffers, the flat uint32 / bf16 views every body reads
+    (``xf``, ``wq0``, ``wq1``, ``sq0``, ``sq1``), then the kernel body — ``body``, or with
+    ``ws_body`` a host-side branch to it where the pairs (tokens · top_k) reach ``ws_from``
+    (schedules/moe_mxfp4_prefill_wgmma.py's warp-specialized form). A body is a ``T.macro``
+    taking ``(xf, wq0, wq1, sq0, sq1, sorted_pair, tiles, num_tiles, y, nt, mt)``. Barriers
+    are placed by hand: compile inside schedules.barriers.respect_manual_barriers()."""
+    K = top_k
+    KG = KD // 32
+    KGW = KG // 4
+    RW = KD // 8
+    gate_up = kind == "gate_up"
+    BOTH = ws_body is not None
+
+    @T.prim_func(private=True)
+    def grouped(x_h: T.handle, wp0_h: T.handle, ws0_h: T.handle, wp1_h: T.handle, ws1_h: T.handle,
+                sorted_h: T.handle, tiles_h: T.handle, num_tiles: T.Buffer((1,), "int32"),
+                y_h: T.handle):
+        T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
+        nt = T.int64()
+        mt = T.int64()
+        if gate_up:
+            x = T.match_buffer(x_h, (nt, KD), "bfloat16")
+            y = T.match_buffer(y_h, (nt * K, N), out_dtype)
+        else:
+            y = T.match_buffer(y_h, (nt, K, N), out_dtype)
+            x = T.match_buffer(x_h, (nt * K, KD), "bfloat16")
+        wp0 = T.match_buffer(wp0_h, (E, N, KD // 2), "uint8")
+        ws0 = T.match_buffer(ws0_h, (E, N, KG), "uint8")
+        wp1 = T.match_buffer(wp1_h, (E, N, KD // 2), "uint8")
+        ws1 = T.match_buffer(ws1_h, (E, N, KG), "uint8")
+        sorted_pair = T.match_buffer(sorted_h, (nt * K,), "int32")
+        tiles = T.match_buffer(tiles_h, (mt, 3), "int32")
+        xf = T.decl_buffer((x.shape[0] * KD,), "bfloat16", data=x.data)
+        wq0 = T.decl_buffer((E * N * RW,), "uint32", data=wp0.data)
+        wq1 = T.decl_buffer((E * N * RW,), "uint32", data=wp1.data)
+        sq0 = T.decl_buffer((E * N * KGW,), "uint32", data=ws0.data)
+        sq1 = T.decl_buffer((E * N * KGW,), "uint32", data=ws1.data)
+        if BOTH:
+            if nt * K >= ws_from:
+                ws_body(xf, wq0, wq1, sq0, sq1, sorted_pair, tiles, num_tiles, y, nt, mt)
+            else:
+                body(xf, wq0, wq1, sq0, sq1, sorted_pair, tiles, num_tiles, y, nt, mt)
+        else:
+            body(xf, wq0, wq1, sq0, sq1, sorted_pair, tiles, num_tiles, y, nt, mt)
+
+    return mark(grouped)
 
 
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer

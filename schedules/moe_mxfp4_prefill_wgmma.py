@@ -70,7 +70,7 @@ from tvm.script import tirx as T
 
 from schedules.barriers import mark
 from schedules.moe_mxfp4_prefill_cuda import (B_ROW_WORDS, BK, BN, MMA_A_REGS, SMEM_LIMIT, block_scale_word,
-                                              situ_expr)
+                                              grouped_gemm_primfunc, situ_expr)
 from schedules.moe_plan import BM, BM_WS, WS_MIN_PAIRS_PER_EXPERT, warp_specialized_shapes
 from schedules.mxfp4_ptx import commit, cp_async16, dequant8, factor_bf16x2, wait
 from schedules.wgmma_ptx import (cp_async16_raw, cp_async_mbar_arrive, fence_proxy_async, global_address, mbar_arrive,
@@ -132,6 +132,18 @@ def tile_prologue(tiles, sorted_pair, sq0, sq1, sm, al, ncols, row_s, dst_s, sc_
             sc_s[it * threads + tx] = block_scale_word(gate_up, sq0, sq1, tiles, blk, it * threads + tx, N, NTN, KGW)
 
 
+@T.macro
+def situ_store(y, row_s, tiles, blk, t, i, val, ok, NTN: int, out_dtype: str):
+    """gate_up output ``i`` of thread ``t`` of a warpgroup (both forms): row i // 4 · 8 + 2(t % 4)
+    + i % 2 of the tile, column 16(t / 32) + (t % 32) / 4 + 8((i % 4) / 2) of the block's 64,
+    permuted; rows past the tile's end (``row_s`` -1) are skipped."""
+    ok[0] = row_s[i // 4 * 8 + t % 4 * 2 + i % 2]
+    if ok[0] >= 0:
+        y[tiles[blk // NTN, 1] + i // 4 * 8 + t % 4 * 2 + i % 2,
+          permuted_position(T.Cast("int32", blk % NTN) * 64 + t // 32 * 16 + t % 32 // 4 + i % 4 // 2 * 8)] = \
+            T.Cast(out_dtype, val)
+
+
 def _sizes(kind: str, E: int, N: int, KD: int, stages: int):
     """(gate_up, output columns per block, column tiles, K steps, scale groups, their words, code
     words per row) of a grouped GEMM with ``N`` outputs over ``KD`` inputs (both forms).
@@ -156,7 +168,7 @@ def _sizes(kind: str, E: int, N: int, KD: int, stages: int):
 def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
                    beta_lin: float | None = None, out_dtype: str = "bfloat16", stages: int = STAGES,
                    short_tiles: bool = True, staged: bool = False):
-    """Body (a macro for :func:`_wrap`) of both kernels; arguments as :func:`schedules.moe_mxfp4_prefill_cuda.
+    """Body (a macro for ``grouped_gemm_primfunc``) of both kernels; arguments as :func:`schedules.moe_mxfp4_prefill_cuda.
     _grouped_gemm`, with the activations (gate_up's ``z``, down's ``a_sorted``) and gate_up's
     output in the permuted k order. ``short_tiles``: tiles of at most 64 (32) rows use a
     wgmma of N = 64 (32) instead of 128; ``staged`` (gate_up): the outputs go through shared
@@ -252,13 +264,9 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
             kstep(n, k2 * 2 + 1, 1, sm, al, pre, tsrc, desc, sc_s, xf, wq0, wq1, bf, acc, tx)
 
     @T.macro
-    def grouped(x, wp0, ws0, wp1, ws1, sorted_pair, tiles, num_tiles, y, nt, mt):
-        """The kernel on the buffers of :func:`_wrap`'s PrimFunc (``nt`` tokens, ``mt`` tile rows)."""
-        xf = T.decl_buffer((x.shape[0] * KD,), "bfloat16", data=x.data)
-        wq0 = T.decl_buffer((E * N * RW,), "uint32", data=wp0.data)
-        wq1 = T.decl_buffer((E * N * RW,), "uint32", data=wp1.data)
-        sq0 = T.decl_buffer((E * N * KGW,), "uint32", data=ws0.data)
-        sq1 = T.decl_buffer((E * N * KGW,), "uint32", data=ws1.data)
+    def grouped(xf, wq0, wq1, sq0, sq1, sorted_pair, tiles, num_tiles, y, nt, mt):
+        """The kernel on the buffers and views of ``grouped_gemm_primfunc`` (``nt`` tokens,
+        ``mt`` tile rows)."""
         yq = T.decl_buffer((y.shape[0] * (N // 2) * (1 if gate_up else K),), "uint32", data=y.data)
         for blk in T.thread_binding(mt * NTN, thread="blockIdx.x"):
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
@@ -333,13 +341,10 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
                                                 T.Cast("float32", T.Cast("bfloat16", acc[i])),
                                                 T.reinterpret("float32", sm[al[0] + i * 128 + tx]), B, BL, use_bl))
                                     else:
-                                        ok[0] = row_s[i // 4 * 8 + tx % 4 * 2 + i % 2]
-                                        if ok[0] >= 0:
-                                            y[tiles[blk // NTN, 1] + i // 4 * 8 + tx % 4 * 2 + i % 2,
-                                              permuted_position(T.Cast("int32", blk % NTN) * 64 + tx // 32 * 16
-                                                                + tx % 32 // 4 + i % 4 // 2 * 8)] = T.Cast(out_dtype, situ_expr(
-                                                  T.Cast("float32", T.Cast("bfloat16", acc[i])),
-                                                  T.reinterpret("float32", sm[al[0] + i * 128 + tx]), B, BL, use_bl))
+                                        situ_store(y, row_s, tiles, blk, tx, i, situ_expr(
+                                            T.Cast("float32", T.Cast("bfloat16", acc[i])),
+                                            T.reinterpret("float32", sm[al[0] + i * 128 + tx]), B, BL, use_bl),
+                                            ok, NTN, out_dtype)
                             if staged:
                                 T.tvm_storage_sync("shared.dyn")
                                 # 16-byte stores: row r's 64 columns are 128 contiguous bytes of a_sorted
@@ -437,17 +442,6 @@ def _grouped_wgmma_ws(kind: str, E: int, N: int, KD: int, top_k: int, beta: floa
     A0, A1 = MMA_A_REGS
 
     @T.macro
-    def situ_store(y, row_s, tiles, blk, t, i, val, ok):
-        """gate_up output ``i`` of consumer thread ``t`` (of a warpgroup's 128): row i // 4 · 8 +
-        2(t % 4) + i % 2 of the tile, column 16(t / 32) + (t % 32) / 4 + 8((i % 4) / 2) of the
-        block's 64, permuted; rows past the tile's end are skipped."""
-        ok[0] = row_s[i // 4 * 8 + t % 4 * 2 + i % 2]
-        if ok[0] >= 0:
-            y[tiles[blk // NTN, 1] + i // 4 * 8 + t % 4 * 2 + i % 2,
-              permuted_position(T.Cast("int32", blk % NTN) * 64 + t // 32 * 16 + t % 32 // 4 + i % 4 // 2 * 8)] = \
-                T.Cast(out_dtype, val)
-
-    @T.macro
     def wg(n, regs, buf, hk, m, half, desc, bf, acc, ks):
         """One wgmma: k16 slice 2hk + m of step ks (A registers ``regs``) over ``n`` token rows
         from row 128·half into acc[64·half:]; the first of each accumulator half overwrites."""
@@ -505,13 +499,9 @@ def _grouped_wgmma_ws(kind: str, E: int, N: int, KD: int, top_k: int, beta: floa
                 cstep(n, n2, k2 * 2 + 1, 1, sm, al, desc, sc_s, bf, acc, tx)
 
     @T.macro
-    def grouped(x, wp0, ws0, wp1, ws1, sorted_pair, tiles, num_tiles, y, nt, mt):
-        """The kernel on the buffers of :func:`_wrap`'s PrimFunc (``nt`` tokens, ``mt`` tile rows)."""
-        xf = T.decl_buffer((x.shape[0] * KD,), "bfloat16", data=x.data)
-        wq0 = T.decl_buffer((E * N * RW,), "uint32", data=wp0.data)
-        wq1 = T.decl_buffer((E * N * RW,), "uint32", data=wp1.data)
-        sq0 = T.decl_buffer((E * N * KGW,), "uint32", data=ws0.data)
-        sq1 = T.decl_buffer((E * N * KGW,), "uint32", data=ws1.data)
+    def grouped(xf, wq0, wq1, sq0, sq1, sorted_pair, tiles, num_tiles, y, nt, mt):
+        """The kernel on the buffers and views of ``grouped_gemm_primfunc`` (``nt`` tokens,
+        ``mt`` tile rows)."""
         yf = T.decl_buffer((y.shape[0] * (1 if gate_up else K) * N,), out_dtype, data=y.data)
         for blk in T.thread_binding(mt * NTN, thread="blockIdx.x"):
             for tx in T.thread_binding(NTH, thread="threadIdx.x"):
@@ -615,12 +605,12 @@ def _grouped_wgmma_ws(kind: str, E: int, N: int, KD: int, top_k: int, beta: floa
                                     for i in T.unroll(ND // 2):
                                         situ_store(y, row_s, tiles, blk, tx, i, situ_expr(
                                             T.Cast("float32", T.Cast("bfloat16", acc[i])),
-                                            T.reinterpret("float32", sm[al[0] + i * (NC // 2) + tx]), B, BL, use_bl), ok)
+                                            T.reinterpret("float32", sm[al[0] + i * (NC // 2) + tx]), B, BL, use_bl), ok, NTN, out_dtype)
                                 else:
                                     for i in T.unroll(ND // 2):
                                         situ_store(y, row_s, tiles, blk, tx - NC // 2, ND // 2 + i, situ_expr(
                                             T.reinterpret("float32", sm[al[0] + (ND // 2 + i) * (NC // 2) + tx - NC // 2]),
-                                            T.Cast("float32", T.Cast("bfloat16", acc[ND // 2 + i])), B, BL, use_bl), ok)
+                                            T.Cast("float32", T.Cast("bfloat16", acc[ND // 2 + i])), B, BL, use_bl), ok, NTN, out_dtype)
                             else:
                                 for i in T.unroll(ND):
                                     ok[0] = dst_s[i // 4 * 8 + tx % 4 * 2 + i % 2]
@@ -637,46 +627,27 @@ def ws_min_pairs(num_experts: int) -> int:
     return WS_MIN_PAIRS_PER_EXPERT * num_experts
 
 
-def _wrap(kind: str, E: int, N: int, KD: int, top_k: int, out_dtype: str, plain, ws, ws_from: int):
-    """The PrimFunc around the kernel bodies: ``plain`` (:func:`_grouped_wgmma`) or ``ws``
-    (:func:`_grouped_wgmma_ws`), or both with a host-side branch — the warp-specialized form
-    where the pairs (tokens · top_k) reach ``ws_from``, which the sort's tile table follows
-    (``moe_sort_kernel(..., bm_large=TM_WS, large_from_pairs=ws_from)``)."""
-    K = top_k
-    KG = KD // 32
-    gate_up = kind == "gate_up"
-    BOTH = plain is not None and ws is not None
-    only = plain if ws is None else ws
+def moe_sort_wgmma_kernel(num_experts: int, latent: int, inter: int, top_k: int,
+                          warp_specialized: bool | str = "auto"):
+    """The sort (``moe_sort_kernel``) whose tile table the wgmma kernels built with the same
+    ``warp_specialized`` read: 192-row tiles (:data:`TM_WS`) from :func:`ws_min_pairs` pairs
+    where the widths have the warp-specialized form ("auto"), always (True) or never (False)."""
+    from schedules.moe_mxfp4_prefill_cuda import moe_sort_kernel
 
-    @T.prim_func(private=True)
-    def grouped(x_h: T.handle, wp0_h: T.handle, ws0_h: T.handle, wp1_h: T.handle, ws1_h: T.handle,
-                sorted_h: T.handle, tiles_h: T.handle, num_tiles: T.Buffer((1,), "int32"),
-                y_h: T.handle):
-        T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
-        nt = T.int64()
-        mt = T.int64()
-        if gate_up:
-            x = T.match_buffer(x_h, (nt, KD), "bfloat16")
-            y = T.match_buffer(y_h, (nt * K, N), out_dtype)
-        else:
-            y = T.match_buffer(y_h, (nt, K, N), out_dtype)
-            x = T.match_buffer(x_h, (nt * K, KD), "bfloat16")
-        wp0 = T.match_buffer(wp0_h, (E, N, KD // 2), "uint8")
-        ws0 = T.match_buffer(ws0_h, (E, N, KG), "uint8")
-        wp1 = T.match_buffer(wp1_h, (E, N, KD // 2), "uint8")
-        ws1 = T.match_buffer(ws1_h, (E, N, KG), "uint8")
-        sorted_pair = T.match_buffer(sorted_h, (nt * K,), "int32")
-        tiles = T.match_buffer(tiles_h, (mt, 3), "int32")
-        if BOTH:
-            if nt * K >= ws_from:
-                ws(x, wp0, ws0, wp1, ws1, sorted_pair, tiles, num_tiles, y, nt, mt)
-            else:
-                plain(x, wp0, ws0, wp1, ws1, sorted_pair, tiles, num_tiles, y, nt, mt)
-        else:
-            only(x, wp0, ws0, wp1, ws1, sorted_pair, tiles, num_tiles, y, nt, mt)
+    if warp_specialized == "auto":
+        if not warp_specialized_shapes(latent, inter):
+            return moe_sort_kernel(num_experts, top_k)
+        return moe_sort_kernel(num_experts, top_k, bm_large=TM_WS, large_from_pairs=ws_min_pairs(num_experts))
+    return moe_sort_kernel(num_experts, top_k, TM_WS if warp_specialized else BM)
 
-    # barriers placed by hand: compile inside schedules.barriers.respect_manual_barriers()
-    return mark(grouped)
+
+def _primfunc(kind, E, N, KD, top_k, out_dtype, plain, ws, ws_from):
+    """The PrimFunc (``grouped_gemm_primfunc``) of the plain body, the warp-specialized one, or
+    both behind the host-side branch at ``ws_from`` pairs, which the sort's tile table follows
+    (:func:`moe_sort_wgmma_kernel`)."""
+    if plain is None:
+        return grouped_gemm_primfunc(kind, E, N, KD, top_k, out_dtype, ws)
+    return grouped_gemm_primfunc(kind, E, N, KD, top_k, out_dtype, plain, ws, ws_from)
 
 
 def _bodies(kind, E, N, KD, top_k, beta, beta_lin, out_dtype, stages, short_tiles, staged, warp_specialized):
@@ -714,7 +685,7 @@ def moe_grouped_gate_up_wgmma_kernel(num_experts: int, latent: int, inter: int, 
     """
     plain, ws, ws_from = _bodies("gate_up", num_experts, inter, latent, top_k, beta, beta_lin, out_dtype, stages,
                                  short_tiles, staged, warp_specialized)
-    return _wrap("gate_up", num_experts, inter, latent, top_k, out_dtype, plain, ws, ws_from)
+    return _primfunc("gate_up", num_experts, inter, latent, top_k, out_dtype, plain, ws, ws_from)
 
 
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
@@ -731,4 +702,4 @@ def moe_grouped_down_wgmma_kernel(num_experts: int, latent: int, inter: int, top
     """
     plain, ws, ws_from = _bodies("down", num_experts, latent, inter, top_k, 0.0, None, out_dtype, stages,
                                  short_tiles, False, warp_specialized)
-    return _wrap("down", num_experts, latent, inter, top_k, out_dtype, plain, ws, ws_from)
+    return _primfunc("down", num_experts, latent, inter, top_k, out_dtype, plain, ws, ws_from)
