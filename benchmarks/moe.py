@@ -139,15 +139,6 @@ def _variant_bm(gu_kw: dict, pairs: int) -> int:
     return tile_rows(pairs, E, warp_specialized_shapes(L, I)) if ws == "auto" else (BM_WS if ws else BM)
 
 
-def _wgmma_sort(gu_kw: dict):
-    """The sort kernel whose tile table a wgmma build with gate_up kwargs ``gu_kw`` reads."""
-    from schedules import moe_mxfp4_prefill_cuda as mp
-    from schedules import moe_mxfp4_prefill_wgmma as mw
-
-    ws = gu_kw.get("warp_specialized", "auto")
-    if ws == "auto":
-        return mp.moe_sort_kernel(E, TOPK, bm_large=mw.TM_WS, large_from_pairs=mw.ws_min_pairs(E))
-    return mp.moe_sort_kernel(E, TOPK, mw.TM_WS if ws else mp.BM)
 WGMMA = "wgmma"  # prefill libraries whose name holds this read z and a_sorted in the permuted k order
 SMALL = (3, 512, 512, 2)  # E, L, I, top_k of tests/gpu/check_moe_dispatch.py's model
 
@@ -163,31 +154,26 @@ def build_prefill(out_dir: Path) -> None:
                 "moe_grouped_gate_up": mp.moe_grouped_gate_up_kernel(e, l_, i_, k, BETA, BETA_LIN, **kw),
                 "moe_grouped_down": mp.moe_grouped_down_kernel(e, l_, i_, k, **kw)}
 
-    _compile(kernels(E, L, I, TOPK), out_dir / "moe_prefill.so")
     from schedules import moe_mxfp4_prefill_wgmma as mw
 
-    # Hopper wgmma kernels (activations in the permuted k order; the run permutes z)
-    _compile({"moe_sort": _wgmma_sort({}),
-              "moe_grouped_gate_up": mw.moe_grouped_gate_up_wgmma_kernel(E, L, I, TOPK, BETA, BETA_LIN),
-              "moe_grouped_down": mw.moe_grouped_down_wgmma_kernel(E, L, I, TOPK)},
-             out_dir / f"moe_prefill_{WGMMA}.so")
+    def wgmma_kernels(e, l_, i_, k, gu_kw=None, d_kw=None):
+        """Hopper wgmma kernels (activations in the permuted k order; the run permutes z), with
+        the sort whose tile table they read."""
+        gu_kw, d_kw = gu_kw or {}, d_kw or {}
+        return {"moe_sort": mw.moe_sort_wgmma_kernel(e, l_, i_, k, gu_kw.get("warp_specialized", "auto")),
+                "moe_grouped_gate_up": mw.moe_grouped_gate_up_wgmma_kernel(e, l_, i_, k, BETA, BETA_LIN, **gu_kw),
+                "moe_grouped_down": mw.moe_grouped_down_wgmma_kernel(e, l_, i_, k, **d_kw)}
+
+    _compile(kernels(E, L, I, TOPK), out_dir / "moe_prefill.so")
+    _compile(wgmma_kernels(E, L, I, TOPK), out_dir / f"moe_prefill_{WGMMA}.so")
     for name, (gu_kw, d_kw) in WGMMA_VARIANTS.items():
-        _compile({"moe_sort": _wgmma_sort(gu_kw),
-                  "moe_grouped_gate_up": mw.moe_grouped_gate_up_wgmma_kernel(E, L, I, TOPK, BETA, BETA_LIN, **gu_kw),
-                  "moe_grouped_down": mw.moe_grouped_down_wgmma_kernel(E, L, I, TOPK, **d_kw)},
-                 out_dir / f"moe_prefill_{WGMMA}_{name}.so")
+        _compile(wgmma_kernels(E, L, I, TOPK, gu_kw, d_kw), out_dir / f"moe_prefill_{WGMMA}_{name}.so")
     for name, kw in PREFILL_VARIANTS.items():  # timed in the same run
         _compile(kernels(E, L, I, TOPK, **kw), out_dir / f"moe_prefill_{name}.so")
     _compile(kernels(*SMALL), out_dir / "moe_prefill_small.so")
-    e_, l_, i_, k_ = SMALL
-    for name, ws in (("", "auto"), ("_ws", True)):
-        sort = (mp.moe_sort_kernel(e_, k_, bm_large=mw.TM_WS, large_from_pairs=mw.ws_min_pairs(e_)) if ws == "auto"
-                else mp.moe_sort_kernel(e_, k_, mw.TM_WS))  # SMALL's widths (512) have the form
-        _compile({"moe_sort": sort,
-                  "moe_grouped_gate_up": mw.moe_grouped_gate_up_wgmma_kernel(e_, l_, i_, k_, BETA, BETA_LIN,
-                                                                            warp_specialized=ws),
-                  "moe_grouped_down": mw.moe_grouped_down_wgmma_kernel(e_, l_, i_, k_, warp_specialized=ws)},
-                 out_dir / f"moe_prefill_small_{WGMMA}{name}.so")
+    for name, ws in (("", "auto"), ("_ws", True)):  # SMALL's widths (512) have the warp-specialized form
+        kw = {"warp_specialized": ws}
+        _compile(wgmma_kernels(*SMALL, kw, kw), out_dir / f"moe_prefill_small_{WGMMA}{name}.so")
 
 
 def random_experts(num_experts: int, latent: int, inter: int, device, generator=None) -> dict:
@@ -533,8 +519,6 @@ def run_prefill(lib_dir: Path, W, Wb, tw, g, repack) -> dict:
             ids[:, 1:] = torch.where(ids[:, 1:] == 6, torch.full_like(ids[:, 1:], 7), ids[:, 1:])
         return ids
 
-    permute_k = _permute_k
-
     def pipeline(T, ids, z, fns=None, permuted=False):
         f_sort, f_gu, f_down = fns or (f_sort0, f_gu0, f_down0)
         P = T * TOPK
@@ -559,7 +543,7 @@ def run_prefill(lib_dir: Path, W, Wb, tw, g, repack) -> dict:
 
         def gemms():
             if permuted:
-                zp.copy_(permute_k(z))
+                zp.copy_(_permute_k(z))
             f_gu(tzp if permuted else tz, *tw["w1"], *tw["w3"], tv["sorted"], tv["tiles"], tv["num_tiles"], tv["a"])
             f_down(tv["a"], *tw["w2"], *tw["w2"], tv["sorted"], tv["tiles"], tv["num_tiles"], tv["o"])
 
@@ -597,7 +581,7 @@ def run_prefill(lib_dir: Path, W, Wb, tw, g, repack) -> dict:
             orf = (ar @ w2.T).bfloat16().float()
             got_a = bufs["a"][inv[tt * TOPK + jj]].float()
             if permuted:  # back to the natural k order (the permutation is an involution)
-                got_a = permute_k(got_a)
+                got_a = _permute_k(got_a)
             ea = max(ea, (got_a - ar).abs().max().item())
             eo = max(eo, (bufs["o"][tt, jj].float() - orf).abs().max().item())
             ma, mo = max(ma, ar.abs().max().item()), max(mo, orf.abs().max().item())
@@ -606,7 +590,7 @@ def run_prefill(lib_dir: Path, W, Wb, tw, g, repack) -> dict:
                "rel_err_a": ea / ma, "rel_err_o": eo / mo, "max_abs_err_o": eo, "max_abs_o": mo}
         # a (per pair, natural k order) and o against the first family's on the same inputs
         a_pairs = bufs["a"][inv].float()
-        outs[flavor] = (permute_k(a_pairs) if permuted else a_pairs, bufs["o"].float().clone())
+        outs[flavor] = (_permute_k(a_pairs) if permuted else a_pairs, bufs["o"].float().clone())
         first = next(iter(outs))
         if flavor != first:
             row[f"max_abs_diff_a_vs_{first}"] = (outs[flavor][0] - outs[first][0]).abs().max().item()
@@ -656,7 +640,7 @@ def run_prefill(lib_dir: Path, W, Wb, tw, g, repack) -> dict:
             def v_gemms(v_gu=vl["moe_grouped_gate_up"], v_down=vl["moe_grouped_down"], tv=tv, tz=tz, zp=zp,
                         permuted=permuted):
                 if permuted:  # timed with the permutation of z (in the model: a fused reshape)
-                    zp.copy_(permute_k(z))
+                    zp.copy_(_permute_k(z))
                 v_gu(tz, *tw["w1"], *tw["w3"], tv["sorted"], tv["tiles"], tv["num_tiles"], tv["a"])
                 v_down(tv["a"], *tw["w2"], *tw["w2"], tv["sorted"], tv["tiles"], tv["num_tiles"], tv["o"])
 
