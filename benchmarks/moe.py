@@ -655,7 +655,6 @@ def run_prefill(lib_dir: Path, W, Wb, tw, g, repack) -> dict:
             row.setdefault("variants_max_abs_diff", {})[vp.stem] = (bufs["o"].float() - ref_o.float()).abs().max().item()
             runs[vp.stem] = v_gemms
         # torch._grouped_mm, bf16 weights, tokens sorted by expert beforehand (not timed)
-        torch_gemms = None
         try:
             order = torch.argsort(ids.reshape(-1), stable=True)
             cnt = torch.bincount(ids.reshape(-1).long(), minlength=E)
