@@ -133,6 +133,21 @@ def tile_prologue(tiles, sorted_pair, sq0, sq1, sm, al, ncols, row_s, dst_s, sc_
 
 
 @T.macro
+def dequant_step(bf, buf, sm, al, sc_s, ks, tx, codes: int, stages: int, KGW: int):
+    """The A fragments of K step ``ks`` into half ``buf`` of ``bf`` (both forms): rows g, g+8 of
+    the warp's 16 (warpgroup tx // 128: its 64 rows of the block's 128), inputs 8q .. 8q+7 of
+    each 32 of the step's 64 (scale groups 2ks + hk), from the codes of stage ks % ``stages``
+    (word ``codes`` on from the aligned base) and the E8M0 words ``sc_s``."""
+    for hk in T.unroll(2):
+        for h in T.unroll(2):
+            T.evaluate(dequant8(
+                T.address_of(bf[buf * 16 + (hk * 2 + h) * 4]),
+                sm[al[0] + codes + (ks % stages * BN + tx // 32 * 16 + tx % 32 // 4 + h * 8) * B_ROW_WORDS
+                   + hk * 4 + tx % 4],
+                factor_bf16x2(sc_s[(tx // 32 * 16 + tx % 32 // 4 + h * 8) * KGW + ks // 2], buf * 2 + hk)))
+
+
+@T.macro
 def situ_store(y, row_s, tiles, blk, t, i, val, ok, NTN: int, out_dtype: str):
     """gate_up output ``i`` of thread ``t`` of a warpgroup (both forms): row i // 4 · 8 + 2(t % 4)
     + i % 2 of the tile, column 16(t / 32) + (t % 32) / 4 + 8((i % 4) / 2) of the block's 64,
@@ -242,15 +257,7 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
         if ks + NS - 2 < NK:
             issue(ks + NS - 2, sm, pre, tsrc, xf, wq0, wq1, tx)
         T.evaluate(commit())
-        # A: rows g, g+8 of the warp's 16 (warpgroup tx // 128: its 64 rows of the block's
-        # 128), inputs 8q .. 8q+7 of each 32 of the step's 64 (scale groups 2ks + hk)
-        for hk in T.unroll(2):
-            for h in T.unroll(2):
-                T.evaluate(dequant8(
-                    T.address_of(bf[buf * 16 + (hk * 2 + h) * 4]),
-                    sm[al[0] + CODES + (ks % NS * BN + tx // 32 * 16 + tx % 32 // 4 + h * 8) * B_ROW_WORDS
-                       + hk * 4 + tx % 4],
-                    factor_bf16x2(sc_s[(tx // 32 * 16 + tx % 32 // 4 + h * 8) * KGW + ks // 2], buf * 2 + hk)))
+        dequant_step(bf, buf, sm, al, sc_s, ks, tx, CODES, NS, KGW)
         T.evaluate(wgmma_fence())
         for hk in T.unroll(2):  # k16 slices 2hk (registers A0) and 2hk + 1 (A1)
             slice_mma(n, buf, hk, desc, bf, acc, ks)
@@ -462,13 +469,7 @@ def _grouped_wgmma_ws(kind: str, E: int, N: int, KD: int, top_k: int, beta: floa
         (while step ks - 1's wgmmas run), issue this step's wgmmas, wait for step ks - 1's and
         release its stage."""
         T.evaluate(mbar_wait(T.address_of(sm[OB + 2 * (ks % NS)]), T.Cast("uint32", ks // NS % 2)))
-        for hk in T.unroll(2):
-            for h in T.unroll(2):
-                T.evaluate(dequant8(
-                    T.address_of(bf[buf * 16 + (hk * 2 + h) * 4]),
-                    sm[al[0] + CODES + (ks % NS * BN + tx // 32 * 16 + tx % 32 // 4 + h * 8) * B_ROW_WORDS
-                       + hk * 4 + tx % 4],
-                    factor_bf16x2(sc_s[(tx // 32 * 16 + tx % 32 // 4 + h * 8) * KGW + ks // 2], buf * 2 + hk)))
+        dequant_step(bf, buf, sm, al, sc_s, ks, tx, CODES, NS, KGW)
         T.evaluate(fence_proxy_async())  # the producers' copies, visible to the wgmma's reads
         T.evaluate(wgmma_fence())
         for hk in T.unroll(2):
