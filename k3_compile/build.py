@@ -10,8 +10,10 @@ GPU pipeline (:func:`gpu_relax_pipeline`, the pieces of ``tvm.relax.backend.cuda
 written out so that the schedule step is ours):
 
 1. library dispatch (sampling, sort/scan);
-2. ``LegalizeOps`` → ``AnnotateTIROpPattern`` → ``FoldConstant`` → ``FuseOps`` → ``FuseTIR``;
-3. dlight ``ApplyDefaultSchedule(Matmul, GEMV, Reduction, GeneralReduction, Fallback)`` on
+2. ``FuseTransposeMatmul`` (``x @ Wᵀ`` as one ``NT_matmul`` on the stored weight) →
+   ``LegalizeOps`` → ``AnnotateTIROpPattern`` → ``FoldConstant`` → ``FuseOps`` → ``FuseTIR``;
+3. :func:`low_batch_specialize` (dense matmuls branch on the token count: GEMV schedules
+   for decode sizes, a tiled one above), then dlight ``ApplyDefaultSchedule(Matmul, GEMV, Reduction, GeneralReduction, Fallback)`` on
    every PrimFunc that is not already scheduled: the hand-written kernels' GPU variants
    (``export_model(..., gpu=True)``) carry ``tirx.is_scheduled`` and are left alone;
 4. dataflow lowering and finalization (memory planning, VM shape lowering).
@@ -27,6 +29,18 @@ from targets.base import TargetSpec
 
 
 _OPAQUE = 8  # relax OpPatternKind::kOpaque
+
+# Low-batch specialization of the dense matmuls (:func:`low_batch_specialize`): for a row count
+# up to ``limit``, dlight's LowBatchGEMV schedule with the rows padded to ``bucket``; above the
+# last limit, dlight's Matmul schedule. Measured on the H200 with benchmarks/moe_layer.py (the
+# MoE layer's dense projections, moe_layer_lowbatch_h200_2026-11-30.json): bucket 1 at one
+# token is 7% faster than bucket 2; bucket 4 up to 8 tokens beats 8; above 8 tokens the
+# LowBatchGEMV schedules (CUDA cores) are slower than the Matmul one (buckets 16 / 32 / 64 at
+# 64 tokens: 1.8x / 3.9x / 6.2x its time).
+LOW_BATCH = ((1, 1), (2, 2), (8, 4))
+# Static shared memory per block of the kernels dlight schedules (no opt-in): given to the
+# dlight rules, which otherwise warn for every function and assume the same.
+DLIGHT_SMEM = 48 * 1024
 
 
 def _mark_scheduled_opaque():
@@ -48,7 +62,84 @@ def _mark_scheduled_opaque():
     return _pass
 
 
-def gpu_relax_pipeline(target, cuda_graph: bool = False):
+def _dlight(func, rule, target):
+    """``func`` scheduled by the dlight ``rule`` for ``target``, or None where it does not apply."""
+    import tvm
+    from tvm.s_tir import dlight as dl
+
+    with target:
+        out = dl.ApplyDefaultSchedule(rule)(tvm.IRModule({"main": func}))["main"]
+    return out if out.attrs and out.attrs.get("tirx.is_scheduled") else None
+
+
+def low_batch_specialize(target, ranges=LOW_BATCH):
+    """Pass: give each unscheduled PrimFunc with one symbolic size (the token count ``n`` of a
+    dense matmul, e.g. ``NT_matmul [n, K] x [N, K]``) a body that branches on ``n``: dlight's
+    LowBatchGEMV schedule (rows padded to the bucket) for ``n <= limit`` of each
+    ``(limit, bucket)`` of ``ranges``, dlight's Matmul schedule above. One tiled schedule for
+    every ``n`` reads the weights with a few dozen blocks at decode sizes (the MoE layer's
+    dense projections took 30x their HBM time, benchmarks/moe_layer.py); a GEMV schedule for
+    every ``n`` re-reads them per bucket at prefill sizes. Functions where either schedule
+    does not apply are left to :func:`gpu_relax_pipeline`'s default rules. (The branching is
+    MLC-LLM's low-batch specialization, written here for TVM 0.27.)"""
+    import tvm
+    from tvm import s_tir, tirx
+    from tvm.s_tir import dlight as dl
+
+    @tvm.transform.module_pass(opt_level=0, name="K3LowBatchSpecialize")
+    def _pass(mod, _ctx):
+        updates = {}
+        for gv, f in mod.functions_items():
+            if not isinstance(f, tirx.PrimFunc) or (f.attrs and f.attrs.get("tirx.is_scheduled")):
+                continue
+            sizes = {v for p in f.params if hasattr(p.ty, "shape")
+                     for v in p.ty.shape if isinstance(v, tirx.Var)}
+            if len(sizes) != 1:
+                continue
+            (n,) = sizes
+            lows = [_dlight(f, dl.gpu.LowBatchGEMV(bucket), target) for _, bucket in ranges]
+            tiled = _dlight(f, dl.gpu.Matmul(), target)
+            if tiled is None or any(low is None for low in lows):
+                continue
+            body = tiled.body
+            for (limit, _), low in reversed(list(zip(ranges, lows))):
+                body = tirx.IfThenElse(tirx.op.tvm_thread_invariant(n <= limit), low.body, body)
+            body = s_tir.SBlockRealize([], True, s_tir.SBlock([], [], [], "root", body))
+            updates[gv] = (f.with_body(body).with_attr("tirx.is_scheduled", True)
+                           .with_attr("tirx.HoistIfThenElseExprWithBlock", 1))
+        for gv, f in updates.items():
+            mod[gv] = f
+        return mod
+
+    return _pass
+
+
+def _schedule_target(target):
+    """``target`` with ``max_shared_memory_per_block`` = :data:`DLIGHT_SMEM` where it has none
+    (the dlight rules read it; the hand-written kernels size their own shared memory)."""
+    import tvm
+
+    if target.attrs.get("max_shared_memory_per_block") is not None:
+        return target
+    attrs = dict(target.export())
+    host = attrs.pop("host", None)
+    attrs["max_shared_memory_per_block"] = DLIGHT_SMEM
+    return tvm.target.Target(attrs, host=host) if host else tvm.target.Target(attrs)
+
+
+def _in_target(target, passes):
+    """A pass running ``passes`` inside ``with target``."""
+    import tvm
+
+    @tvm.transform.module_pass(opt_level=0, name="K3ScheduleGPU")
+    def _pass(mod, _ctx):
+        with target:
+            return tvm.transform.Sequential(passes)(mod)
+
+    return _pass
+
+
+def gpu_relax_pipeline(target, cuda_graph: bool = False, low_batch=LOW_BATCH):
     """The Relax pipeline for GPU targets (see the module docstring).
 
     ``cuda_graph``: on CUDA, ``RewriteCUDAGraph`` lifts the regions of each function whose
@@ -69,11 +160,16 @@ def gpu_relax_pipeline(target, cuda_graph: bool = False):
         # segfaults inside s_tir Tensorize in TVM 0.27 (seen on k3-nano); GEMV/Fallback cover it.
         rules = rules[1:]
 
+    sched = _schedule_target(target)
+
     @tvm.transform.module_pass(opt_level=0, name="K3GPUPipeline")
     def _pipeline(mod, _ctx):
         passes = [
             relax.backend.DispatchSampling(),
             relax.backend.DispatchSortScan(),
+            # x @ permute_dims(W) -> one NT_matmul reading W [out, in] as stored (else the
+            # transpose of every weight is materialized per call)
+            relax.transform.FuseTransposeMatmul(),
             relax.transform.LegalizeOps(),
             relax.transform.AnnotateTIROpPattern(),
             _mark_scheduled_opaque(),
@@ -81,7 +177,8 @@ def gpu_relax_pipeline(target, cuda_graph: bool = False):
             relax.transform.FuseOps(),
             relax.transform.FuseTIR(),
             relax.transform.DeadCodeElimination(),
-            dl.ApplyDefaultSchedule(*rules),
+            _in_target(sched, [*([low_batch_specialize(sched, low_batch)] if low_batch else []),
+                               dl.ApplyDefaultSchedule(*rules)]),
             relax.transform.RewriteDataflowReshape(),
             relax.transform.ToNonDataflow(),
             relax.transform.RemovePurityChecking(),
@@ -113,7 +210,8 @@ def unscheduled_gpu_functions(mod) -> list[str]:
     return out
 
 
-def build_module(mod, target_spec: TargetSpec, *, keep_dir=None, cuda_graph: bool = False):
+def build_module(mod, target_spec: TargetSpec, *, keep_dir=None, cuda_graph: bool = False,
+                 low_batch=LOW_BATCH):
     """Compile ``mod`` (from :func:`k3_compile.pipeline.export_model`) for ``target_spec``.
 
     Args:
@@ -122,6 +220,8 @@ def build_module(mod, target_spec: TargetSpec, *, keep_dir=None, cuda_graph: boo
         keep_dir: CUDA targets: keep the generated ``.cu`` sources and fatbins there.
         cuda_graph: CUDA targets: capture launch sequences as CUDA graphs
             (see :func:`gpu_relax_pipeline`).
+        low_batch: GPU targets: ``(limit, bucket)`` pairs of :func:`low_batch_specialize`
+            (empty: one dlight schedule per matmul).
 
     Raises:
         k3_compile.device_code.DeviceCodeError: nvcc missing or failing for a CUDA target.
@@ -135,8 +235,10 @@ def build_module(mod, target_spec: TargetSpec, *, keep_dir=None, cuda_graph: boo
     target = target_spec.tvm_target()
     with respect_manual_barriers():  # hand-pipelined kernels place their own barriers
         if not target_spec.is_cuda:  # Metal, ROCm: TVM's own code generator, same Relax pipeline
-            return tvm.compile(mod, target=target, relax_pipeline=gpu_relax_pipeline(target))
+            return tvm.compile(mod, target=target,
+                               relax_pipeline=gpu_relax_pipeline(target, low_batch=low_batch))
         from .device_code import build_cuda
 
         return build_cuda(mod, target_spec, keep_dir=keep_dir,
-                          relax_pipeline=gpu_relax_pipeline(target, cuda_graph=cuda_graph))
+                          relax_pipeline=gpu_relax_pipeline(target, cuda_graph=cuda_graph,
+                                                            low_batch=low_batch))

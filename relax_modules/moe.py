@@ -75,10 +75,9 @@ class MoEGate(nn.Module):
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         n = x.shape[0]
-        logits = op.matmul(
-            op.astype(x, "float32"), op.permute_dims(op.astype(self.weight, "float32"), [1, 0]),
-            out_dtype="float32",
-        )
+        # fp32 products and sums of the model-dtype operands (exact products: a bf16 x bf16
+        # product fits fp32), without an fp32 copy of the weight per call
+        logits = op.matmul(x, op.permute_dims(self.weight, [1, 0]), out_dtype="float32")
         kernel = mg.moe_route_kernel(self.num_experts, self.top_k, self.routed_scaling_factor,
                                      self.renormalize, gpu=self.gpu)
         ids, w = op.tensor_ir_op(
