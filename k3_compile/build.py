@@ -38,6 +38,11 @@ _OPAQUE = 8  # relax OpPatternKind::kOpaque
 # LowBatchGEMV schedules (CUDA cores) are slower than the Matmul one (buckets 16 / 32 / 64 at
 # 64 tokens: 1.8x / 3.9x / 6.2x its time).
 LOW_BATCH = ((1, 1), (2, 2), (8, 4))
+# On CUDA, the bf16 projections that schedules/dense_decode_tc.py fits take its tensor-core kernel
+# from this many tokens to its MAX_TOKENS (64); LowBatchGEMV keeps 1 and 2 tokens, where it
+# streams the weights faster (dense_decode_h200_2026-11-30.json: 25 vs 50 us for 6144 x 7168 at
+# one token; at 8 / 64 tokens the kernel takes 50 / 98 us, dlight 118 / ~620).
+TENSOR_CORE_FROM = 3
 # Static shared memory per block of the kernels dlight schedules (no opt-in): given to the
 # dlight rules, which otherwise warn for every function and assume the same.
 DLIGHT_SMEM = 48 * 1024
@@ -72,19 +77,41 @@ def _dlight(func, rule, target):
     return out if out.attrs and out.attrs.get("tirx.is_scheduled") else None
 
 
-def low_batch_specialize(target, ranges=LOW_BATCH):
+def low_batch_specialize(target, ranges=LOW_BATCH, tensor_cores: bool = True):
     """Pass: give each unscheduled PrimFunc with one symbolic size (the token count ``n`` of a
-    dense matmul, e.g. ``NT_matmul [n, K] x [N, K]``) a body that branches on ``n``: dlight's
-    LowBatchGEMV schedule (rows padded to the bucket) for ``n <= limit`` of each
-    ``(limit, bucket)`` of ``ranges``, dlight's Matmul schedule above. One tiled schedule for
-    every ``n`` reads the weights with a few dozen blocks at decode sizes (the MoE layer's
-    dense projections took 30x their HBM time, benchmarks/moe_layer.py); a GEMV schedule for
-    every ``n`` re-reads them per bucket at prefill sizes. Functions where either schedule
-    does not apply are left to :func:`gpu_relax_pipeline`'s default rules. (The branching is
-    MLC-LLM's low-batch specialization, written here for TVM 0.27.)"""
+    dense matmul, e.g. ``NT_matmul [n, K] x [N, K]``) a body that branches on ``n``.
+
+    Branches, in order: dlight's LowBatchGEMV schedule (rows padded to the bucket) for
+    ``n <= limit`` of each ``(limit, bucket)`` of ``ranges``; on CUDA targets (``tensor_cores``)
+    where the function is a bf16 projection that :func:`schedules.dense_decode_tc.match_dense`
+    accepts, the ranges up to :data:`TENSOR_CORE_FROM` - 1 tokens and then the hand-written
+    tensor-core kernel for ``n <= schedules.dense_decode_tc.MAX_TOKENS``, with the function's
+    fused epilogue; dlight's Matmul schedule above. One tiled schedule for every ``n`` reads the
+    weights with a few dozen blocks at decode sizes (the MoE layer's dense projections took 30x
+    their HBM time, benchmarks/moe_layer.py); a GEMV schedule for every ``n`` re-reads them per
+    bucket at prefill sizes. Every branch computes the whole function, so the branch only
+    decides speed. Functions where a dlight schedule does not apply are left to
+    :func:`gpu_relax_pipeline`'s default rules. (The LowBatchGEMV / Matmul branching is MLC-LLM's
+    low-batch specialization, written here for TVM 0.27.)
+
+    Args:
+        target: the ``tvm.target.Target`` the dlight rules schedule for.
+        ranges: ``(limit, bucket)`` pairs with increasing limits.
+        tensor_cores: use the tensor-core kernel where it applies (CUDA only).
+
+    Raises:
+        ValueError: ``ranges`` whose limits do not increase.
+    """
     import tvm
     from tvm import s_tir, tirx
     from tvm.s_tir import dlight as dl
+
+    from schedules import dense_decode_tc as ddt
+
+    limits = [lim for lim, _ in ranges]
+    if limits != sorted(set(limits)):
+        raise ValueError(f"low-batch limits must increase, got {limits}")
+    use_tc = tensor_cores and target.kind.name == "cuda"
 
     @tvm.transform.module_pass(opt_level=0, name="K3LowBatchSpecialize")
     def _pass(mod, _ctx):
@@ -97,12 +124,18 @@ def low_batch_specialize(target, ranges=LOW_BATCH):
             if len(sizes) != 1:
                 continue
             (n,) = sizes
-            lows = [_dlight(f, dl.gpu.LowBatchGEMV(bucket), target) for _, bucket in ranges]
             tiled = _dlight(f, dl.gpu.Matmul(), target)
-            if tiled is None or any(low is None for low in lows):
+            if tiled is None:
+                continue
+            tc = ddt.splice_body(f) if use_tc else None
+            rs = [(lim, b) for lim, b in ranges if lim < TENSOR_CORE_FROM] if tc is not None else ranges
+            lows = [_dlight(f, dl.gpu.LowBatchGEMV(bucket), target) for _, bucket in rs]
+            if any(low is None for low in lows):
                 continue
             body = tiled.body
-            for (limit, _), low in reversed(list(zip(ranges, lows))):
+            if tc is not None:
+                body = tirx.IfThenElse(tirx.op.tvm_thread_invariant(n <= ddt.MAX_TOKENS), tc, body)
+            for (limit, _), low in reversed(list(zip(rs, lows))):
                 body = tirx.IfThenElse(tirx.op.tvm_thread_invariant(n <= limit), low.body, body)
             body = s_tir.SBlockRealize([], True, s_tir.SBlock([], [], [], "root", body))
             updates[gv] = (f.with_body(body).with_attr("tirx.is_scheduled", True)

@@ -1,0 +1,356 @@
+"""Dense bf16 projections at decode sizes on tensor cores: ``y[i, j] = epilogue(Σ_k x[i, k] ·
+W[j, k])`` for up to :data:`MAX_TOKENS` tokens ``i`` (``x [n, K]`` bf16, ``W [N, K]`` bf16 as the
+checkpoint stores it, fp32 accumulation), with ``mma.sync.m16n8k16``.
+
+Why: dlight has no bf16 tensor-core schedule (its ``MatmulTensorization`` is float16-only), so
+above a few tokens the model's dense projections ran on CUDA cores: 0.53 ms at 8 tokens and
+3.2 ms at 64 for the K3 MoE layer's 380 MB of dense weights (90 µs of HBM time; cuBLAS 0.127 ms;
+benchmarks/results/moe_layer_decode_h200_2026-11-30.json). The compile pipeline
+(``k3_compile.build.low_batch_specialize``) gives each dense matmul this kernel for
+``n <= MAX_TOKENS``, with the fused epilogue (casts, SiTU factors, residual adds) applied to
+the fp32 sums before the store.
+
+Mapping (as :mod:`schedules.moe_mxfp4_decode_tc`, with bf16 weights instead of MXFP4): a block
+owns 16 rows of ``W`` (the mma's A, m16) and all tokens (the B columns, ``ceil(n / 8)`` n8
+tiles); its ``warps`` warps split K, each an equal run of K blocks of :data:`KB` inputs, and
+meet in shared memory at the end. Thread ``(g, q) = (lane / 4, lane % 4)`` owns rows ``g``,
+``g + 8`` and token ``8t + g`` of each tile ``t``; in a K block it takes inputs
+``16q .. 16q + 15`` (32 bytes per row, two 16-byte copies) and for mma step ``s`` (0..3)
+supplies inputs ``16q + 4s + {0, 1}`` as ``k = 2q, 2q + 1`` and ``16q + 4s + {2, 3}`` as
+``k = 2q + 8, 2q + 9``: a bijection of each step's 16 k, applied to A and B alike, so every
+fragment register is one 32-bit word of a row as stored. Weights stream through ``stages``
+per-thread ``cp.async`` slots (each thread reads back only what it copied: no barrier in the K
+loop); the token rows are read from L1/L2 (every block reads the same ``x``), tile 0's
+before the wait for the weights, each further tile's during the previous tile's mmas.
+
+Reference: :func:`dense_reference` (NumPy); checked on the CPU through the fragment mapping
+(tests/test_dense_decode_tc.py) and on the H200 (benchmarks/moe_layer.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from tvm.script import tirx as T
+
+from schedules.mxfp4_ptx import commit, cp_async16, mma_bf16, wait
+
+KB = 64           # inputs per K block (4 lanes x 16)
+MAX_TOKENS = 64   # tokens per call (8 n8 tiles)
+ROWS = 16         # weight rows per block (the mma's m16)
+
+
+def dense_reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """``x [n, K] @ w [N, K]ᵀ`` in fp32 (the kernel's sums before its epilogue)."""
+    return x.astype(np.float32) @ w.astype(np.float32).T
+
+
+def fits(n_rows: int, in_width: int) -> bool:
+    """Whether a ``W [n_rows, in_width]`` projection fits the tiling: rows a multiple of 16,
+    the input width a multiple of :data:`KB`."""
+    return n_rows % ROWS == 0 and in_width % KB == 0 and n_rows * in_width < 2 ** 31
+
+
+def split_k_warps(in_width: int) -> int:
+    """Warps per block (ways the K blocks are split): 4 where they divide the K blocks, else
+    2 or 1."""
+    nkb = in_width // KB
+    return next(w for w in (4, 2, 1) if nkb % w == 0)
+
+
+def step_word(s: int, i: int) -> int:
+    """Index, in a row's 8 words of a K block (word ``v`` = inputs ``16q + 2v, 2v + 1`` of the
+    lane's 16), of mma register ``i`` (0: ``k = 2q, 2q + 1``; 1: ``k = 2q + 8, 2q + 9``) at
+    step ``s``."""
+    return 2 * s + i
+
+
+def dense_tc_macro(N: int, K: int, stages: int = 4, warps: int | None = None):
+    """The kernel as a TVMScript macro ``body(x, w, y, n, store)``: ``x`` a bf16 buffer
+    ``[n, K]`` (``n <= MAX_TOKENS``), ``w`` bf16 ``[N, K]``, ``y`` the output buffer,
+    ``store(y, i, j, acc)`` a macro emitting the store of the fp32 sum ``acc`` of token ``i``,
+    row ``j`` (int64 indices) into ``y``.
+
+    Raises:
+        ValueError: ``N`` not a multiple of 16, ``K`` not a multiple of 64, over 2^31
+            elements, ``stages < 2``.
+    """
+    if not fits(N, K):
+        raise ValueError(f"W [{N}, {K}]: rows must be a multiple of {ROWS} and the input width "
+                         f"a multiple of {KB} (and under 2^31 elements)")
+    if stages < 2:
+        raise ValueError(f"stages must be at least 2, got {stages}")
+    NW = warps or split_k_warps(K)
+    if (K // KB) % NW:
+        raise ValueError(f"the {K // KB} K blocks of {KB} inputs must split evenly over {NW} warps")
+    NT = 32 * NW
+    NKB = K // KB
+    KPW = NKB // NW
+    NS = stages
+    NTILE = MAX_TOKENS // 8
+    XW = K // 2                # uint32 words per row
+
+    @T.macro
+    def issue(kb, j, w_s, wq, row, tx):
+        # rows g, g + 8: the lane's 32 bytes of K block kb (two 16-byte copies each) into
+        # stage j % NS (slot h * 2 + c of the thread)
+        for h in T.unroll(2):
+            for c in T.unroll(2):
+                T.evaluate(cp_async16(
+                    T.address_of(w_s[(((j % NS) * 4 + h * 2 + c) * NT + tx) * 4]),
+                    T.address_of(wq[(row + h * 8) * XW + kb * (KB // 2) + tx % 4 * 8 + c * 4]), 1))
+
+    @T.macro
+    def load_x(xcur, off, xq, rr, kb, tx, t=0):
+        # token 8t + g's 16 inputs of the warp's K block kb (clamped to the last token: columns
+        # past n feed only outputs that are not stored) into xcur[off : off + 8]
+        for c in T.unroll(2):
+            for v in T.vectorized(4):
+                xcur[off + c * 4 + v] = xq[T.min(t * 8 + tx % 32 // 4, rr[3] - 1) * XW
+                                           + (rr[1] + kb) * (KB // 2) + tx % 4 * 8 + c * 4 + v]
+
+    @T.macro
+    def body(x, w, y, n, store):
+        xq = T.decl_buffer((n * XW,), "uint32", data=x.data)
+        wq = T.decl_buffer((N * XW,), "uint32", data=w.data)
+        for blk in T.thread_binding(N // ROWS, thread="blockIdx.x"):
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                w_s = T.alloc_buffer((NS * 4 * NT * 4,), "uint32", scope="shared")
+                red_s = T.alloc_buffer((NW * NTILE * 4 * 32,), "float32", scope="shared")
+                wcur = T.alloc_buffer((16,), "uint32", scope="local")
+                xcur = T.alloc_buffer((16,), "uint32", scope="local")  # two tiles' token rows
+                acc = T.alloc_buffer((NTILE * 4,), "float32", scope="local")
+                # [0] weight row g, [1] first K block of the warp, [2] n8 tiles in use, [3] n
+                rr = T.alloc_buffer((4,), "int32", scope="local")
+                rr[0] = blk * ROWS + tx % 32 // 4
+                rr[1] = tx // 32 * KPW
+                rr[3] = T.Cast("int32", n)
+                rr[2] = (rr[3] + 7) // 8
+                for i in T.unroll(NTILE * 4):
+                    acc[i] = T.float32(0)
+                for r in T.unroll(NS - 1):
+                    if r < KPW:
+                        issue(rr[1] + r, r, w_s, wq, rr[0], tx)
+                    T.evaluate(commit())
+                for kb in range(KPW):
+                    if kb + NS - 1 < KPW:
+                        issue(rr[1] + kb + NS - 1, kb + NS - 1, w_s, wq, rr[0], tx)
+                    T.evaluate(commit())
+                    load_x(xcur, 0, xq, rr, kb, tx)  # tile 0's token rows while the weights land
+                    T.evaluate(wait(NS - 1))  # K block kb has landed
+                    for sl in T.unroll(4):
+                        for v in T.vectorized(4):
+                            wcur[sl * 4 + v] = w_s[(((kb % NS) * 4 + sl) * NT + tx) * 4 + v]
+                    for t in T.unroll(NTILE):
+                        if t < rr[2]:
+                            if t + 1 < rr[2]:  # the next tile's token rows during this one's mmas
+                                load_x(xcur, (t + 1) % 2 * 8, xq, rr, kb, tx, t + 1)
+                            for s in T.unroll(4):
+                                # A: row g = wcur[0..7], row g + 8 = wcur[8..15]
+                                T.evaluate(mma_bf16(T.address_of(acc[t * 4]),
+                                                    wcur[step_word(s, 0)], wcur[8 + step_word(s, 0)],
+                                                    wcur[step_word(s, 1)], wcur[8 + step_word(s, 1)],
+                                                    xcur[t % 2 * 8 + step_word(s, 0)],
+                                                    xcur[t % 2 * 8 + step_word(s, 1)]))
+                # split-K: the warps' partial sums meet in shared memory, warp 0 adds them
+                for i in T.unroll(NTILE * 4):
+                    red_s[(tx // 32 * NTILE * 4 + i) * 32 + tx % 32] = acc[i]
+                T.tvm_storage_sync("shared")
+                if tx < 32:
+                    for wi in T.unroll(1, NW):
+                        for i in T.unroll(NTILE * 4):
+                            acc[i] = acc[i] + red_s[(wi * NTILE * 4 + i) * 32 + tx]
+                    # c0, c1: row g, tokens 8t + 2q, + 1; c2, c3: row g + 8
+                    for t in T.unroll(NTILE):
+                        for c in T.unroll(4):
+                            if t * 8 + tx % 4 * 2 + c % 2 < rr[3]:
+                                store(y, T.Cast("int64", t * 8 + tx % 4 * 2 + c % 2),
+                                      T.Cast("int64", blk * ROWS + tx // 4 + c // 2 * 8),
+                                      acc[t * 4 + c])
+
+    return body, NT
+
+
+def dense_nt_tc_kernel(N: int, K: int, out_dtype: str = "float32", stages: int = 4,
+                       warps: int | None = None):
+    """Standalone PrimFunc ``(x [n, K] bf16, w [N, K] bf16, y [n, N] out_dtype)`` of the kernel
+    (``y = x @ wᵀ``, fp32 sums rounded to ``out_dtype``), for tests and benchmarks; the compile
+    pipeline splices :func:`dense_tc_macro` into the model's fused functions instead.
+    ``n`` must be at most :data:`MAX_TOKENS` (not checked here: the pipeline branches on it).
+
+    Raises:
+        ValueError: as :func:`dense_tc_macro`.
+    """
+    body, _ = dense_tc_macro(N, K, stages, warps)
+
+    @T.macro
+    def store(y, i, j, a):
+        y[i, j] = T.Cast(out_dtype, a)
+
+    @T.prim_func(private=True)
+    def dense_nt_tc(x_h: T.handle, w_h: T.handle, y_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        n = T.int64()
+        x = T.match_buffer(x_h, (n, K), "bfloat16")
+        w = T.match_buffer(w_h, (N, K), "bfloat16")
+        y = T.match_buffer(y_h, (n, N), out_dtype)
+
+        body(x, w, y, n, store)
+
+    return dense_nt_tc
+
+
+# --------------------------------------------------------------------------- pipeline splice
+def _is_load(e) -> bool:
+    """A buffer load (``tvm.ir.expr.TensorLoad`` in TVM 0.27: ``.source`` the buffer)."""
+    return type(e).__name__ == "TensorLoad"
+
+
+def _rebuild(e, vmap: dict, acc_buf, acc):
+    """``e`` (a TIR expression) with the vars of ``vmap`` replaced and every load of
+    ``acc_buf`` replaced by ``acc``. Raises TypeError for node kinds it does not rebuild."""
+    from tvm import tirx
+
+    def r(x):
+        return _rebuild(x, vmap, acc_buf, acc)
+
+    name = type(e).__name__
+    if _is_load(e):
+        if e.source.same_as(acc_buf):
+            return acc
+        return tirx.BufferLoad(e.source, [r(i) for i in e.indices])
+    if isinstance(e, tirx.Var):
+        for k, v in vmap.items():
+            if k.same_as(e):
+                return v
+        return e
+    if isinstance(e, (tirx.IntImm, tirx.FloatImm)):
+        return e
+    if isinstance(e, tirx.Cast):
+        return tirx.Cast(str(e.ty), r(e.value))
+    if isinstance(e, (tirx.Add, tirx.Sub, tirx.Mul, tirx.Div, tirx.Mod, tirx.FloorDiv, tirx.FloorMod,
+                      tirx.Min, tirx.Max, tirx.EQ, tirx.NE, tirx.LT, tirx.LE, tirx.GT, tirx.GE,
+                      tirx.And, tirx.Or)):
+        return type(e)(r(e.a), r(e.b))
+    if isinstance(e, tirx.Not):
+        return tirx.Not(r(e.a))
+    if isinstance(e, tirx.Select):
+        return tirx.Select(r(e.condition), r(e.true_value), r(e.false_value))
+    if name == "Call":
+        return tirx.call_intrin(str(e.ty), e.op, *[r(a) for a in e.args])
+    raise TypeError(f"epilogue node {name} not rebuilt")
+
+
+def match_dense(func):
+    """If ``func`` (a fused PrimFunc after ``FuseTIR``) is a dense projection this kernel can
+    run, return ``(x, w, out, n, epilogue)``: ``x [n, K]`` and ``w [N, K]`` bf16 parameters,
+    ``out [n, N]`` the output parameter and ``epilogue(acc, i, j)`` the expression stored at
+    ``out[i, j]`` for the fp32 sum ``acc`` (the fused casts, activations and adds); else None.
+
+    Matched: one reduction block ``C[i, j] += f32(x[i, k]) * f32(w[j, k])`` (Relax ``matmul``
+    with ``out_dtype="float32"`` after ``FuseTransposeMatmul``), then injective blocks that
+    inline into one store ``out[i, j] = f(C[i, j], other params at [i, j] ...)``."""
+    from tvm import s_tir, tirx
+    from tvm.s_tir.dlight.analysis import normalize_prim_func
+    from tvm.s_tir.dlight.base import try_inline_contiguous_spatial
+
+    try:
+        sch = s_tir.Schedule(func)
+        infos = normalize_prim_func(sch)
+    except Exception:  # noqa: BLE001 - not a block-structured function
+        return None
+    if infos is None:
+        return None
+    reds = [i for i in infos if i.is_reduction()]
+    if len(reds) != 1 or infos[0] is not reds[0]:
+        return None
+    params = {p.name: p for p in func.params}
+
+    def param(buf):
+        for p in func.params:
+            if p.same_as(buf):
+                return p
+        return None
+
+    red = sch.get(reds[0].block_rv)
+    if len(red.iter_vars) != 3 or [int(v.iter_type) for v in red.iter_vars] != [0, 0, 2]:
+        return None
+    vi, vj, vk = (v.var for v in red.iter_vars)
+    st = red.body
+    if not isinstance(st, tirx.BufferStore) or st.buffer.dtype != "float32":
+        return None
+    c_buf = st.buffer
+    v = st.value
+    if not (isinstance(v, tirx.Add) and _is_load(v.a) and v.a.source.same_as(c_buf)
+            and isinstance(v.b, tirx.Mul)):
+        return None
+    ops = []
+    for t in (v.b.a, v.b.b):
+        if isinstance(t, tirx.Cast) and str(t.ty) == "float32":
+            t = t.value
+        if not _is_load(t) or t.source.dtype != "bfloat16" or len(t.indices) != 2:
+            return None
+        ops.append(t)
+    xl, wl = ops
+    if not (xl.indices[0].same_as(vi) and xl.indices[1].same_as(vk)
+            and wl.indices[0].same_as(vj) and wl.indices[1].same_as(vk)):
+        return None
+    x, w = param(xl.source), param(wl.source)
+    if x is None or w is None:
+        return None
+    n = x.ty.shape[0]
+    wshape = [d for d in w.ty.shape]
+    if not isinstance(n, tirx.Var) or not all(isinstance(d, tirx.IntImm) for d in wshape):
+        return None
+    N, K = (int(d) for d in wshape)
+    if not fits(N, K):
+        return None
+    try:
+        rest = try_inline_contiguous_spatial(sch, [i for i in infos if not i.is_reduction()])
+    except Exception:  # noqa: BLE001 - an epilogue that does not inline
+        return None
+    if not rest:
+        out = param(c_buf)
+        if out is None:
+            return None
+        return x, w, out, n, lambda acc, i, j: acc
+    if len(rest) != 1:
+        return None
+    blk = sch.get(rest[0].block_rv)
+    st = blk.body
+    if (len(blk.iter_vars) != 2 or not isinstance(st, tirx.BufferStore)
+            or any(int(iv.iter_type) != 0 for iv in blk.iter_vars)):
+        return None
+    u0, u1 = (iv.var for iv in blk.iter_vars)
+    out = param(st.buffer)
+    if out is None or len(st.indices) != 2 or not (st.indices[0].same_as(u0) and st.indices[1].same_as(u1)):
+        return None
+    value = st.value
+    try:  # rebuildable at all (checked once with placeholder vars)
+        _rebuild(value, {u0: tirx.Var("i", "int64"), u1: tirx.Var("j", "int64")}, c_buf,
+                 tirx.FloatImm("float32", 0.0))
+    except TypeError:
+        return None
+    del params
+    return x, w, out, n, lambda acc, i, j: _rebuild(value, {u0: i, u1: j}, c_buf, acc)
+
+
+def splice_body(func):
+    """The body of the kernel for ``func`` (see :func:`match_dense`), writing ``func``'s own
+    output parameter through its epilogue, to sit in a branch ``n <= MAX_TOKENS`` of
+    ``func``; None where ``func`` does not match."""
+    m = match_dense(func)
+    if m is None:
+        return None
+    x, w, out, n, epi = m
+    N, K = (int(d) for d in w.ty.shape)
+    body, _ = dense_tc_macro(N, K)
+
+    @T.macro
+    def store(y, i, j, a):
+        y[i, j] = epi(a, i, j)
+
+    @T.prim_func(private=True, check_well_formed=False)
+    def spliced():
+        body(x, w, out, n, store)
+
+    return spliced.body
