@@ -14,11 +14,12 @@ Mapping (as :mod:`schedules.moe_mxfp4_decode_tc`, with bf16 weights instead of M
 owns 16 rows of ``W`` (the mma's A, m16) and all tokens (the B columns, ``ceil(n / 8)`` n8
 tiles); its ``warps`` warps split K, each an equal run of K blocks of :data:`KB` inputs, and
 meet in shared memory at the end. Thread ``(g, q) = (lane / 4, lane % 4)`` owns rows ``g``,
-``g + 8`` and token ``8t + g`` of each tile ``t``; in a K block it takes inputs
-``16q .. 16q + 15`` (32 bytes per row, two 16-byte copies) and for mma step ``s`` (0..3)
-supplies inputs ``16q + 4s + {0, 1}`` as ``k = 2q, 2q + 1`` and ``16q + 4s + {2, 3}`` as
-``k = 2q + 8, 2q + 9``: a bijection of each step's 16 k, applied to A and B alike, so every
-fragment register is one 32-bit word of a row as stored. Weights stream through ``stages``
+``g + 8`` and token ``8t + g`` of each tile ``t``; in a K block it takes inputs ``8q .. 8q + 7``
+and ``32 + 8q .. 32 + 8q + 7`` (:func:`lane_input`: two 16-byte copies per row, the four lanes
+of a row covering 64 contiguous bytes per copy) and for mma step ``s`` (0..3) supplies its
+words ``2s`` as ``k = 2q, 2q + 1`` and ``2s + 1`` as ``k = 2q + 8, 2q + 9``: a bijection of
+each step's 16 k, applied to A and B alike, so every fragment register is one 32-bit word of
+a row as stored. Weights stream through ``stages``
 per-thread ``cp.async`` slots (each thread reads back only what it copied: no barrier in the K
 loop); the token rows are read from L1/L2 (every block reads the same ``x``), tile 0's
 before the wait for the weights, each further tile's during the previous tile's mmas.
@@ -51,20 +52,32 @@ def fits(n_rows: int, in_width: int) -> bool:
 
 
 def split_k_warps(in_width: int) -> int:
-    """Warps per block (ways the K blocks are split): 4 where they divide the K blocks, else
-    2 or 1."""
+    """Warps per block (ways the K blocks are split): 8 where that leaves each warp at least 14
+    K blocks (K3's 7168-wide inputs), else 4, 2 or 1, the most that divide the K blocks.
+    Measured on the H200 (dense_decode_h200_2026-11-30.json): for 7168 inputs 8 warps beat 4
+    at every token count (e.g. 19.2 vs 21.7 us at one token, 50 vs 87 at 64, 3584 rows); for
+    3584 / 6144 inputs 4 warps beat 8 (17.0 vs 21.7 us, 26.2 vs 33.2)."""
     nkb = in_width // KB
+    if nkb % 8 == 0 and nkb // 8 >= 14:
+        return 8
     return next(w for w in (4, 2, 1) if nkb % w == 0)
 
 
+def lane_input(q: int, word: int, h: int) -> int:
+    """Input index, within a K block, of half ``h`` of word ``word`` (0..7) of lane ``q``: the
+    lane's first 4 words are inputs ``8q .. 8q + 7``, its last 4 inputs ``32 + 8q .. 32 + 8q + 7``
+    (so the four lanes of a row copy 64 contiguous bytes per instruction)."""
+    return word // 4 * 32 + 8 * q + 2 * (word % 4) + h
+
+
 def step_word(s: int, i: int) -> int:
-    """Index, in a row's 8 words of a K block (word ``v`` = inputs ``16q + 2v, 2v + 1`` of the
-    lane's 16), of mma register ``i`` (0: ``k = 2q, 2q + 1``; 1: ``k = 2q + 8, 2q + 9``) at
+    """Index, in a lane's 8 words of a row's K block (:func:`lane_input`), of mma register ``i`` (0: ``k = 2q, 2q + 1``; 1: ``k = 2q + 8, 2q + 9``) at
     step ``s``."""
     return 2 * s + i
 
 
-def dense_tc_macro(N: int, K: int, stages: int = 4, warps: int | None = None):
+def dense_tc_macro(N: int, K: int, stages: int | None = None, warps: int | None = None,
+                   x_ahead: bool = False):
     """The kernel as a TVMScript macro ``body(x, w, y, n, store)``: ``x`` a bf16 buffer
     ``[n, K]`` (``n <= MAX_TOKENS``), ``w`` bf16 ``[N, K]``, ``y`` the output buffer,
     ``store(y, i, j, acc)`` a macro emitting the store of the fp32 sum ``acc`` of token ``i``,
@@ -77,9 +90,11 @@ def dense_tc_macro(N: int, K: int, stages: int = 4, warps: int | None = None):
     if not fits(N, K):
         raise ValueError(f"W [{N}, {K}]: rows must be a multiple of {ROWS} and the input width "
                          f"a multiple of {KB} (and under 2^31 elements)")
+    NW = warps or split_k_warps(K)
+    if stages is None:  # 4 stages of 4 warps, 3 of 8 (the same shared memory, 48 KiB)
+        stages = 4 if NW <= 4 else 3
     if stages < 2:
         raise ValueError(f"stages must be at least 2, got {stages}")
-    NW = warps or split_k_warps(K)
     if (K // KB) % NW:
         raise ValueError(f"the {K // KB} K blocks of {KB} inputs must split evenly over {NW} warps")
     NT = 32 * NW
@@ -97,7 +112,7 @@ def dense_tc_macro(N: int, K: int, stages: int = 4, warps: int | None = None):
             for c in T.unroll(2):
                 T.evaluate(cp_async16(
                     T.address_of(w_s[(((j % NS) * 4 + h * 2 + c) * NT + tx) * 4]),
-                    T.address_of(wq[(row + h * 8) * XW + kb * (KB // 2) + tx % 4 * 8 + c * 4]), 1))
+                    T.address_of(wq[(row + h * 8) * XW + kb * (KB // 2) + tx % 4 * 4 + c * 16]), 1))
 
     @T.macro
     def load_x(xcur, off, xq, rr, kb, tx, t=0):
@@ -106,7 +121,38 @@ def dense_tc_macro(N: int, K: int, stages: int = 4, warps: int | None = None):
         for c in T.unroll(2):
             for v in T.vectorized(4):
                 xcur[off + c * 4 + v] = xq[T.min(t * 8 + tx % 32 // 4, rr[3] - 1) * XW
-                                           + (rr[1] + kb) * (KB // 2) + tx % 4 * 8 + c * 4 + v]
+                                           + (rr[1] + kb) * (KB // 2) + tx % 4 * 4 + c * 16 + v]
+
+    @T.macro
+    def load_all(xb, off, xq, rr, kb):
+        # every used tile's token rows (8t + g, clamped) of the warp's K block kb into
+        # xb[off + 8t : off + 8t + 8]; rr[4 + t] = the row's word offset at the warp's K start
+        for t in T.unroll(NTILE):
+            if t < rr[2]:
+                for c in T.unroll(2):
+                    for v in T.vectorized(4):
+                        xb[off + t * 8 + c * 4 + v] = xq[rr[4 + t] + kb * (KB // 2) + c * 16 + v]
+
+    @T.macro
+    def kstep_ahead(kb, cur, w_s, wq, xq, xb, wcur, acc, rr, tx):
+        # K block kb with its token rows in xb[cur * 64 ..]; the next block's into the other half
+        if kb + NS - 1 < KPW:
+            issue(rr[1] + kb + NS - 1, kb + NS - 1, w_s, wq, rr[0], tx)
+        T.evaluate(commit())
+        if kb + 1 < KPW:
+            load_all(xb, (1 - cur) * NTILE * 8, xq, rr, kb + 1)
+        T.evaluate(wait(NS - 1))  # K block kb has landed
+        for sl in T.unroll(4):
+            for v in T.vectorized(4):
+                wcur[sl * 4 + v] = w_s[(((kb % NS) * 4 + sl) * NT + tx) * 4 + v]
+        for t in T.unroll(NTILE):
+            if t < rr[2]:
+                for s in T.unroll(4):
+                    T.evaluate(mma_bf16(T.address_of(acc[t * 4]),
+                                        wcur[step_word(s, 0)], wcur[8 + step_word(s, 0)],
+                                        wcur[step_word(s, 1)], wcur[8 + step_word(s, 1)],
+                                        xb[cur * NTILE * 8 + t * 8 + step_word(s, 0)],
+                                        xb[cur * NTILE * 8 + t * 8 + step_word(s, 1)]))
 
     @T.macro
     def body(x, w, y, n, store):
@@ -114,43 +160,56 @@ def dense_tc_macro(N: int, K: int, stages: int = 4, warps: int | None = None):
         wq = T.decl_buffer((N * XW,), "uint32", data=w.data)
         for blk in T.thread_binding(N // ROWS, thread="blockIdx.x"):
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                w_s = T.alloc_buffer((NS * 4 * NT * 4,), "uint32", scope="shared")
-                red_s = T.alloc_buffer((NW * NTILE * 4 * 32,), "float32", scope="shared")
+                w_s = T.alloc_buffer((NS * 4 * NT * 4,), "uint32", scope="shared.dyn")
+                red_s = T.alloc_buffer((NW * NTILE * 4 * 32,), "float32", scope="shared.dyn")
                 wcur = T.alloc_buffer((16,), "uint32", scope="local")
-                xcur = T.alloc_buffer((16,), "uint32", scope="local")  # two tiles' token rows
+                # token rows: two tiles (x_ahead: every tile of two K blocks)
+                xcur = T.alloc_buffer((2 * NTILE * 8 if x_ahead else 16,), "uint32", scope="local")
                 acc = T.alloc_buffer((NTILE * 4,), "float32", scope="local")
-                # [0] weight row g, [1] first K block of the warp, [2] n8 tiles in use, [3] n
-                rr = T.alloc_buffer((4,), "int32", scope="local")
+                # [0] weight row g, [1] first K block of the warp, [2] n8 tiles in use, [3] n,
+                # [4 + t] word offset of tile t's token row at the warp's first K block
+                rr = T.alloc_buffer((4 + NTILE,), "int32", scope="local")
                 rr[0] = blk * ROWS + tx % 32 // 4
                 rr[1] = tx // 32 * KPW
                 rr[3] = T.Cast("int32", n)
                 rr[2] = (rr[3] + 7) // 8
+                for t in T.unroll(NTILE):
+                    rr[4 + t] = (T.min(t * 8 + tx % 32 // 4, rr[3] - 1) * XW + rr[1] * (KB // 2)
+                                 + tx % 4 * 4)
                 for i in T.unroll(NTILE * 4):
                     acc[i] = T.float32(0)
                 for r in T.unroll(NS - 1):
                     if r < KPW:
                         issue(rr[1] + r, r, w_s, wq, rr[0], tx)
                     T.evaluate(commit())
-                for kb in range(KPW):
-                    if kb + NS - 1 < KPW:
-                        issue(rr[1] + kb + NS - 1, kb + NS - 1, w_s, wq, rr[0], tx)
-                    T.evaluate(commit())
-                    load_x(xcur, 0, xq, rr, kb, tx)  # tile 0's token rows while the weights land
-                    T.evaluate(wait(NS - 1))  # K block kb has landed
-                    for sl in T.unroll(4):
-                        for v in T.vectorized(4):
-                            wcur[sl * 4 + v] = w_s[(((kb % NS) * 4 + sl) * NT + tx) * 4 + v]
-                    for t in T.unroll(NTILE):
-                        if t < rr[2]:
-                            if t + 1 < rr[2]:  # the next tile's token rows during this one's mmas
-                                load_x(xcur, (t + 1) % 2 * 8, xq, rr, kb, tx, t + 1)
-                            for s in T.unroll(4):
-                                # A: row g = wcur[0..7], row g + 8 = wcur[8..15]
-                                T.evaluate(mma_bf16(T.address_of(acc[t * 4]),
-                                                    wcur[step_word(s, 0)], wcur[8 + step_word(s, 0)],
-                                                    wcur[step_word(s, 1)], wcur[8 + step_word(s, 1)],
-                                                    xcur[t % 2 * 8 + step_word(s, 0)],
-                                                    xcur[t % 2 * 8 + step_word(s, 1)]))
+                if x_ahead:
+                    load_all(xcur, 0, xq, rr, 0)
+                    for kb2 in range(KPW // 2):
+                        kstep_ahead(kb2 * 2, 0, w_s, wq, xq, xcur, wcur, acc, rr, tx)
+                        kstep_ahead(kb2 * 2 + 1, 1, w_s, wq, xq, xcur, wcur, acc, rr, tx)
+                    for _last in T.unroll(KPW % 2):  # an odd last K block
+                        kstep_ahead(KPW - 1, 0, w_s, wq, xq, xcur, wcur, acc, rr, tx)
+                else:
+                    for kb in range(KPW):
+                        if kb + NS - 1 < KPW:
+                            issue(rr[1] + kb + NS - 1, kb + NS - 1, w_s, wq, rr[0], tx)
+                        T.evaluate(commit())
+                        load_x(xcur, 0, xq, rr, kb, tx)  # tile 0's token rows while the weights land
+                        T.evaluate(wait(NS - 1))  # K block kb has landed
+                        for sl in T.unroll(4):
+                            for v in T.vectorized(4):
+                                wcur[sl * 4 + v] = w_s[(((kb % NS) * 4 + sl) * NT + tx) * 4 + v]
+                        for t in T.unroll(NTILE):
+                            if t < rr[2]:
+                                if t + 1 < rr[2]:  # the next tile's token rows during this one's mmas
+                                    load_x(xcur, (t + 1) % 2 * 8, xq, rr, kb, tx, t + 1)
+                                for s in T.unroll(4):
+                                    # A: row g = wcur[0..7], row g + 8 = wcur[8..15]
+                                    T.evaluate(mma_bf16(T.address_of(acc[t * 4]),
+                                                        wcur[step_word(s, 0)], wcur[8 + step_word(s, 0)],
+                                                        wcur[step_word(s, 1)], wcur[8 + step_word(s, 1)],
+                                                        xcur[t % 2 * 8 + step_word(s, 0)],
+                                                        xcur[t % 2 * 8 + step_word(s, 1)]))
                 # split-K: the warps' partial sums meet in shared memory, warp 0 adds them
                 for i in T.unroll(NTILE * 4):
                     red_s[(tx // 32 * NTILE * 4 + i) * 32 + tx % 32] = acc[i]
@@ -170,8 +229,8 @@ def dense_tc_macro(N: int, K: int, stages: int = 4, warps: int | None = None):
     return body, NT
 
 
-def dense_nt_tc_kernel(N: int, K: int, out_dtype: str = "float32", stages: int = 4,
-                       warps: int | None = None):
+def dense_nt_tc_kernel(N: int, K: int, out_dtype: str = "float32", stages: int | None = None,
+                       warps: int | None = None, x_ahead: bool = False):
     """Standalone PrimFunc ``(x [n, K] bf16, w [N, K] bf16, y [n, N] out_dtype)`` of the kernel
     (``y = x @ wᵀ``, fp32 sums rounded to ``out_dtype``), for tests and benchmarks; the compile
     pipeline splices :func:`dense_tc_macro` into the model's fused functions instead.
@@ -180,7 +239,7 @@ def dense_nt_tc_kernel(N: int, K: int, out_dtype: str = "float32", stages: int =
     Raises:
         ValueError: as :func:`dense_tc_macro`.
     """
-    body, _ = dense_tc_macro(N, K, stages, warps)
+    body, _ = dense_tc_macro(N, K, stages, warps, x_ahead)
 
     @T.macro
     def store(y, i, j, a):

@@ -31,7 +31,7 @@ def _emulate(x: np.ndarray, w: np.ndarray) -> np.ndarray:
                 for i in (0, 1):
                     word = ddt.step_word(s, i)
                     for h in (0, 1):
-                        k_to_input[2 * q + 8 * i + h] = 16 * q + 2 * word + h
+                        k_to_input[2 * q + 8 * i + h] = ddt.lane_input(q, word, h)
             assert sorted(k_to_input) == list(range(16))
             cols = [kb * ddt.KB + k_to_input[k] for k in range(16)]
             y += x[:, cols].astype(np.float64) @ w[:, cols].astype(np.float64).T
@@ -48,8 +48,9 @@ def test_fragment_mapping_equals_the_matmul(n, N, K):
 
 
 def test_step_words_cover_each_k_block_once():
-    used = sorted((ddt.step_word(s, i), q) for s in range(ddt.KB // 16) for i in (0, 1) for q in range(4))
-    assert used == sorted((w, q) for w in range(8) for q in range(4))
+    used = sorted(ddt.lane_input(q, ddt.step_word(s, i), h) for s in range(ddt.KB // 16)
+                  for i in (0, 1) for q in range(4) for h in (0, 1))
+    assert used == list(range(ddt.KB))
 
 
 def test_fits_and_errors():
