@@ -21,7 +21,8 @@ S = moe_intermediate_size × num_shared_experts.)
 Dtype flow (mirrors mlx-lm 0.32.2 ``KimiK3SparseMoE`` / ``SwitchGLU`` / ``_situ`` for the
 bf16 path; in fp32 every cast is a no-op):
 
-1. router: ``logits = x32 @ gate.weight32ᵀ`` in **fp32** (spec "router in fp32"; mlx-lm
+1. router: ``logits = x @ gate.weightᵀ`` with fp32 products and sums (spec "router in fp32";
+   the same values as ``x32 @ gate.weight32ᵀ``: a model-dtype product is exact in fp32; mlx-lm
    instead rounds the gate matmul to bf16 before its fp32 sigmoid), then
    :func:`schedules.moe_generic.moe_route_kernel` (sigmoid, top-k of score + bias, lowest index
    wins ties, renormalize with +1e-20, × routed_scaling_factor); the weights are rounded to
