@@ -76,8 +76,7 @@ def step_word(s: int, i: int) -> int:
     return 2 * s + i
 
 
-def dense_tc_macro(N: int, K: int, stages: int | None = None, warps: int | None = None,
-                   x_ahead: bool = False):
+def dense_tc_macro(N: int, K: int, stages: int | None = None, warps: int | None = None):
     """The kernel as a TVMScript macro ``body(x, w, y, n, store)``: ``x`` a bf16 buffer
     ``[n, K]`` (``n <= MAX_TOKENS``), ``w`` bf16 ``[N, K]``, ``y`` the output buffer,
     ``store(y, i, j, acc)`` a macro emitting the store of the fp32 sum ``acc`` of token ``i``,
@@ -85,13 +84,13 @@ def dense_tc_macro(N: int, K: int, stages: int | None = None, warps: int | None 
 
     Raises:
         ValueError: ``N`` not a multiple of 16, ``K`` not a multiple of 64, over 2^31
-            elements, ``stages < 2``.
+            elements, ``stages < 2``, the K blocks not splitting over ``warps``.
     """
     if not fits(N, K):
         raise ValueError(f"W [{N}, {K}]: rows must be a multiple of {ROWS} and the input width "
                          f"a multiple of {KB} (and under 2^31 elements)")
     NW = warps or split_k_warps(K)
-    if stages is None:  # 4 stages of 4 warps, 3 of 8 (the same shared memory, 48 KiB)
+    if stages is None:  # 4 stages of 4 warps, 3 of 8
         stages = 4 if NW <= 4 else 3
     if stages < 2:
         raise ValueError(f"stages must be at least 2, got {stages}")
@@ -103,19 +102,20 @@ def dense_tc_macro(N: int, K: int, stages: int | None = None, warps: int | None 
     NS = stages
     NTILE = MAX_TOKENS // 8
     XW = K // 2                # uint32 words per row
+    SL = 4                     # 16-byte slots per thread and stage: (row g / g + 8, chunk)
 
     @T.macro
     def issue(kb, j, w_s, wq, row, tx):
-        # rows g, g + 8: the lane's 32 bytes of K block kb (two 16-byte copies each) into
-        # stage j % NS (slot h * 2 + c of the thread)
+        # rows g, g + 8: the lane's 32 bytes of K block kb (two 16-byte copies each; the four
+        # lanes of a row cover 64 contiguous bytes per copy) into stage j % NS, slot h * 2 + c
         for h in T.unroll(2):
             for c in T.unroll(2):
                 T.evaluate(cp_async16(
-                    T.address_of(w_s[(((j % NS) * 4 + h * 2 + c) * NT + tx) * 4]),
+                    T.address_of(w_s[(((j % NS) * SL + h * 2 + c) * NT + tx) * 4]),
                     T.address_of(wq[(row + h * 8) * XW + kb * (KB // 2) + tx % 4 * 4 + c * 16]), 1))
 
     @T.macro
-    def load_x(xcur, off, xq, rr, kb, tx, t=0):
+    def load_x(xcur, off, xq, rr, kb, tx, t):
         # token 8t + g's 16 inputs of the warp's K block kb (clamped to the last token: columns
         # past n feed only outputs that are not stored) into xcur[off : off + 8]
         for c in T.unroll(2):
@@ -124,92 +124,49 @@ def dense_tc_macro(N: int, K: int, stages: int | None = None, warps: int | None 
                                            + (rr[1] + kb) * (KB // 2) + tx % 4 * 4 + c * 16 + v]
 
     @T.macro
-    def load_all(xb, off, xq, rr, kb):
-        # every used tile's token rows (8t + g, clamped) of the warp's K block kb into
-        # xb[off + 8t : off + 8t + 8]; rr[4 + t] = the row's word offset at the warp's K start
-        for t in T.unroll(NTILE):
-            if t < rr[2]:
-                for c in T.unroll(2):
-                    for v in T.vectorized(4):
-                        xb[off + t * 8 + c * 4 + v] = xq[rr[4 + t] + kb * (KB // 2) + c * 16 + v]
-
-    @T.macro
-    def kstep_ahead(kb, cur, w_s, wq, xq, xb, wcur, acc, rr, tx):
-        # K block kb with its token rows in xb[cur * 64 ..]; the next block's into the other half
-        if kb + NS - 1 < KPW:
-            issue(rr[1] + kb + NS - 1, kb + NS - 1, w_s, wq, rr[0], tx)
-        T.evaluate(commit())
-        if kb + 1 < KPW:
-            load_all(xb, (1 - cur) * NTILE * 8, xq, rr, kb + 1)
-        T.evaluate(wait(NS - 1))  # K block kb has landed
-        for sl in T.unroll(4):
-            for v in T.vectorized(4):
-                wcur[sl * 4 + v] = w_s[(((kb % NS) * 4 + sl) * NT + tx) * 4 + v]
-        for t in T.unroll(NTILE):
-            if t < rr[2]:
-                for s in T.unroll(4):
-                    T.evaluate(mma_bf16(T.address_of(acc[t * 4]),
-                                        wcur[step_word(s, 0)], wcur[8 + step_word(s, 0)],
-                                        wcur[step_word(s, 1)], wcur[8 + step_word(s, 1)],
-                                        xb[cur * NTILE * 8 + t * 8 + step_word(s, 0)],
-                                        xb[cur * NTILE * 8 + t * 8 + step_word(s, 1)]))
-
-    @T.macro
     def body(x, w, y, n, store):
         xq = T.decl_buffer((n * XW,), "uint32", data=x.data)
         wq = T.decl_buffer((N * XW,), "uint32", data=w.data)
         for blk in T.thread_binding(N // ROWS, thread="blockIdx.x"):
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                w_s = T.alloc_buffer((NS * 4 * NT * 4,), "uint32", scope="shared.dyn")
+                w_s = T.alloc_buffer((NS * SL * NT * 4,), "uint32", scope="shared.dyn")
                 red_s = T.alloc_buffer((NW * NTILE * 4 * 32,), "float32", scope="shared.dyn")
-                wcur = T.alloc_buffer((16,), "uint32", scope="local")
-                # token rows: two tiles (x_ahead: every tile of two K blocks)
-                xcur = T.alloc_buffer((2 * NTILE * 8 if x_ahead else 16,), "uint32", scope="local")
+                wcur = T.alloc_buffer((SL * 4,), "uint32", scope="local")
+                xcur = T.alloc_buffer((16,), "uint32", scope="local")  # two tiles' token rows
                 acc = T.alloc_buffer((NTILE * 4,), "float32", scope="local")
-                # [0] weight row g, [1] first K block of the warp, [2] n8 tiles in use, [3] n,
-                # [4 + t] word offset of tile t's token row at the warp's first K block
-                rr = T.alloc_buffer((4 + NTILE,), "int32", scope="local")
+                # [0] weight row g, [1] first K block of the warp, [2] n8 tiles in use, [3] n
+                rr = T.alloc_buffer((4,), "int32", scope="local")
                 rr[0] = blk * ROWS + tx % 32 // 4
                 rr[1] = tx // 32 * KPW
                 rr[3] = T.Cast("int32", n)
                 rr[2] = (rr[3] + 7) // 8
-                for t in T.unroll(NTILE):
-                    rr[4 + t] = (T.min(t * 8 + tx % 32 // 4, rr[3] - 1) * XW + rr[1] * (KB // 2)
-                                 + tx % 4 * 4)
                 for i in T.unroll(NTILE * 4):
                     acc[i] = T.float32(0)
                 for r in T.unroll(NS - 1):
                     if r < KPW:
                         issue(rr[1] + r, r, w_s, wq, rr[0], tx)
                     T.evaluate(commit())
-                if x_ahead:
-                    load_all(xcur, 0, xq, rr, 0)
-                    for kb2 in range(KPW // 2):
-                        kstep_ahead(kb2 * 2, 0, w_s, wq, xq, xcur, wcur, acc, rr, tx)
-                        kstep_ahead(kb2 * 2 + 1, 1, w_s, wq, xq, xcur, wcur, acc, rr, tx)
-                    for _last in T.unroll(KPW % 2):  # an odd last K block
-                        kstep_ahead(KPW - 1, 0, w_s, wq, xq, xcur, wcur, acc, rr, tx)
-                else:
-                    for kb in range(KPW):
-                        if kb + NS - 1 < KPW:
-                            issue(rr[1] + kb + NS - 1, kb + NS - 1, w_s, wq, rr[0], tx)
-                        T.evaluate(commit())
-                        load_x(xcur, 0, xq, rr, kb, tx)  # tile 0's token rows while the weights land
-                        T.evaluate(wait(NS - 1))  # K block kb has landed
-                        for sl in T.unroll(4):
-                            for v in T.vectorized(4):
-                                wcur[sl * 4 + v] = w_s[(((kb % NS) * 4 + sl) * NT + tx) * 4 + v]
-                        for t in T.unroll(NTILE):
-                            if t < rr[2]:
-                                if t + 1 < rr[2]:  # the next tile's token rows during this one's mmas
-                                    load_x(xcur, (t + 1) % 2 * 8, xq, rr, kb, tx, t + 1)
-                                for s in T.unroll(4):
-                                    # A: row g = wcur[0..7], row g + 8 = wcur[8..15]
-                                    T.evaluate(mma_bf16(T.address_of(acc[t * 4]),
-                                                        wcur[step_word(s, 0)], wcur[8 + step_word(s, 0)],
-                                                        wcur[step_word(s, 1)], wcur[8 + step_word(s, 1)],
-                                                        xcur[t % 2 * 8 + step_word(s, 0)],
-                                                        xcur[t % 2 * 8 + step_word(s, 1)]))
+                for kb in range(KPW):
+                    if kb + NS - 1 < KPW:
+                        issue(rr[1] + kb + NS - 1, kb + NS - 1, w_s, wq, rr[0], tx)
+                    T.evaluate(commit())
+                    load_x(xcur, 0, xq, rr, kb, tx, 0)  # tile 0's token rows while the weights land
+                    T.evaluate(wait(NS - 1))  # K block kb has landed
+                    for sl in T.unroll(SL):
+                        for v in T.vectorized(4):
+                            wcur[sl * 4 + v] = w_s[(((kb % NS) * SL + sl) * NT + tx) * 4 + v]
+                    for t in T.unroll(NTILE):
+                        if t < rr[2]:
+                            if t + 1 < rr[2]:  # the next tile's token rows during this one's mmas
+                                load_x(xcur, (t + 1) % 2 * 8, xq, rr, kb, tx, t + 1)
+                            for s in T.unroll(4):
+                                # A: row g = wcur[0..7], row g + 8 = wcur[8..15]
+                                T.evaluate(mma_bf16(
+                                    T.address_of(acc[t * 4]),
+                                    wcur[step_word(s, 0)], wcur[8 + step_word(s, 0)],
+                                    wcur[step_word(s, 1)], wcur[8 + step_word(s, 1)],
+                                    xcur[t % 2 * 8 + step_word(s, 0)],
+                                    xcur[t % 2 * 8 + step_word(s, 1)]))
                 # split-K: the warps' partial sums meet in shared memory, warp 0 adds them
                 for i in T.unroll(NTILE * 4):
                     red_s[(tx // 32 * NTILE * 4 + i) * 32 + tx % 32] = acc[i]
@@ -230,7 +187,7 @@ def dense_tc_macro(N: int, K: int, stages: int | None = None, warps: int | None 
 
 
 def dense_nt_tc_kernel(N: int, K: int, out_dtype: str = "float32", stages: int | None = None,
-                       warps: int | None = None, x_ahead: bool = False):
+                       warps: int | None = None):
     """Standalone PrimFunc ``(x [n, K] bf16, w [N, K] bf16, y [n, N] out_dtype)`` of the kernel
     (``y = x @ wᵀ``, fp32 sums rounded to ``out_dtype``), for tests and benchmarks; the compile
     pipeline splices :func:`dense_tc_macro` into the model's fused functions instead.
@@ -239,7 +196,7 @@ def dense_nt_tc_kernel(N: int, K: int, out_dtype: str = "float32", stages: int |
     Raises:
         ValueError: as :func:`dense_tc_macro`.
     """
-    body, _ = dense_tc_macro(N, K, stages, warps, x_ahead)
+    body, _ = dense_tc_macro(N, K, stages, warps)
 
     @T.macro
     def store(y, i, j, a):

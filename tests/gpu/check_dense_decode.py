@@ -30,7 +30,7 @@ ROTATE = 8
 
 
 # schedule variants timed beside the default: name -> dense_nt_tc_kernel kwargs
-VARIANTS = {"ahead": {"x_ahead": True}, "w8s3": {"warps": 8, "stages": 3}, "w4s6": {"warps": 4, "stages": 6}}
+VARIANTS = {"w4": {"warps": 4}, "w8": {"warps": 8}}
 
 
 def _name(n_rows, k, variant=""):
