@@ -35,6 +35,9 @@ expert its packed codes and scales of w1, w3, w2 (activations, < 0.1% of it, lef
 distinct experts are counted with the first dense set's router, which half the calls use).
 ``expert_kernels_us`` is the MXFP4 GEMV kernels' time; the router top-k and expert chain are in
 ``router_and_chain_us`` and, with the rest, in ``other_kernels_us``.
+Prefill (2048, 8192 tokens; timing only, the kernels are checked by benchmarks/moe.py and
+tests/gpu/check_moe_dispatch.py): the ``prefill`` function (sort + grouped GEMMs), its kernel
+breakdown and cuBLAS on the same dense matmuls.
 Per-kernel GPU times come from the torch profiler (CUPTI); the dense part is also timed with
 cuBLAS (``torch.nn.functional.linear`` in bf16 on the same weights, CUDA-graph replays) for
 comparison.
@@ -56,6 +59,7 @@ sys.path.insert(0, str(ROOT))
 
 DEFAULT_CONFIG = ROOT.parent / "shared" / "reference-configs" / "kimi-k3.config.json"
 TIME_T = (1, 8, 64)
+PREFILL_T = (2048, 8192)  # the prefill path's timing (no check here: benchmarks/moe.py checks its kernels)
 CHECK_T = (1, 2, 3, 8, 64)  # every branch of the dense projections (k3_compile.build)
 INPUTS = 4       # inputs rotated per T
 DENSE_SETS = 2   # dense weight sets alternated
@@ -86,12 +90,16 @@ def build(out_dir: Path, config: Path, low_batch=None) -> None:
         def forward(self, x):
             return self.block_sparse_moe(x, decode=True)
 
+        def prefill(self, x):
+            return self.block_sparse_moe(x, decode=False)
+
     layer = MoELayer()
     if not layer.block_sparse_moe.experts.tuned:
         raise SystemExit(f"{config}: the tuned MXFP4 kernels do not apply to these sizes")
     t0 = time.time()
     mod, params = layer.export_tvm(
-        spec={"forward": {"x": nn.spec.Tensor(["n", cfg.hidden_size], "bfloat16")}})
+        spec={"forward": {"x": nn.spec.Tensor(["n", cfg.hidden_size], "bfloat16")},
+              "prefill": {"x": nn.spec.Tensor(["n", cfg.hidden_size], "bfloat16")}})
     mod = attach_repack(mod)
     print(f"exported in {time.time() - t0:.1f} s; compiling for cuda-sm90a", flush=True)
     kw = {} if low_batch is None else {"low_batch": low_batch}
@@ -325,6 +333,33 @@ def run(lib_dir: Path) -> dict:
                "dense_roofline_us": dense_bytes / bw * 1e6, "cublas_dense_us": cublas_ms * 1e3}
         res["timing"].append(row)
         print(json.dumps(row), flush=True)
+
+    # prefill: the grouped MXFP4 GEMMs and the dense projections at many tokens
+    res["prefill"] = []
+    pre = vm["prefill"]
+    for T in PREFILL_T:
+        x = torch.randn(T, H, device=dev, generator=g).bfloat16()
+        tx = tvm.runtime.from_dlpack(x)
+        f = (lambda tx=tx: pre(tx, *targs[0]))
+        ms = time_cuda(f, iters=5, warmup=2, per_sample=2)
+        kernels = _kernel_times(f, 2)
+        F = torch.nn.functional
+
+        def cublas(x=x):
+            F.linear(x, P[PREFIX + "gate.weight"])
+            zz = F.linear(x, P[PREFIX + "routed_expert_down_proj.weight"])
+            F.linear(zz, P[PREFIX + "routed_expert_up_proj.weight"])
+            F.linear(x, P[PREFIX + "shared_experts.gate_proj.weight"])
+            su = F.linear(x, P[PREFIX + "shared_experts.up_proj.weight"])
+            F.linear(su, P[PREFIX + "shared_experts.down_proj.weight"])
+
+        dense_flop = 2 * T * sum(P[n].numel() for n in dense if P[n].dim() == 2)
+        row = {"T": T, "layer_ms": ms, "kernels_us": kernels,
+               "grouped_gemm_us": sum(v for k, v in kernels.items() if "moe_grouped" in k),
+               "dense_matmul_us": sum(v for k, v in kernels.items() if "NT_matmul" in k),
+               "dense_gflop": dense_flop / 1e9, "cublas_dense_ms": time_cuda(cublas, iters=5, warmup=2)}
+        res["prefill"].append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "kernels_us"}), flush=True)
     return res
 
 
