@@ -13,7 +13,9 @@ written out so that the schedule step is ours):
 2. ``FuseTransposeMatmul`` (``x @ Wᵀ`` as one ``NT_matmul`` on the stored weight) →
    ``LegalizeOps`` → ``AnnotateTIROpPattern`` → ``FoldConstant`` → ``FuseOps`` → ``FuseTIR``;
 3. :func:`low_batch_specialize` (dense matmuls branch on the token count: GEMV schedules
-   for decode sizes, a tiled one above), then dlight ``ApplyDefaultSchedule(Matmul, GEMV, Reduction, GeneralReduction, Fallback)`` on
+   at 1-2 tokens, then on CUDA the tensor-core kernel of schedules/dense_decode_tc.py for
+   the bf16 projections it fits, else dlight's tiled one), then dlight
+   ``ApplyDefaultSchedule(Matmul, GEMV, Reduction, GeneralReduction, Fallback)`` on
    every PrimFunc that is not already scheduled: the hand-written kernels' GPU variants
    (``export_model(..., gpu=True)``) carry ``tirx.is_scheduled`` and are left alone;
 4. dataflow lowering and finalization (memory planning, VM shape lowering).
@@ -39,9 +41,10 @@ _OPAQUE = 8  # relax OpPatternKind::kOpaque
 # 64 tokens: 1.8x / 3.9x / 6.2x its time).
 LOW_BATCH = ((1, 1), (2, 2), (8, 4))
 # On CUDA, the bf16 projections that schedules/dense_decode_tc.py fits take its tensor-core kernel
-# from this many tokens to its MAX_TOKENS (64); LowBatchGEMV keeps 1 and 2 tokens, where the two
-# are even (dense_decode_h200_2026-11-30.json: 26.1 vs ~24.6 us for 6144 x 7168 at one token);
-# at 8 / 64 tokens the kernel takes 26 / 58 us there, dlight 118 / ~620.
+# from this many tokens on; LowBatchGEMV keeps 1 and 2 tokens, where the two are even
+# (dense_decode_h200_2026-11-30.json: 26.1 vs ~24.6 us for 6144 x 7168 at one token); at 8 / 64
+# tokens the kernel takes 26 / 58 us there, dlight 118 / ~620, and at prefill sizes dlight's
+# Matmul runs bf16 on CUDA cores (18 TFLOP/s, moe_layer_h200_2026-11-30.json).
 TENSOR_CORE_FROM = 3
 # Static shared memory per block of the kernels dlight schedules (no opt-in): given to the
 # dlight rules, which otherwise warn for every function and assume the same.
@@ -88,8 +91,8 @@ def low_batch_specialize(target, ranges=LOW_BATCH, tensor_cores: bool = True):
     ``n <= limit`` of each ``(limit, bucket)`` of ``ranges``; on CUDA targets (``tensor_cores``)
     where the function is a bf16 projection that :func:`schedules.dense_decode_tc.match_dense`
     accepts, the ranges up to :data:`TENSOR_CORE_FROM` - 1 tokens and then the hand-written
-    tensor-core kernel for ``n <= schedules.dense_decode_tc.MAX_TOKENS``, with the function's
-    fused epilogue; dlight's Matmul schedule above. One tiled schedule for every ``n`` reads the
+    tensor-core kernel for every larger ``n``, with the function's fused epilogue; elsewhere
+    dlight's Matmul schedule above the last range. One tiled schedule for every ``n`` reads the
     weights with a few dozen blocks at decode sizes (the MoE layer's dense projections took 30x
     their HBM time, benchmarks/moe_layer.py); a GEMV schedule for every ``n`` re-reads them per
     bucket at prefill sizes. Every branch computes the whole function, so the branch only
@@ -136,9 +139,10 @@ def low_batch_specialize(target, ranges=LOW_BATCH, tensor_cores: bool = True):
             lows = [_dlight(f, dl.gpu.LowBatchGEMV(bucket), target) for _, bucket in rs]
             if any(low is None for low in lows):
                 continue
-            body = tiled.body
-            if tc is not None:
-                body = tirx.IfThenElse(tirx.op.tvm_thread_invariant(n <= ddt.MAX_TOKENS), tc, body)
+            # the tensor-core kernel covers every token count from 1 (tiles of 64 tokens over
+            # blockIdx.y; no blocks at all for 0, which the tiled schedule takes)
+            body = (tirx.IfThenElse(tirx.op.tvm_thread_invariant(n >= 1), tc, tiled.body)
+                    if tc is not None else tiled.body)
             for (limit, _), low in reversed(list(zip(rs, lows))):
                 body = tirx.IfThenElse(tirx.op.tvm_thread_invariant(n <= limit), low.body, body)
             body = s_tir.SBlockRealize([], True, s_tir.SBlock([], [], [], "root", body))

@@ -146,7 +146,6 @@ def test_gpu_pipeline_dense_matmuls_read_weights_as_stored_and_branch_on_tokens(
     import tvm
 
     from k3_compile.build import LOW_BATCH, TENSOR_CORE_FROM, gpu_relax_pipeline
-    from schedules.dense_decode_tc import MAX_TOKENS
     from targets import get_target
 
     cfg = K3Config.from_file(NANO)
@@ -164,8 +163,8 @@ def test_gpu_pipeline_dense_matmuls_read_weights_as_stored_and_branch_on_tokens(
     assert len(dense) >= 10, sorted(out)
     limits = [lim for lim, _ in LOW_BATCH]
     # the bf16 projections the tensor-core kernel fits: LowBatchGEMV below TENSOR_CORE_FROM
-    # tokens, the kernel (mma.sync, the fused epilogue inside) to MAX_TOKENS, Matmul above
-    tc_limits = [lim for lim in limits if lim < TENSOR_CORE_FROM] + [MAX_TOKENS]
+    # tokens, the kernel (mma.sync, the fused epilogue inside) for every larger count
+    tc_limits = [lim for lim in limits if lim < TENSOR_CORE_FROM]
     n_tc = 0
     for name, src in dense.items():
         found = [int(v) for v in re.findall(r"\b\w+ <= T\.int64\((\d+)\)", src)]

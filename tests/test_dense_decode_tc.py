@@ -53,6 +53,16 @@ def test_step_words_cover_each_k_block_once():
     assert used == list(range(ddt.KB))
 
 
+def test_kernel_copies_follow_lane_input():
+    """The kernel's 16-byte copies (lane_word, used by its cp.async and token loads) hold the
+    words that lane_input (the emulated mapping above) assigns to the lane."""
+    for q in range(4):
+        for c in range(2):
+            for v in range(4):
+                for h in (0, 1):
+                    assert 2 * (ddt.lane_word(q, c) + v) + h == ddt.lane_input(q, 4 * c + v, h)
+
+
 def test_fits_and_errors():
     assert ddt.fits(3584, 7168) and ddt.fits(896, 7168)
     assert not ddt.fits(2, 256)        # k3-nano's b_proj: 2 rows

@@ -24,13 +24,13 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 # (N rows, K inputs): the K3 MoE layer's dense projections, then odd sizes
 K3_SHAPES = [(3584, 7168), (7168, 3584), (6144, 7168), (7168, 6144), (896, 7168)]
 ODD_SHAPES = [(48, 192), (16, 64), (112, 320)]
-CHECK_N = (1, 3, 8, 13, 64)
-TIME_N = (1, 8, 16, 64)
+CHECK_N = (1, 3, 8, 13, 64, 65, 200)
+TIME_N = (1, 8, 64, 2048, 8192)
 ROTATE = 8
 
 
 # schedule variants timed beside the default: name -> dense_nt_tc_kernel kwargs
-VARIANTS = {"w4": {"warps": 4}, "w8": {"warps": 8}}
+VARIANTS = {}
 
 
 def _name(n_rows, k, variant=""):
