@@ -213,6 +213,21 @@ def _dense(name, shape, dtype, g, dev):
     return (torch.randn(shape, device=dev, generator=g) / math.sqrt(shape[-1])).to(dt)
 
 
+def _cublas_dense(x, S) -> None:
+    """The layer's six dense matmuls with cuBLAS (``torch.nn.functional.linear``, bf16) on the
+    weights ``S``, for timing only: the router in bf16 and the shared down projection without
+    the SiTU before it."""
+    import torch
+
+    F = torch.nn.functional
+    F.linear(x, S[PREFIX + "gate.weight"])
+    zz = F.linear(x, S[PREFIX + "routed_expert_down_proj.weight"])
+    F.linear(zz, S[PREFIX + "routed_expert_up_proj.weight"])
+    F.linear(x, S[PREFIX + "shared_experts.gate_proj.weight"])
+    su = F.linear(x, S[PREFIX + "shared_experts.up_proj.weight"])
+    F.linear(su, S[PREFIX + "shared_experts.down_proj.weight"])
+
+
 def _kernel_times(fn, calls: int) -> dict:
     """GPU microseconds per ``fn()`` call of each kernel name (torch profiler, CUPTI)."""
     import torch
@@ -306,17 +321,10 @@ def run(lib_dir: Path) -> dict:
         # cuBLAS on the dense matmuls of the same step (bf16 in, bf16 out)
         lins = [(x, S) for x in xs[T] for S in sets]
 
-        # (the router in bf16 and the down projection without the SiTU: timing only)
         def cublas(state={"i": 0}):  # noqa: B006 - call counter
             x, S = lins[state["i"] % len(lins)]
             state["i"] += 1
-            F = torch.nn.functional
-            F.linear(x, S[PREFIX + "gate.weight"])
-            zz = F.linear(x, S[PREFIX + "routed_expert_down_proj.weight"])
-            F.linear(zz, S[PREFIX + "routed_expert_up_proj.weight"])
-            F.linear(x, S[PREFIX + "shared_experts.gate_proj.weight"])
-            su = F.linear(x, S[PREFIX + "shared_experts.up_proj.weight"])
-            F.linear(su, S[PREFIX + "shared_experts.down_proj.weight"])
+            _cublas_dense(x, S)
 
         cublas.cycle = len(lins)
         try:  # GPU time (eager timing of six small torch calls measures the host)
@@ -343,15 +351,9 @@ def run(lib_dir: Path) -> dict:
         f = (lambda tx=tx: pre(tx, *targs[0]))
         ms = time_cuda(f, iters=5, warmup=2, per_sample=2)
         kernels = _kernel_times(f, 2)
-        F = torch.nn.functional
 
         def cublas(x=x):
-            F.linear(x, P[PREFIX + "gate.weight"])
-            zz = F.linear(x, P[PREFIX + "routed_expert_down_proj.weight"])
-            F.linear(zz, P[PREFIX + "routed_expert_up_proj.weight"])
-            F.linear(x, P[PREFIX + "shared_experts.gate_proj.weight"])
-            su = F.linear(x, P[PREFIX + "shared_experts.up_proj.weight"])
-            F.linear(su, P[PREFIX + "shared_experts.down_proj.weight"])
+            _cublas_dense(x, P)
 
         dense_flop = 2 * T * sum(P[n].numel() for n in dense if P[n].dim() == 2)
         row = {"T": T, "layer_ms": ms, "kernels_us": kernels,
