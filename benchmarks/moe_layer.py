@@ -410,7 +410,12 @@ def main(argv=None) -> int:
             raise SystemExit(f"{args.config}: no such config (pass --config)")
         lb = args.low_batch
         if lb is not None:
-            lb = () if lb == "none" else tuple(tuple(int(v) for v in p.split(":")) for p in lb.split(","))
+            try:
+                lb = () if lb == "none" else tuple(tuple(int(v) for v in p.split(":")) for p in lb.split(","))
+            except ValueError:
+                raise SystemExit(f"--low-batch {args.low_batch!r}: expected LIMIT:BUCKET,... or 'none'") from None
+            if any(len(p) != 2 for p in lb):
+                raise SystemExit(f"--low-batch {args.low_batch!r}: expected LIMIT:BUCKET pairs")
         build(args.out_dir, args.config, lb)
         return 0
     import torch
