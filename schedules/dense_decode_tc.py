@@ -12,8 +12,8 @@ on, with the fused epilogue (casts, SiTU factors, residual adds) applied to
 the fp32 sums before the store.
 
 Mapping (as :mod:`schedules.moe_mxfp4_decode_tc`, with bf16 weights instead of MXFP4): a block
-owns 16 rows of ``W`` (the mma's A, m16) and all tokens (the B columns, ``ceil(n / 8)`` n8
-tiles); its ``warps`` warps split K, each an equal run of K blocks of :data:`KB` inputs, and
+owns 16 rows of ``W`` (the mma's A, m16) and up to 64 tokens (the B columns, up to 8 n8 tiles;
+``blockIdx.y`` picks the 64-token tile); its ``warps`` warps split K, each an equal run of K blocks of :data:`KB` inputs, and
 meet in shared memory at the end. Thread ``(g, q) = (lane / 4, lane % 4)`` owns rows ``g``,
 ``g + 8`` and token ``8t + g`` of each tile ``t``; in a K block it takes inputs ``8q .. 8q + 7``
 and ``32 + 8q .. 32 + 8q + 7`` (:func:`lane_input`: two 16-byte copies per row, the four lanes
@@ -25,8 +25,13 @@ per-thread ``cp.async`` slots (each thread reads back only what it copied: no ba
 loop); the token rows are read from L1/L2 (every block reads the same ``x``), tile 0's
 before the wait for the weights, each further tile's during the previous tile's mmas.
 
+At prefill sizes the same kernel replaces dlight's CUDA-core Matmul (82 TFLOP/s on the K3 MoE
+layer's projections at 8192 tokens against dlight's 18; cuBLAS is still 8-9x faster: each block
+re-reads its weights and tokens from L2, moe_layer_h200_2026-11-30.json).
+
 Reference: :func:`dense_reference` (NumPy); checked on the CPU through the fragment mapping
-(tests/test_dense_decode_tc.py) and on the H200 (benchmarks/moe_layer.py).
+(tests/test_dense_decode_tc.py) and on the H200 (tests/gpu/check_dense_decode.py: odd sizes,
+1-200 tokens; benchmarks/moe_layer.py: the K3 MoE layer against a torch reference).
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ def fits(n_rows: int, in_width: int) -> bool:
 def split_k_warps(in_width: int) -> int:
     """Warps per block (ways the K blocks are split): 8 where that leaves each warp at least 14
     K blocks (K3's 7168-wide inputs), else 4, 2 or 1, the most that divide the K blocks.
-    Measured on the H200 (dense_decode_h200_2026-11-30.json): for 7168 inputs 8 warps beat 4
+    Measured on the H200 (dense_decode_contig_h200_2026-11-30.json): for 7168 inputs 8 warps beat 4
     at every token count (e.g. 19.2 vs 21.7 us at one token, 50 vs 87 at 64, 3584 rows); for
     3584 / 6144 inputs 4 warps beat 8 (17.0 vs 21.7 us, 26.2 vs 33.2)."""
     nkb = in_width // KB
