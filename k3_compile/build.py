@@ -131,17 +131,17 @@ def low_batch_specialize(target, ranges=LOW_BATCH, tensor_cores: bool = True):
             if len(sizes) != 1 or not all(isinstance(d, (tirx.Var, tirx.IntImm)) for d in dims):
                 continue
             (n,) = sizes
-            tiled = _dlight(f, dl.gpu.Matmul(), target)
-            if tiled is None:
-                continue
             tc = ddt.splice_body(f) if use_tc else None
+            tiled = _dlight(f, dl.gpu.Matmul(), target) if tc is None else None
+            if tc is None and tiled is None:
+                continue
             rs = [(lim, b) for lim, b in ranges if lim < TENSOR_CORE_FROM] if tc is not None else ranges
             lows = [_dlight(f, dl.gpu.LowBatchGEMV(bucket), target) for _, bucket in rs]
             if any(low is None for low in lows):
                 continue
             # the tensor-core kernel covers every token count from 1 (tiles of 64 tokens over
-            # blockIdx.y; no blocks at all for 0, which the tiled schedule takes)
-            body = (tirx.IfThenElse(tirx.op.tvm_thread_invariant(n >= 1), tc, tiled.body)
+            # blockIdx.y); 0 tokens have nothing to compute (and would launch an empty grid)
+            body = (tirx.IfThenElse(tirx.op.tvm_thread_invariant(n >= 1), tc, None)
                     if tc is not None else tiled.body)
             for (limit, _), low in reversed(list(zip(rs, lows))):
                 body = tirx.IfThenElse(tirx.op.tvm_thread_invariant(n <= limit), low.body, body)
