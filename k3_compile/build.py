@@ -93,8 +93,8 @@ def low_batch_specialize(target, ranges=LOW_BATCH, tensor_cores: bool = True):
     accepts, the ranges up to :data:`TENSOR_CORE_FROM` - 1 tokens and then the hand-written
     tensor-core kernel for every larger ``n``, with the function's fused epilogue; elsewhere
     dlight's Matmul schedule above the last range. One tiled schedule for every ``n`` reads the
-    weights with a few dozen blocks at decode sizes (the MoE layer's dense projections took 30x
-    their HBM time, benchmarks/moe_layer.py); a GEMV schedule for every ``n`` re-reads them per
+    weights with a few dozen blocks at decode sizes (the MoE layer's dense projections took tens
+    of times their HBM time, benchmarks/moe_layer.py); a GEMV schedule for every ``n`` re-reads them per
     bucket at prefill sizes. Every branch computes the whole function, so the branch only
     decides speed. Functions where a dlight schedule does not apply are left to
     :func:`gpu_relax_pipeline`'s default rules. (The LowBatchGEMV / Matmul branching is MLC-LLM's
@@ -138,7 +138,9 @@ def low_batch_specialize(target, ranges=LOW_BATCH, tensor_cores: bool = True):
             rs = [(lim, b) for lim, b in ranges if lim < TENSOR_CORE_FROM] if tc is not None else ranges
             lows = [_dlight(f, dl.gpu.LowBatchGEMV(bucket), target) for _, bucket in rs]
             if any(low is None for low in lows):
-                continue
+                if tc is None:
+                    continue
+                rs, lows = [], []  # the tensor-core kernel alone
             # the tensor-core kernel covers every token count from 1 (tiles of 64 tokens over
             # blockIdx.y); 0 tokens have nothing to compute (and would launch an empty grid)
             body = (tirx.IfThenElse(tirx.op.tvm_thread_invariant(n >= 1), tc, None)
