@@ -201,8 +201,9 @@ def tc_layout(W: dict, repack) -> dict:
     return out
 
 
-def _dequant(packed, scale):
-    """torch MXFP4 dequant: [..., N, K/2] uint8 + [..., N, K/32] uint8 -> [..., N, K] fp32."""
+def dequant_mxfp4(packed, scale):
+    """torch MXFP4 dequant (OCP layout: low nibble first; spec §2 "MXFP4"): [..., N, K/2]
+    uint8 codes + [..., N, K/32] E8M0 bytes -> [..., N, K] fp32."""
     import torch
 
     lut = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6],
@@ -212,10 +213,12 @@ def _dequant(packed, scale):
     return lut[codes] * sc
 
 
-def _situ(g, u):
+def situ(g, u, beta: float = BETA, beta_lin: float = BETA_LIN):
+    """torch SiTU-GLU (spec §3): ``beta·tanh(g/beta)·sigmoid(g) · beta_lin·tanh(u/beta_lin)``,
+    in the inputs' dtype (fp32 here)."""
     import torch
 
-    return BETA * torch.tanh(g / BETA) * torch.sigmoid(g) * (BETA_LIN * torch.tanh(u / BETA_LIN))
+    return beta * torch.tanh(g / beta) * torch.sigmoid(g) * (beta_lin * torch.tanh(u / beta_lin))
 
 
 def run(lib_dir: Path, decode: bool = True, prefill: bool = True) -> dict:
@@ -288,10 +291,10 @@ def run(lib_dir: Path, decode: bool = True, prefill: bool = True) -> dict:
         for t in range(T):
             for j in range(TOPK):
                 e = int(ids[t, j])
-                w1, w3, w2 = (_dequant(W[n][0][e], W[n][1][e]) for n in ("w1", "w3", "w2"))
+                w1, w3, w2 = (dequant_mxfp4(W[n][0][e], W[n][1][e]) for n in ("w1", "w3", "w2"))
                 gg = (w1 @ z[t].float()).bfloat16().float()
                 uu = (w3 @ z[t].float()).bfloat16().float()
-                ar = _situ(gg, uu).bfloat16()
+                ar = situ(gg, uu).bfloat16()
                 orf = (w2 @ ar.float()).bfloat16().float()
                 ea = max(ea, (a[t, j].float() - ar.float()).abs().max().item())
                 eo = max(eo, (o[t, j].float() - orf).abs().max().item())
@@ -363,7 +366,7 @@ def run(lib_dir: Path, decode: bool = True, prefill: bool = True) -> dict:
     for n, (p, s) in W.items():
         Wb[n] = torch.empty(E, p.shape[1], p.shape[2] * 2, dtype=torch.bfloat16, device=dev)
         for e0 in range(0, E, 32):
-            Wb[n][e0:e0 + 32] = _dequant(p[e0:e0 + 32], s[e0:e0 + 32]).bfloat16()
+            Wb[n][e0:e0 + 32] = dequant_mxfp4(p[e0:e0 + 32], s[e0:e0 + 32]).bfloat16()
     torch.cuda.synchronize()
 
     for T in (TIME_T if decode else ()):
@@ -389,7 +392,7 @@ def run(lib_dir: Path, decode: bool = True, prefill: bool = True) -> dict:
                 x = z[tt]
                 gg = x @ Wb["w1"][e].T
                 uu = x @ Wb["w3"][e].T
-                aa = _situ(gg.float(), uu.float()).bfloat16()
+                aa = situ(gg.float(), uu.float()).bfloat16()
                 out[tt, jj] = aa @ Wb["w2"][e].T
 
         torch_ms = time_cuda(torch_loop, iters=5, warmup=1, per_sample=2)
@@ -449,11 +452,11 @@ def check_small(path: Path, g, repack, permuted: bool = False) -> list:
         f_gu(tz, *tw["w1"], *tw["w3"], t["sorted"], t["tiles"], t["num_tiles"], t["a"])
         f_down(t["a"], *tw["w2"], *tw["w2"], t["sorted"], t["tiles"], t["num_tiles"], t["o"])
         torch.cuda.synchronize()
-        w1, w3, w2 = (_dequant(*Ws[n]) for n in ("w1", "w3", "w2"))
+        w1, w3, w2 = (dequant_mxfp4(*Ws[n]) for n in ("w1", "w3", "w2"))
         x = z.float()
         gg = torch.einsum("tl,tkil->tki", x, w1[ids.long()]).bfloat16().float()
         uu = torch.einsum("tl,tkil->tki", x, w3[ids.long()]).bfloat16().float()
-        ar = _situ(gg, uu).bfloat16().float()
+        ar = situ(gg, uu).bfloat16().float()
         orf = torch.einsum("tki,tkli->tkl", ar, w2[ids.long()]).bfloat16().float()
         inv = torch.empty(P, dtype=torch.long, device=dev)
         inv[b["sorted"].long()] = torch.arange(P, device=dev)
@@ -573,11 +576,11 @@ def run_prefill(lib_dir: Path, W, Wb, tw, g, repack) -> dict:
         inv[bufs["sorted"].long()] = torch.arange(T * TOPK, device=dev)
         for e in torch.unique(ids).tolist():
             tt, jj = (ids == e).nonzero(as_tuple=True)
-            w1, w3, w2 = (_dequant(W[n][0][e], W[n][1][e]) for n in ("w1", "w3", "w2"))
+            w1, w3, w2 = (dequant_mxfp4(W[n][0][e], W[n][1][e]) for n in ("w1", "w3", "w2"))
             x = z[tt].float()
             gg = (x @ w1.T).bfloat16().float()
             uu = (x @ w3.T).bfloat16().float()
-            ar = _situ(gg, uu).bfloat16().float()
+            ar = situ(gg, uu).bfloat16().float()
             orf = (ar @ w2.T).bfloat16().float()
             got_a = bufs["a"][inv[tt * TOPK + jj]].float()
             if permuted:  # back to the natural k order (the permutation is an involution)
@@ -665,7 +668,7 @@ def run_prefill(lib_dir: Path, W, Wb, tw, g, repack) -> dict:
             def torch_gemms():
                 gg = torch._grouped_mm(xs, w1t, offs=offs)
                 uu = torch._grouped_mm(xs, w3t, offs=offs)
-                aa = _situ(gg.float(), uu.float()).bfloat16()
+                aa = situ(gg.float(), uu.float()).bfloat16()
                 return torch._grouped_mm(aa, w2t, offs=offs)
 
             # same math, so the outputs agree up to bf16 rounding

@@ -53,6 +53,7 @@ import time
 from pathlib import Path
 
 from cuda_timing import copy_bandwidth, git_commit, rotate, time_cuda, time_cuda_graph
+from moe import dequant_mxfp4, situ
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -121,24 +122,6 @@ def build(out_dir: Path, config: Path, low_batch=None) -> None:
 
 
 # ----------------------------------------------------------------------------- reference
-def _dequant(packed, scale):
-    """MXFP4 (OCP layout: low nibble first) ``[N, K/2]`` uint8 codes + ``[N, K/32]`` E8M0
-    bytes -> ``[N, K]`` fp32 (spec §2 "MXFP4")."""
-    import torch
-
-    lut = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6],
-                       device=packed.device)
-    codes = torch.stack([packed & 15, packed >> 4], -1).flatten(-2).long()
-    return lut[codes] * torch.exp2(scale.float() - 127).repeat_interleave(32, -1)
-
-
-def _situ(g, u, beta, beta_lin):
-    """SiTU-GLU (spec §3): ``beta·tanh(g/beta)·sigmoid(g) · beta_lin·tanh(u/beta_lin)``, fp32."""
-    import torch
-
-    return beta * torch.tanh(g / beta) * torch.sigmoid(g) * (beta_lin * torch.tanh(u / beta_lin))
-
-
 def route(x, P, m):
     """Router (spec §3): fp32 logits, sigmoid scores, top-k of score + correction bias;
     weights = the chosen scores renormalized (+1e-20) × scaling factor, rounded to bf16.
@@ -168,10 +151,10 @@ def reference(x, P, experts_ocp, m):
     for t in range(x.shape[0]):
         for j in range(m["top_k"]):
             ex = experts_ocp[int(ids[t, j])]
-            w1, w3, w2 = (_dequant(*ex[n]) for n in ("w1", "w3", "w2"))
+            w1, w3, w2 = (dequant_mxfp4(*ex[n]) for n in ("w1", "w3", "w2"))
             g = (w1 @ z[t].float()).bfloat16().float()
             u = (w3 @ z[t].float()).bfloat16().float()
-            a = _situ(g, u, m["beta"], m["beta_lin"]).bfloat16().float()
+            a = situ(g, u, m["beta"], m["beta_lin"]).bfloat16().float()
             y[t] += w[t, j] * (w2 @ a).bfloat16().float()
     y = y.bfloat16().float()
     if m["use_norm"]:
@@ -179,7 +162,7 @@ def reference(x, P, experts_ocp, m):
         y = (y.float() * P[PREFIX + "routed_expert_norm.weight"].float()).bfloat16()
     y = lin(y, "routed_expert_up_proj.weight")
     sg, su = lin(x, "shared_experts.gate_proj.weight"), lin(x, "shared_experts.up_proj.weight")
-    sa = _situ(sg.float(), su.float(), m["beta"], m["beta_lin"]).bfloat16()
+    sa = situ(sg.float(), su.float(), m["beta"], m["beta_lin"]).bfloat16()
     return (y.float() + lin(sa, "shared_experts.down_proj.weight").float()).bfloat16().float()
 
 
