@@ -202,7 +202,7 @@ def dense_tc_macro(N: int, K: int, stages: int | None = None, warps: int | None 
                                           T.Cast("int64", blk * ROWS + tx // 4 + c // 2 * 8),
                                           acc[t * 4 + c])
 
-    return body, NT
+    return body
 
 
 def dense_nt_tc_kernel(N: int, K: int, out_dtype: str = "float32", stages: int | None = None,
@@ -214,7 +214,7 @@ def dense_nt_tc_kernel(N: int, K: int, out_dtype: str = "float32", stages: int |
     Raises:
         ValueError: as :func:`dense_tc_macro`.
     """
-    body, _ = dense_tc_macro(N, K, stages, warps)
+    body = dense_tc_macro(N, K, stages, warps)
 
     @T.macro
     def store(y, i, j, a):
@@ -411,7 +411,7 @@ def splice_body(func):
         return None
     x, w, out, n, epi = m
     N, K = (int(d) for d in w.ty.shape)
-    body, _ = dense_tc_macro(N, K)
+    body = dense_tc_macro(N, K)
 
     @T.macro
     def store(y, i, j, a):
