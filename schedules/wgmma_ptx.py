@@ -97,6 +97,38 @@ def wgmma_bf16_rs(n: int, d, a0, a1, a2, a3, desc, accumulate=1):
                           source_code=_wgmma_src(n))
 
 
+def _wgmma_ss_src(n: int) -> str:
+    nd = n // 2
+    dregs = ", ".join(f"%{i}" for i in range(nd))
+    outs = ", ".join(f'"+f"(d[{i}])' for i in range(nd))
+    return (
+        f"__forceinline__ __device__ void k3_wgmma_m64n{n}k16_bf16_ss(float* d, unsigned long long da,\n"
+        f"    unsigned long long db, int accumulate) {{\n"
+        f"  asm volatile(\"{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{nd + 2}, 0;\\n\"\n"
+        f"      \"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 \"\n"
+        f"      \"{{{dregs}}}, %{nd}, %{nd + 1}, p, 1, 1, 0, 0;\\n}}\\n\"\n"
+        f"      : {outs}\n"
+        f"      : \"l\"(da), \"l\"(db), \"r\"(accumulate));\n"
+        f"}}\n")
+
+
+def wgmma_bf16_ss(n: int, d, desc_a, desc_b, accumulate=1):
+    """``d[0 : n/2] (+)= A · Bᵀ`` for the warpgroup with both operands in shared memory: ``A``
+    64 rows × 16 k (``desc_a``), ``B`` ``n`` rows × 16 k (``desc_b``), both K-major tiles of
+    128-byte rows with the 128-byte swizzle (:func:`sw128_desc`, the k16 slice 32 bytes on);
+    D as in :func:`wgmma_bf16_rs` (``d[4j + c]`` = row ``16w + g + 8·(c // 2)``, column
+    ``8j + 2q + c % 2``). ``accumulate`` 0 overwrites ``d``. PTX ISA 9.7.15 (``wgmma.mma_async``
+    with two matrix descriptors, no transposes).
+
+    Raises:
+        ValueError: ``n`` not a multiple of 8 in 8..256.
+    """
+    if n % 8 or not 8 <= n <= 256:
+        raise ValueError(f"wgmma N must be a multiple of 8 in 8..256, got {n}")
+    return cuda_func_call(f"k3_wgmma_m64n{n}k16_bf16_ss", d, desc_a, desc_b, accumulate,
+                          source_code=_wgmma_ss_src(n))
+
+
 def sw128_desc(smem_addr):
     """uint64 matrix descriptor (128-byte swizzle, K-major, 8-row groups 1024 bytes apart) of
     the tile at the 32-bit shared-window address ``smem_addr`` (a TIR uint32 expression; the

@@ -1,5 +1,6 @@
-"""The dense bf16 decode kernel (schedules/dense_decode_tc.py) on a CUDA GPU: correctness against
-torch on odd sizes and token counts, and its speed against cuBLAS and the HBM roofline at the
+"""The dense bf16 kernels on a CUDA GPU — the decode kernel (schedules/dense_decode_tc.py) and the
+Hopper prefill kernel (schedules/dense_prefill_wgmma.py): correctness against torch on odd sizes
+and token counts, and their speed against cuBLAS (and the HBM roofline, the bf16 peak) at the
 K3 MoE layer's dense shapes.
 
 ``python tests/gpu/check_dense_decode.py prepare dist/dense`` (here, with nvcc) compiles the
@@ -24,17 +25,26 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 # (N rows, K inputs): the K3 MoE layer's dense projections, then odd sizes
 K3_SHAPES = [(3584, 7168), (7168, 3584), (6144, 7168), (7168, 6144), (896, 7168)]
 ODD_SHAPES = [(48, 192), (16, 64), (112, 320)]
+ODD_SHAPES_WGMMA = [(384, 192), (768, 320), (128, 64)]   # rows a multiple of 128
 CHECK_N = (1, 3, 8, 13, 64, 65, 200)
+CHECK_N_WGMMA = (1, 127, 128, 129, 300, 1000)
 TIME_N = (1, 8, 64, 2048, 8192)
+TIME_N_WGMMA = (64, 256, 512, 1024, 2048, 8192)
 ROTATE = 8
 
 
 # schedule variants timed beside the default: name -> dense_nt_tc_kernel kwargs
 VARIANTS = {}
+# the prefill kernel's variants: name -> dense_wgmma_kernel kwargs
+WGMMA_VARIANTS = {"s3": {"stages": 3}, "g1": {"group": 1}, "g16": {"group": 16}}
 
 
 def _name(n_rows, k, variant=""):
     return f"dense_{n_rows}x{k}" + (f"_{variant}" if variant else "")
+
+
+def _wname(n_rows, k, variant=""):
+    return f"dense_wgmma_{n_rows}x{k}" + (f"_{variant}" if variant else "")
 
 
 def prepare(out: Path) -> None:
@@ -43,6 +53,7 @@ def prepare(out: Path) -> None:
     from k3_compile.device_code import precompiled_cuda
     from schedules.barriers import respect_manual_barriers
     from schedules.dense_decode_tc import dense_nt_tc_kernel
+    from schedules.dense_prefill_wgmma import dense_wgmma_kernel, fits
     from targets import get_target
 
     spec = get_target("cuda-sm90a")
@@ -52,6 +63,14 @@ def prepare(out: Path) -> None:
         for r, k in K3_SHAPES:
             fs[_name(r, k, v)] = dense_nt_tc_kernel(r, k, "float32", **kw).with_attr(
                 "global_symbol", _name(r, k, v))
+    for r, k in K3_SHAPES + ODD_SHAPES_WGMMA:
+        if fits(r, k):
+            fs[_wname(r, k)] = dense_wgmma_kernel(r, k, "float32").with_attr("global_symbol", _wname(r, k))
+    for v, kw in WGMMA_VARIANTS.items():
+        for r, k in K3_SHAPES:
+            if fits(r, k):
+                fs[_wname(r, k, v)] = dense_wgmma_kernel(r, k, "float32", **kw).with_attr(
+                    "global_symbol", _wname(r, k, v))
     with precompiled_cuda(spec.nvcc_arch), respect_manual_barriers():
         lib = tvm.compile(tvm.IRModule(fs), target=spec.tvm_target())
     out.mkdir(parents=True, exist_ok=True)
@@ -59,11 +78,90 @@ def prepare(out: Path) -> None:
     print(f"built {out / 'dense.so'}")
 
 
-def run(lib_dir: Path) -> dict:
+def _check(f, r, k, ns, variant, dev, g):
+    """Rows of checks of kernel ``f`` (``W [r, k]``) at the token counts ``ns`` against torch
+    (outputs NaN-filled before each call)."""
     import torch
     import tvm
 
-    from cuda_timing import copy_bandwidth, time_cuda_graph
+    rows = []
+    w = torch.randn(r, k, device=dev, generator=g).bfloat16()
+    for n in ns:
+        x = torch.randn(n, k, device=dev, generator=g).bfloat16()
+        y = torch.full((n, r), float("nan"), device=dev)
+        f(*(tvm.runtime.from_dlpack(t) for t in (x, w, y)))
+        ref = x.float() @ w.float().T
+        err = (y - ref).abs().max().item()
+        row = {"N": r, "K": k, "n": n, "variant": variant, "max_abs_err": err,
+               "max_abs_ref": ref.abs().max().item(),
+               "ok": bool(torch.isfinite(y).all() and err <= 1e-3 * max(1.0, ref.abs().max().item()))}
+        rows.append(row)
+        if not row["ok"]:
+            print("CHECK FAILED", row, flush=True)
+    return rows
+
+
+def _time(fv, r, k, n, dev, g, bw, peak):
+    """Times (ms) of the kernels ``fv`` (name -> function) and cuBLAS at ``n`` tokens, each
+    call on the next of ROTATE weight copies, from CUDA-graph replays."""
+    import torch
+    import tvm
+
+    from cuda_timing import time_cuda_graph
+
+    ws = [torch.randn(r, k, device=dev, generator=g).bfloat16() for _ in range(ROTATE)]
+    x = torch.randn(n, k, device=dev, generator=g).bfloat16()
+    y = torch.empty(n, r, device=dev)
+    yb = torch.empty(n, r, device=dev, dtype=torch.bfloat16)
+    targs = [[tvm.runtime.from_dlpack(t) for t in (x, wi, y)] for wi in ws]
+
+    def make(f):
+        def ours(state={"i": 0}):  # noqa: B006 - rotation counter
+            f(*targs[state["i"] % ROTATE])
+            state["i"] += 1
+        ours.cycle = ROTATE
+        return ours
+
+    def cublas(state={"i": 0}):  # noqa: B006
+        torch.nn.functional.linear(x, ws[state["i"] % ROTATE], out=yb)
+        state["i"] += 1
+
+    cublas.cycle = ROTATE
+    t_var = {v: time_cuda_graph(make(f)) for v, f in fv.items()}
+    t_cublas = time_cuda_graph(cublas)
+    roof = r * k * 2 / bw * 1e3
+    flop = 2.0 * n * r * k
+    row = {"N": r, "K": k, "n": n, "cublas_ms": t_cublas, "roofline_ms": roof, "times_ms": t_var,
+           "tflops": {v: flop / t / 1e9 for v, t in t_var.items()},
+           "cublas_tflops": flop / t_cublas / 1e9,
+           "pct_peak": {v: 100 * flop / t / 1e9 / peak for v, t in t_var.items()},
+           "speedup_vs_cublas": {v: t_cublas / t for v, t in t_var.items()},
+           "pct_roofline": {v: 100 * roof / t for v, t in t_var.items()}}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def _bf16_peak(dev) -> float:
+    """Measured bf16 tensor-core peak (TFLOP/s): torch.matmul 8192³, CUDA-graph replays."""
+    import torch
+
+    from cuda_timing import time_cuda_graph
+
+    a = torch.randn(8192, 8192, device=dev).bfloat16()
+    b = torch.randn(8192, 8192, device=dev).bfloat16()
+    c = torch.empty(8192, 8192, device=dev).bfloat16()
+
+    def mm():
+        torch.matmul(a, b, out=c)
+
+    return 2 * 8192 ** 3 / time_cuda_graph(mm) / 1e9
+
+
+def run(lib_dir: Path, only: str = "all") -> dict:
+    import torch
+    import tvm
+
+    from cuda_timing import copy_bandwidth
     from k3_compile.device_code import load_cuda_runtime
 
     load_cuda_runtime()
@@ -71,53 +169,40 @@ def run(lib_dir: Path) -> dict:
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     bw = copy_bandwidth()
-    res = {"copy_bandwidth_GBps": bw / 1e9, "check": [], "timing": []}
-    checks = [(r, k, "") for r, k in K3_SHAPES + ODD_SHAPES]
-    checks += [(r, k, v) for v in VARIANTS for r, k in K3_SHAPES]
-    for r, k, v in checks:
-        f = lib[_name(r, k, v)]
-        w = torch.randn(r, k, device=dev, generator=g).bfloat16()
-        for n in CHECK_N:
-            x = torch.randn(n, k, device=dev, generator=g).bfloat16()
-            y = torch.full((n, r), float("nan"), device=dev)
-            f(*(tvm.runtime.from_dlpack(t) for t in (x, w, y)))
-            ref = x.float() @ w.float().T
-            err = (y - ref).abs().max().item()
-            row = {"N": r, "K": k, "n": n, "variant": v, "max_abs_err": err, "max_abs_ref": ref.abs().max().item(),
-                   "ok": bool(torch.isfinite(y).all() and err <= 1e-3 * max(1.0, ref.abs().max().item()))}
-            res["check"].append(row)
-            if not row["ok"]:
-                print("CHECK FAILED", row, flush=True)
+    peak = _bf16_peak(dev)
+    res = {"copy_bandwidth_GBps": bw / 1e9, "bf16_peak_tflops": peak, "check": [], "timing": [],
+           "timing_wgmma": []}
+
+    def has(name):
+        try:
+            lib[name]
+            return True
+        except (AttributeError, tvm.error.TVMError):
+            return False
+
+    if only in ("all", "decode"):
+        for r, k in K3_SHAPES + ODD_SHAPES:
+            res["check"] += _check(lib[_name(r, k)], r, k, CHECK_N, "", dev, g)
+        for v in VARIANTS:
+            for r, k in K3_SHAPES:
+                res["check"] += _check(lib[_name(r, k, v)], r, k, CHECK_N, v, dev, g)
+    for r, k in K3_SHAPES + ODD_SHAPES_WGMMA:
+        if has(_wname(r, k)):
+            res["check"] += _check(lib[_wname(r, k)], r, k, CHECK_N_WGMMA, "wgmma", dev, g)
+    for v in WGMMA_VARIANTS:
+        for r, k in K3_SHAPES:
+            if has(_wname(r, k, v)):
+                res["check"] += _check(lib[_wname(r, k, v)], r, k, (129, 1000), "wgmma_" + v, dev, g)
     for r, k in K3_SHAPES:
-        fv = {v: lib[_name(r, k, v)] for v in ("", *VARIANTS)}
-        ws = [torch.randn(r, k, device=dev, generator=g).bfloat16() for _ in range(ROTATE)]
-        for n in TIME_N:
-            x = torch.randn(n, k, device=dev, generator=g).bfloat16()
-            y = torch.empty(n, r, device=dev)
-            yb = torch.empty(n, r, device=dev, dtype=torch.bfloat16)
-            targs = [[tvm.runtime.from_dlpack(t) for t in (x, wi, y)] for wi in ws]
-
-            def make(f):
-                def ours(state={"i": 0}):  # noqa: B006 - rotation counter
-                    f(*targs[state["i"] % ROTATE])
-                    state["i"] += 1
-                ours.cycle = ROTATE
-                return ours
-
-            def cublas(state={"i": 0}):  # noqa: B006
-                torch.nn.functional.linear(x, ws[state["i"] % ROTATE], out=yb)
-                state["i"] += 1
-
-            cublas.cycle = ROTATE
-            t_var = {v or "default": time_cuda_graph(make(f)) for v, f in fv.items()}
-            t_ours, t_cublas = t_var["default"], time_cuda_graph(cublas)
-            roof = r * k * 2 / bw * 1e3
-            row = {"N": r, "K": k, "n": n, "ours_ms": t_ours, "cublas_ms": t_cublas,
-                   "roofline_ms": roof, "ours_pct_roofline": 100 * roof / t_ours,
-                   "cublas_pct_roofline": 100 * roof / t_cublas, "speedup_vs_cublas": t_cublas / t_ours,
-                   "variants_ms": t_var}
-            res["timing"].append(row)
-            print(json.dumps(row), flush=True)
+        if only in ("all", "decode"):
+            fv = {v or "default": lib[_name(r, k, v)] for v in ("", *VARIANTS)}
+            for n in TIME_N:
+                res["timing"].append(_time(fv, r, k, n, dev, g, bw, peak))
+        if has(_wname(r, k)):
+            fv = {"tc": lib[_name(r, k)], "wgmma": lib[_wname(r, k)]}
+            fv.update({"wgmma_" + v: lib[_wname(r, k, v)] for v in WGMMA_VARIANTS if has(_wname(r, k, v))})
+            for n in TIME_N_WGMMA:
+                res["timing_wgmma"].append(_time(fv, r, k, n, dev, g, bw, peak))
     return res
 
 
@@ -126,6 +211,8 @@ def main(argv=None) -> int:
     ap.add_argument("cmd", choices=["prepare", "run"])
     ap.add_argument("lib_dir", type=Path)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument("--only", choices=["all", "decode", "prefill"], default="all",
+                    help="run: time the decode kernel, the prefill kernel, or both")
     args = ap.parse_args(argv)
     if args.cmd == "prepare":
         prepare(args.lib_dir)
@@ -134,7 +221,7 @@ def main(argv=None) -> int:
 
     from cuda_timing import git_commit
 
-    res = run(args.lib_dir)
+    res = run(args.lib_dir, args.only)
     res.update({"machine": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
                 "commit": git_commit()})
     args.out.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,233 @@
+"""Dense bf16 projections at prefill sizes on Hopper warpgroup MMA (``wgmma``, sm_90a):
+``y[i, j] = epilogue(Σ_k x[i, k] · W[j, k])`` for ``n`` tokens (``x [n, K]`` bf16, ``W [N, K]``
+bf16 as the checkpoint stores it, fp32 accumulation), both operands read by the tensor cores
+from shared memory.
+
+Why: the ``mma.sync`` kernel of :mod:`schedules.dense_decode_tc` is built for decode (16 weight
+rows per block, tokens from L2); at 8192 tokens the K3 MoE layer's dense projections took 37.7
+ms with it, cuBLAS 4.5 ms (benchmarks/results/moe_layer_h200_2026-11-30.json). The compile
+pipeline (``k3_compile.build.low_batch_specialize``) gives each projection this kernel from
+:data:`PREFILL_FROM` tokens on, on targets with ``wgmma``.
+
+Mapping. A block computes a tile of :data:`BM` = 128 tokens × ``BN`` (256, else 128) weight
+rows. Its two consumer warpgroups take 64 tokens each: per K step of :data:`BK` = 64 inputs,
+four ``wgmma.m64n{BN}k16`` (one per k16 slice) with the tokens as A (M = 64) and the weight
+rows as B (N = ``BN``), both from shared memory through matrix descriptors
+(:func:`schedules.wgmma_ptx.wgmma_bf16_ss`): the accumulator ``d[4j + c]`` of thread ``(w, g,
+q)`` (warp ``w`` of its warpgroup, ``g = lane / 4``, ``q = lane % 4``) is token ``16w + g +
+8·(c // 2)``, weight row ``8j + 2q + c % 2`` of the tile (:func:`acc_position`). One producer
+warpgroup issues every ``cp.async`` copy: each K step's token tile (128 rows of 128 bytes) and
+weight tile (``BN`` rows) into one of ``stages`` shared-memory stages, 128-byte rows with the
+128-byte swizzle the descriptors name (:func:`copy_chunk`), and arrives on the stage's ``full``
+mbarrier when its copies land; the consumers wait on it and, once a step's wgmmas are done,
+arrive on its ``empty`` mbarrier, which the producers wait on before refilling the stage (the
+pipeline of :mod:`schedules.moe_mxfp4_prefill_wgmma`'s warp-specialized kernels, without the
+dequantization). ``setmaxnreg``: 232 registers per consumer thread (``BN`` = 256 needs 128 fp32
+accumulators), 40 per producer thread; one block per SM. Blocks walk the tiles in groups of
+:data:`GROUP_M` token tiles (the token tile fastest), so that the blocks in flight share
+weight tiles in L2. Token rows past ``n`` are copied from row ``n - 1`` and never stored.
+
+Reference: :func:`schedules.dense_decode_tc.dense_reference` (NumPy); the copy and accumulator
+mappings are checked on the CPU (tests/test_dense_prefill_wgmma.py), the kernel against torch
+on the H200 (tests/gpu/check_dense_decode.py, benchmarks/moe_layer.py).
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from schedules.mxfp4_ptx import wait
+from schedules.wgmma_ptx import (cp_async16_raw, cp_async_mbar_arrive, fence_proxy_async, global_address,
+                                 mbar_arrive, mbar_init, mbar_wait, setmaxnreg, smem_address, sw128_desc,
+                                 swizzle128_word, wgmma_bf16_ss, wgmma_commit, wgmma_fence, wgmma_wait)
+
+BM = 128          # tokens per tile (two consumer warpgroups of 64)
+BK = 64           # inputs per K step (one 128-byte row of bf16)
+NC, NP = 256, 128  # consumer threads (two warpgroups) and producer threads (one)
+REGS = (40, 232)  # registers per producer / consumer thread (setmaxnreg)
+GROUP_M = 8       # token tiles per group of the tile order
+STAGES = 4
+SMEM_LIMIT = 227 * 1024
+# tokens from which the compile pipeline uses this kernel (below: schedules/dense_decode_tc.py)
+PREFILL_FROM = 256
+
+
+def tile_rows(n_rows: int) -> int | None:
+    """Weight rows per tile (the wgmma's N) for a ``W [n_rows, K]`` projection: 256 where
+    ``n_rows`` is a multiple of 256, else 128 where it is a multiple of 128, else None."""
+    return next((b for b in (256, 128) if n_rows % b == 0), None)
+
+
+def fits(n_rows: int, in_width: int) -> bool:
+    """Whether the kernel runs ``W [n_rows, in_width]``: rows a multiple of 128, the input width
+    a multiple of :data:`BK`, under 2^31 elements."""
+    return tile_rows(n_rows) is not None and in_width % BK == 0 and n_rows * in_width < 2 ** 31
+
+
+def copy_chunk(p, j):
+    """(tile row, 16-byte chunk) of producer thread ``p`` (0..127)'s ``j``-th copy of a tile:
+    row ``p / 8 + 16 j``, chunk ``p % 8`` (a warp copies 4 whole 128-byte rows). Its word in the
+    stage is ``swizzle128_word(row, chunk)``; ``row % 8 = (p / 8) % 8`` for every ``j``."""
+    return p // 8 + 16 * j, p % 8
+
+
+def acc_position(tx, a):
+    """(token, weight row) within the tile of consumer thread ``tx`` (0..255)'s accumulator
+    ``a``: warpgroup ``tx / 128`` owns tokens ``64·(tx / 128) ..``; warp ``w``, lane ``(g, q)``:
+    token ``16w + g + 8·(c / 2)``, row ``8j + 2q + c % 2`` for ``a = 4j + c`` (the wgmma D
+    fragment, PTX ISA 9.7.15.5.1)."""
+    w, lane = tx // 32, tx % 32
+    j, c = a // 4, a % 4
+    return 16 * w + lane // 4 + 8 * (c // 2), 8 * j + 2 * (lane % 4) + c % 2
+
+
+def tile_of(bid, tiles_m, tiles_n, group: int = GROUP_M):
+    """(token tile, row tile) of block ``bid``: groups of ``group`` token tiles, the token tile
+    fastest within a group (Python ints or TIR expressions)."""
+    per_group = group * tiles_n
+    first = bid // per_group * group
+    size = T.min(tiles_m - first, group) if not isinstance(tiles_m, int) else min(tiles_m - first, group)
+    r = bid % per_group
+    return first + r % size, r // size
+
+
+def smem_bytes(n_rows: int, stages: int = STAGES) -> int:
+    """Dynamic shared memory of a block: ``stages`` × (128 + BN) rows of 128 bytes, 1 KiB of
+    alignment slack, the mbarriers."""
+    bn = tile_rows(n_rows) or 128
+    return (256 + stages * (BM + bn) * 32 + 4 * stages) * 4
+
+
+def dense_wgmma_macro(N: int, K: int, stages: int = STAGES, group: int = GROUP_M):
+    """The kernel as a TVMScript macro ``body(x, w, y, n, store)``, as
+    :func:`schedules.dense_decode_tc.dense_tc_macro`: ``x`` bf16 ``[n, K]`` (``n >= 1``), ``w``
+    bf16 ``[N, K]``, ``store(y, i, j, acc)`` emitting the store of the fp32 sum ``acc`` of token
+    ``i``, row ``j`` (int64).
+
+    Raises:
+        ValueError: ``N`` not a multiple of 128, ``K`` not a multiple of 64, over 2^31
+            elements, ``stages < 2``, shared memory over the per-block limit.
+    """
+    if not fits(N, K):
+        raise ValueError(f"W [{N}, {K}]: rows must be a multiple of 128 and the input width a "
+                         f"multiple of {BK} (and under 2^31 elements)")
+    if stages < 2:
+        raise ValueError(f"stages must be at least 2, got {stages}")
+    if smem_bytes(N, stages) > SMEM_LIMIT:
+        raise ValueError(f"{stages} stages need {smem_bytes(N, stages)} bytes of shared memory (limit {SMEM_LIMIT})")
+    BN = tile_rows(N)
+    NS = stages
+    NK = K // BK
+    XW = K // 2                  # uint32 words per row of x and W
+    SW = (BM + BN) * 32          # uint32 words per stage: the token tile, then the weight tile
+    OB = 256 + NS * SW           # words from sm[0] to the mbarriers (full[NS], empty[NS])
+    SM_WORDS = OB + 4 * NS
+    ND = BN // 2                 # fp32 accumulators per consumer thread
+    TN = N // BN                 # row tiles
+    AJ, WJ = BM // 16, BN // 16  # copies per producer thread per step: token rows, weight rows
+    ROW_DESC = 128 // 16         # descriptor units (16 bytes) per 128-byte row
+    if NP * REGS[0] + NC * REGS[1] > (NP + NC) * (65536 // (NP + NC) // 8 * 8):
+        raise ValueError("setmaxnreg totals exceed the block's registers")
+
+    @T.macro
+    def body(x, w, y, n, store):
+        xq = T.decl_buffer((n * XW,), "uint32", data=x.data)
+        wq = T.decl_buffer((N * XW,), "uint32", data=w.data)
+        for bid in T.thread_binding((n + BM - 1) // BM * TN, thread="blockIdx.x"):
+            for tx in T.thread_binding(NC + NP, thread="threadIdx.x"):
+                with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", 1):
+                    sm = T.alloc_buffer((SM_WORDS,), "uint32", scope="shared.dyn")
+                    acc = T.alloc_buffer((ND,), "float32", scope="local")
+                    ga = T.alloc_buffer((AJ + 1,), "uint64", scope="local")  # producer: step-0 addresses
+                    sb = T.alloc_buffer((1,), "uint32", scope="local")
+                    desc = T.alloc_buffer((1,), "uint64", scope="local")
+                    # [0] words from sm to its first 1024-byte boundary, [1] n, [2] token tile, [3] row tile
+                    rr = T.alloc_buffer((4,), "int32", scope="local")
+                    rr[0] = T.Cast("int32", (T.uint32(1024) - smem_address(T.address_of(sm[0])) % T.uint32(1024))
+                                   % T.uint32(1024) // T.uint32(4))
+                    rr[1] = T.Cast("int32", n)
+                    rr[2] = tile_of(T.Cast("int32", bid), (rr[1] + BM - 1) // BM, TN, group)[0]
+                    rr[3] = tile_of(T.Cast("int32", bid), (rr[1] + BM - 1) // BM, TN, group)[1]
+                    if tx == 0:
+                        for i in range(NS):
+                            T.evaluate(mbar_init(T.address_of(sm[OB + 2 * i]), NP))         # full: producer threads
+                            T.evaluate(mbar_init(T.address_of(sm[OB + 2 * (NS + i)]), NC))  # empty: consumer threads
+                    T.tvm_storage_sync("shared.dyn")
+                    if tx >= NC:
+                        # ---- producers
+                        T.evaluate(setmaxnreg("dec", REGS[0]))
+                        for j in T.unroll(AJ):
+                            ga[j] = global_address(T.address_of(xq[
+                                T.Cast("int64", T.min(rr[2] * BM + copy_chunk(tx - NC, j)[0], rr[1] - 1)) * XW
+                                + copy_chunk(tx - NC, j)[1] * 4]))
+                        ga[AJ] = global_address(T.address_of(wq[
+                            T.Cast("int64", rr[3] * BN + copy_chunk(tx - NC, 0)[0]) * XW + copy_chunk(tx - NC, 0)[1] * 4]))
+                        sb[0] = smem_address(T.address_of(sm[rr[0]]))
+                        for ks in range(NK):
+                            if ks >= NS:
+                                T.evaluate(mbar_wait(T.address_of(sm[OB + 2 * (NS + ks % NS)]),
+                                                     T.Cast("uint32", (ks // NS + 1) % 2)))
+                            for j in T.unroll(AJ):
+                                T.evaluate(cp_async16_raw(
+                                    sb[0] + T.Cast("uint32", (ks % NS * SW + swizzle128_word(*copy_chunk(tx - NC, j))) * 4),
+                                    ga[j] + T.Cast("uint64", ks * BK * 2)))
+                            for j in T.unroll(WJ):
+                                T.evaluate(cp_async16_raw(
+                                    sb[0] + T.Cast("uint32", (ks % NS * SW + BM * 32
+                                                              + swizzle128_word(*copy_chunk(tx - NC, j))) * 4),
+                                    ga[AJ] + T.Cast("uint64", j * 16 * K * 2 + ks * BK * 2)))
+                            T.evaluate(cp_async_mbar_arrive(T.address_of(sm[OB + 2 * (ks % NS)])))
+                        T.evaluate(wait(0))
+                    else:
+                        # ---- consumers: warpgroup tx / 128 takes token rows 64·(tx / 128) .. of the tile
+                        T.evaluate(setmaxnreg("inc", REGS[1]))
+                        desc[0] = sw128_desc(smem_address(T.address_of(sm[rr[0]])))
+                        for ks in range(NK):
+                            T.evaluate(mbar_wait(T.address_of(sm[OB + 2 * (ks % NS)]), T.Cast("uint32", ks // NS % 2)))
+                            T.evaluate(fence_proxy_async())
+                            T.evaluate(wgmma_fence())
+                            for s in T.unroll(4):
+                                T.evaluate(wgmma_bf16_ss(
+                                    BN, T.address_of(acc[0]),
+                                    desc[0] + T.Cast("uint64", ks % NS * (SW // 4) + tx // 128 * 64 * ROW_DESC + 2 * s),
+                                    desc[0] + T.Cast("uint64", ks % NS * (SW // 4) + BM * ROW_DESC + 2 * s),
+                                    T.Cast("int32", ks + s > 0)))
+                            T.evaluate(wgmma_commit())
+                            T.evaluate(wgmma_wait(1))
+                            if ks > 0:  # step ks - 1's wgmmas are done: its stage may be refilled
+                                T.evaluate(mbar_arrive(T.address_of(sm[OB + 2 * (NS + (ks + NS - 1) % NS)])))
+                        T.evaluate(wgmma_wait(0))
+                        for a in T.unroll(ND):
+                            if rr[2] * BM + tx // 128 * 64 + acc_position(tx % 128, a)[0] < rr[1]:
+                                store(y, T.Cast("int64", rr[2] * BM + tx // 128 * 64 + acc_position(tx % 128, a)[0]),
+                                      T.Cast("int64", rr[3] * BN + acc_position(tx % 128, a)[1]), acc[a])
+
+    return body
+
+
+def dense_wgmma_kernel(N: int, K: int, out_dtype: str = "float32", stages: int = STAGES,
+                       group: int = GROUP_M):
+    """Standalone PrimFunc ``(x [n, K] bf16, w [N, K] bf16, y [n, N] out_dtype)``, ``n >= 1``,
+    of the kernel (``y = x @ wᵀ``), for tests and benchmarks; the compile pipeline splices
+    :func:`dense_wgmma_macro` into the model's fused functions instead.
+
+    Raises:
+        ValueError: as :func:`dense_wgmma_macro`.
+    """
+    body = dense_wgmma_macro(N, K, stages, group)
+
+    @T.macro
+    def store(y, i, j, a):
+        y[i, j] = T.Cast(out_dtype, a)
+
+    @T.prim_func(private=True)
+    def dense_wgmma(x_h: T.handle, w_h: T.handle, y_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        n = T.int64()
+        x = T.match_buffer(x_h, (n, K), "bfloat16")
+        w = T.match_buffer(w_h, (N, K), "bfloat16")
+        y = T.match_buffer(y_h, (n, N), out_dtype)
+
+        body(x, w, y, n, store)
+
+    return dense_wgmma
