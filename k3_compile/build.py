@@ -46,6 +46,10 @@ LOW_BATCH = ((1, 1), (2, 2), (8, 4))
 # tokens the kernel takes 26 / 58 us there, dlight 118 / ~620, and at prefill sizes dlight's
 # Matmul runs bf16 on CUDA cores (18 TFLOP/s, moe_layer_h200_2026-11-30.json).
 TENSOR_CORE_FROM = 3
+# On targets with Hopper's wgmma, the projections that schedules/dense_prefill_wgmma.py fits take
+# it from this many tokens on (its 128-token tile; dense_prefill_wgmma_h200_2026-11-30.json: at 256
+# tokens 0.047-0.079 ms against the decode kernel's 0.16-0.33 at K3 shapes, at 64 the two are even).
+WGMMA_FROM = 128
 # Static shared memory per block of the kernels dlight schedules (no opt-in): given to the
 # dlight rules, which otherwise warn for every function and assume the same.
 DLIGHT_SMEM = 48 * 1024
@@ -83,7 +87,7 @@ def _dlight(func, rule, target):
     return out if out.attrs and out.attrs.get("tirx.is_scheduled") else None
 
 
-def low_batch_specialize(target, ranges=LOW_BATCH, tensor_cores: bool = True):
+def low_batch_specialize(target, ranges=LOW_BATCH, tensor_cores: bool = True, wgmma: bool = False):
     """Pass: give each unscheduled PrimFunc with one symbolic size (the token count ``n`` of a
     dense matmul, e.g. ``NT_matmul [n, K] x [N, K]``) a body that branches on ``n``.
 
@@ -92,7 +96,9 @@ def low_batch_specialize(target, ranges=LOW_BATCH, tensor_cores: bool = True):
     where the function is a bf16 projection that :func:`schedules.dense_decode_tc.match_dense`
     accepts, the ranges up to :data:`TENSOR_CORE_FROM` - 1 tokens and then the hand-written
     tensor-core kernel for every larger ``n``, with the function's fused epilogue; elsewhere
-    dlight's Matmul schedule above the last range. One tiled schedule for every ``n`` reads the
+    dlight's Matmul schedule above the last range. With ``wgmma`` (Hopper), the projections
+    :mod:`schedules.dense_prefill_wgmma` fits take its kernel from :data:`WGMMA_FROM` tokens
+    on. One tiled schedule for every ``n`` reads the
     weights with a few dozen blocks at decode sizes (the MoE layer's dense projections took tens
     of times their HBM time, benchmarks/moe_layer.py); a GEMV schedule for every ``n`` re-reads them per
     bucket at prefill sizes. Every branch computes the whole function, so the branch only
@@ -104,6 +110,7 @@ def low_batch_specialize(target, ranges=LOW_BATCH, tensor_cores: bool = True):
         target: the ``tvm.target.Target`` the dlight rules schedule for.
         ranges: ``(limit, bucket)`` pairs with increasing limits.
         tensor_cores: use the tensor-core kernel where it applies (CUDA only).
+        wgmma: the target has Hopper's warpgroup MMA (sm_90a; CUDA with ``tensor_cores`` only).
 
     Raises:
         ValueError: ``ranges`` whose limits do not increase.
@@ -113,6 +120,7 @@ def low_batch_specialize(target, ranges=LOW_BATCH, tensor_cores: bool = True):
     from tvm.s_tir import dlight as dl
 
     from schedules import dense_decode_tc as ddt
+    from schedules import dense_prefill_wgmma as dpw
 
     limits = [lim for lim, _ in ranges]
     if limits != sorted(set(limits)):
@@ -132,6 +140,8 @@ def low_batch_specialize(target, ranges=LOW_BATCH, tensor_cores: bool = True):
                 continue
             (n,) = sizes
             tc = ddt.splice_body(f) if use_tc else None
+            wg = (ddt.splice_body(f, dpw.dense_wgmma_macro, dpw.fits)
+                  if tc is not None and wgmma else None)
             tiled = _dlight(f, dl.gpu.Matmul(), target) if tc is None else None
             if tc is None and tiled is None:
                 continue
@@ -145,6 +155,8 @@ def low_batch_specialize(target, ranges=LOW_BATCH, tensor_cores: bool = True):
             # blockIdx.y); 0 tokens have nothing to compute (and would launch an empty grid)
             body = (tirx.IfThenElse(tirx.op.tvm_thread_invariant(n >= 1), tc, None)
                     if tc is not None else tiled.body)
+            if wg is not None:
+                body = tirx.IfThenElse(tirx.op.tvm_thread_invariant(n >= WGMMA_FROM), wg, body)
             for (limit, _), low in reversed(list(zip(rs, lows))):
                 body = tirx.IfThenElse(tirx.op.tvm_thread_invariant(n <= limit), low.body, body)
             body = s_tir.SBlockRealize([], True, s_tir.SBlock([], [], [], "root", body))
@@ -182,11 +194,13 @@ def _in_target(target, passes):
     return _pass
 
 
-def gpu_relax_pipeline(target, cuda_graph: bool = False, low_batch=LOW_BATCH):
+def gpu_relax_pipeline(target, cuda_graph: bool = False, low_batch=LOW_BATCH, wgmma: bool = False):
     """The Relax pipeline for GPU targets (see the module docstring).
 
     ``low_batch``: the ``(limit, bucket)`` pairs of :func:`low_batch_specialize` (empty: one
     dlight schedule per function; ignored on Metal, where its tiled branch would crash).
+
+    ``wgmma``: the target has Hopper's warpgroup MMA (:func:`low_batch_specialize`).
 
     ``cuda_graph``: on CUDA, ``RewriteCUDAGraph`` lifts the regions of each function whose
     inputs are only the weights and static allocations into graphs captured on first run and
@@ -225,7 +239,7 @@ def gpu_relax_pipeline(target, cuda_graph: bool = False, low_batch=LOW_BATCH):
             relax.transform.FuseOps(),
             relax.transform.FuseTIR(),
             relax.transform.DeadCodeElimination(),
-            _in_target(sched, [*([low_batch_specialize(sched, low_batch)] if low_batch else []),
+            _in_target(sched, [*([low_batch_specialize(sched, low_batch, wgmma=wgmma)] if low_batch else []),
                                dl.ApplyDefaultSchedule(*rules)]),
             relax.transform.RewriteDataflowReshape(),
             relax.transform.ToNonDataflow(),
@@ -289,4 +303,5 @@ def build_module(mod, target_spec: TargetSpec, *, keep_dir=None, cuda_graph: boo
 
         return build_cuda(mod, target_spec, keep_dir=keep_dir,
                           relax_pipeline=gpu_relax_pipeline(target, cuda_graph=cuda_graph,
-                                                            low_batch=low_batch))
+                                                            low_batch=low_batch,
+                                                            wgmma=target_spec.features.wgmma))

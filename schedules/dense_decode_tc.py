@@ -402,16 +402,22 @@ def match_dense(func):
     return x, w, out, n, lambda acc, i, j: _rebuild(value, {u0: i, u1: j}, c_buf, (u0, u1), acc)
 
 
-def splice_body(func):
+def splice_body(func, kernel=None, fits_kernel=None):
     """The body (a TIR ``Stmt``) of the kernel for ``func`` (see :func:`match_dense`), writing
     ``func``'s own output parameter through its epilogue, to sit in a branch of ``func`` for
-    ``n >= 1`` tokens; None where ``func`` does not match."""
+    ``n >= 1`` tokens; None where ``func`` does not match.
+
+    ``kernel(N, K)``: the macro builder (default :func:`dense_tc_macro`; e.g.
+    :func:`schedules.dense_prefill_wgmma.dense_wgmma_macro`, same signature) and
+    ``fits_kernel(N, K)`` its shape predicate (None where the shape does not fit)."""
     m = match_dense(func)
     if m is None:
         return None
     x, w, out, n, epi = m
     N, K = (int(d) for d in w.ty.shape)
-    body = dense_tc_macro(N, K)
+    if fits_kernel is not None and not fits_kernel(N, K):
+        return None
+    body = (kernel or dense_tc_macro)(N, K)
 
     @T.macro
     def store(y, i, j, a):

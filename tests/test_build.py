@@ -145,13 +145,16 @@ def test_gpu_pipeline_dense_matmuls_read_weights_as_stored_and_branch_on_tokens(
 
     import tvm
 
-    from k3_compile.build import LOW_BATCH, TENSOR_CORE_FROM, gpu_relax_pipeline
+    from k3_compile.build import LOW_BATCH, TENSOR_CORE_FROM, WGMMA_FROM, gpu_relax_pipeline
+    from schedules import dense_prefill_wgmma as dpw
     from targets import get_target
 
     cfg = K3Config.from_file(NANO)
     mod = export_model(cfg, "bfloat16", gpu=True).mod
-    target = get_target("cuda-sm90a").tvm_target()
-    out = _prim_funcs(gpu_relax_pipeline(target)(mod))
+    spec = get_target("cuda-sm90a")
+    target = spec.tvm_target()
+    assert spec.features.wgmma
+    out = _prim_funcs(gpu_relax_pipeline(target, wgmma=True)(mod))
     # transposes left: activations' (MLA heads), whose shapes have the token count; none of a weight
     static = [n for n, f in out.items() if "transpose" in n and not any(
         isinstance(d, tvm.tirx.Var) for p in f.params for d in p.ty.shape)]
@@ -165,14 +168,28 @@ def test_gpu_pipeline_dense_matmuls_read_weights_as_stored_and_branch_on_tokens(
     # the bf16 projections the tensor-core kernel fits: LowBatchGEMV below TENSOR_CORE_FROM
     # tokens, the kernel (mma.sync, the fused epilogue inside) for every larger count
     tc_limits = [lim for lim in limits if lim < TENSOR_CORE_FROM]
-    n_tc = 0
+    n_tc = n_wg = 0
     for name, src in dense.items():
         found = [int(v) for v in re.findall(r"\b\w+ <= T\.int64\((\d+)\)", src)]
         tc = "k3_mma_bf16" in src
         n_tc += tc
         assert found == (tc_limits if tc else limits), (name, found)
+        # Hopper: the projections the prefill kernel fits (rows a multiple of 128) take it from
+        # WGMMA_FROM tokens on (a branch before the decode kernel's n >= 1), the others do not
+        f = out[name]
+        w = next(p for p in f.params if p.name.endswith("weight") and len(p.ty.shape) == 2)
+        rows, width = (int(d) for d in w.ty.shape)
+        wg = "k3_wgmma_m64n" in src
+        n_wg += wg
+        assert wg == (tc and dpw.fits(rows, width)), (name, rows, width)
+        lower = [int(v) for v in re.findall(r"\b\w+ >= T\.int64\((\d+)\)", src)]
+        assert lower == ([WGMMA_FROM, 1] if wg else [1] if tc else []), (name, lower)
+        if wg:  # the 256-row tile where the rows allow it
+            assert f"k3_wgmma_m64n{dpw.tile_rows(rows)}k16_bf16_ss" in src, name
     # k3-nano: all but b_proj (2 rows, not a multiple of 16) fit the kernel
     assert n_tc >= len(dense) - 2, (n_tc, sorted(dense))
+    # and all but b_proj, the 32-row and the 96-row projections fit the prefill kernel
+    assert n_wg >= len(dense) - 4, (n_wg, sorted(dense))
     # the router weight is read by the router's matmul only (no fp32 copy made per call)
     readers = {n for n, f in out.items() for p in f.params
                if p.name.endswith("block_sparse_moe.gate.weight")}

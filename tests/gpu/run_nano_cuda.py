@@ -48,6 +48,41 @@ PROMPTS = [  # tests/test_model.py PROMPTS
     ".. function:: open(file, mode='r')\n\n   Open *file* and return a",
     "The :mod:`json` module provides",
 ]
+# a prompt of over 128 tokens: its prefill runs the dense projections on the prefill kernel
+# (schedules/dense_prefill_wgmma.py from k3_compile.build.WGMMA_FROM tokens, bf16 build)
+LONG_PROMPT = """import json
+from pathlib import Path
+
+
+class Config:
+    \"\"\"Settings read from a JSON file, with defaults for the missing keys.\"\"\"
+
+    defaults = {"name": "model", "layers": 4, "hidden": 256, "dropout": 0.1}
+
+    def __init__(self, path):
+        self.path = Path(path)
+        with open(self.path) as f:
+            data = json.load(f)
+        for key, value in self.defaults.items():
+            setattr(self, key, data.get(key, value))
+
+    def to_dict(self):
+        return {key: getattr(self, key) for key in self.defaults}
+
+    def save(self, path=None):
+        target = Path(path) if path is not None else self.path
+        target.write_text(json.dumps(self.to_dict(), indent=2))
+        return target
+
+
+def load_all(directory):
+    \"\"\"Return a list of every config in ``directory``.\"\"\"
+    configs = []
+    for p in sorted(Path(directory).glob("*.json")):
+        configs.append(Config(p))
+    return configs
+"""
+LONG_STRIDE = 8
 ENGINE_KW = dict(max_slots=20, num_pages=640, page_size=16)
 
 
@@ -208,9 +243,18 @@ def prepare(out: Path) -> None:
                 s = eng.add_sequence()
                 ref[f"logits{i}"] = eng.prefill([s], [p], all_logits=True)
                 eng.remove_sequence(s)
+        if dtype == "float32":
+            s = eng.add_sequence()
+            # every LONG_STRIDE-th position (keeps the carried reference small)
+            ref["logits_long"] = eng.prefill([s], [tok.encode(LONG_PROMPT)], all_logits=True)[::LONG_STRIDE]
+            eng.remove_sequence(s)
             ref[f"greedy_{tag}_{i}"] = np.array(eng.greedy(p, N_GREEDY), np.int32)
     for i, p in enumerate(ids):
         ref[f"ids{i}"] = np.array(p, np.int32)
+    long_ids = tok.encode(LONG_PROMPT)
+    if len(long_ids) <= 128:
+        raise RuntimeError(f"LONG_PROMPT has {len(long_ids)} tokens; it must have over 128")
+    ref["ids_long"] = np.array(long_ids, np.int32)
     np.savez_compressed(out / "reference.npz", **ref)
     (out / "meta.json").write_text(json.dumps(meta))
     prepare_kernels(out)
@@ -347,6 +391,18 @@ def run(out: Path, json_path: Path | None) -> dict:
                     errs.append(float(np.abs(got - ref[f"logits{i}"]).max()))
                 r["all_position_logits_max_abs_err"] = errs
                 r["logits_ok"] = bool(max(errs) <= LOGIT_ATOL)
+            # every build against the fp32 CPU logits, the short prompts and the long one (bf16:
+            # the long prompt's prefill runs the wgmma kernel, the short ones' the decode one)
+            if "ids_long" in ref:
+                dev_err = []
+                for p, want_l, step in [(q, ref[f"logits{i}"], 1) for i, q in enumerate(ids)] + [
+                        (ref["ids_long"].tolist(), ref["logits_long"], LONG_STRIDE)]:
+                    s = eng.add_sequence()
+                    got = eng.prefill([s], [p], all_logits=True)[::step]
+                    eng.remove_sequence(s)
+                    dev_err.append({"tokens": len(p), "max_abs_err": float(np.abs(got - want_l).max()),
+                                    "top1_agree": float(np.mean(got.argmax(-1) == want_l.argmax(-1)))})
+                r["logits_vs_cpu_f32"] = dev_err
             greedy = [eng.greedy(p, N_GREEDY) for p in ids]
             want = [ref[f"greedy_{tag}_{i}"].tolist() for i in range(n)]
             r["greedy_tokens"] = greedy

@@ -1,0 +1,139 @@
+"""The Hopper dense prefill kernel (schedules/dense_prefill_wgmma.py) without a GPU: its copy,
+accumulator and tile mappings cover their tiles exactly once, its errors, its splice into a
+fused projection with an epilogue, and its CUDA (wgmma count, no spills). GPU numerics:
+tests/gpu/check_dense_decode.py (odd sizes, 1..1000 tokens, against torch) and
+benchmarks/moe_layer.py (the K3 MoE layer against a torch reference) on the H200."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from schedules import dense_decode_tc as ddt
+from schedules import dense_prefill_wgmma as dpw
+from schedules.wgmma_ptx import swizzle128_word
+
+
+@pytest.mark.parametrize("bn", [128, 256])
+def test_producer_copies_fill_every_slot_of_a_stage_once(bn):
+    """The producer warpgroup's copies of one K step: every (row, 16-byte chunk) of the token
+    tile (BM rows) and the weight tile (bn rows) once, each into its own swizzled slot, with the
+    slot's swizzle the same for all of a thread's copies (row % 8 fixed)."""
+    for rows in (dpw.BM, bn):
+        seen = set()
+        for p in range(dpw.NP):
+            for j in range(rows // 16):
+                r, c = dpw.copy_chunk(p, j)
+                assert r % 8 == (p // 8) % 8
+                seen.add((r, c))
+        assert seen == {(r, c) for r in range(rows) for c in range(8)}
+        words = {swizzle128_word(r, c) for r, c in seen}
+        assert words == set(range(0, rows * 32, 4))
+
+
+@pytest.mark.parametrize("bn", [128, 256])
+def test_accumulators_cover_the_tile_once(bn):
+    """The consumers' accumulators (two warpgroups of 128 threads, bn / 2 each) hold every
+    (token, weight row) of the 128 × bn tile once; warp w's lane (g, q) owns tokens 16w + g,
+    16w + g + 8 and rows 2q, 2q + 1 of each n8 column block (the wgmma D fragment)."""
+    seen = []
+    for tx in range(dpw.NC):
+        for a in range(bn // 2):
+            t, r = dpw.acc_position(tx % 128, a)
+            seen.append((tx // 128 * 64 + t, r))
+    assert sorted(seen) == [(t, r) for t in range(dpw.BM) for r in range(bn)]
+    # thread 37: warp 1, lane 5 (g 1, q 1); accumulator 6: n8 block 1, c 2 (token + 8, even row)
+    assert dpw.acc_position(37, 6) == (16 * 1 + 1 + 8, 8 * 1 + 2 * 1)
+
+
+@pytest.mark.parametrize("tiles_m,tiles_n,group", [(13, 3, 8), (1, 28, 8), (9, 5, 4), (64, 14, 8), (7, 2, 1)])
+def test_tile_order_visits_every_tile_once(tiles_m, tiles_n, group):
+    """Blocks 0 .. tiles_m·tiles_n - 1 map to every (token tile, row tile) once, in groups of
+    ``group`` token tiles with the token tile fastest (the last group may be short)."""
+    got = [dpw.tile_of(b, tiles_m, tiles_n, group) for b in range(tiles_m * tiles_n)]
+    assert sorted(got) == [(m, n) for m in range(tiles_m) for n in range(tiles_n)]
+    if tiles_m > 1 and group > 1:
+        assert got[1] == (1, 0)  # token tile fastest
+    assert all(m < group for m, _ in got[:group * tiles_n])
+
+
+def test_fits_and_errors():
+    assert dpw.tile_rows(7168) == 256 and dpw.tile_rows(896) == 128 and dpw.tile_rows(96) is None
+    assert dpw.fits(3584, 7168) and dpw.fits(384, 192)
+    assert not dpw.fits(96, 256) and not dpw.fits(256, 100)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        dpw.dense_wgmma_macro(200, 128)
+    with pytest.raises(ValueError, match="stages"):
+        dpw.dense_wgmma_macro(256, 128, stages=1)
+    with pytest.raises(ValueError, match="shared memory"):  # 5 stages of 48 KiB
+        dpw.dense_wgmma_macro(256, 128, stages=5)
+    assert dpw.smem_bytes(256) <= dpw.SMEM_LIMIT
+
+
+def _fused(body, rows, width):
+    """The model pipeline's fused PrimFuncs (FuseTransposeMatmul .. FuseTIR) of ``body(m, x,
+    r)`` with a bf16 weight ``m.w [rows, width]``, ``x [n, width]``, ``r [n, rows]``."""
+    import tvm
+    from tvm import relax
+    from tvm.relax.frontend import nn
+
+    class M(nn.Module):
+        def __init__(self):
+            self.w = nn.Parameter((rows, width), "bfloat16")
+
+        def forward(self, x, r):
+            return body(self, x, r)
+
+    mod, _ = M().export_tvm(spec={"forward": {"x": nn.spec.Tensor(["n", width], "bfloat16"),
+                                              "r": nn.spec.Tensor(["n", rows], "bfloat16")}})
+    seq = [relax.transform.FuseTransposeMatmul(), relax.transform.LegalizeOps(),
+           relax.transform.AnnotateTIROpPattern(), relax.transform.FuseOps(), relax.transform.FuseTIR()]
+    mod = tvm.transform.Sequential(seq)(mod)
+    return [f for _, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
+
+
+def test_splice_keeps_the_fused_epilogue_and_rejects_what_does_not_fit():
+    """Spliced into a projection with a fused epilogue (tanh, sigmoid, residual add), the
+    kernel stores through that epilogue; a 64-row projection (not a multiple of 128) is left to
+    the decode kernel."""
+    from tvm.relax.frontend.nn import op
+
+    def body(m, x, r):
+        a = op.astype(op.matmul(x, op.permute_dims(m.w, [1, 0]), out_dtype="float32"), "bfloat16")
+        return op.tanh(a) * op.sigmoid(a) + r
+
+    (f,) = _fused(body, 384, 192)
+    src = str(ddt.splice_body(f, dpw.dense_wgmma_macro, dpw.fits))
+    assert "k3_wgmma_m64n128k16_bf16_ss" in src and "T.tanh" in src and "T.sigmoid" in src, src[-800:]
+    assert " + r[" in src
+    (g,) = _fused(body, 64, 192)
+    assert ddt.splice_body(g) is not None  # the decode kernel fits it
+    assert ddt.splice_body(g, dpw.dense_wgmma_macro, dpw.fits) is None
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+def test_cuda_has_four_wgmmas_per_k_step_and_no_spills(tmp_path):
+    import tvm
+
+    from schedules.barriers import respect_manual_barriers
+    from targets import get_target
+
+    f = dpw.dense_wgmma_kernel(3584, 7168, "bfloat16")
+    with respect_manual_barriers():
+        lib = tvm.tirx.build(tvm.IRModule({"dense": f.with_attr("global_symbol", "dense")}),
+                             target=get_target("cuda-sm90a").tvm_target())
+    src = lib.imports[0].inspect_source()
+    kernel = src[src.index('extern "C" __global__'):]
+    # one k16 slice per wgmma, four per K step of 64 inputs, 256-row tiles
+    assert len(re.findall(r"k3_wgmma_m64n256k16_bf16_ss\(\(&", kernel)) == 4
+    assert "k3_setmaxnreg_dec40" in kernel and "k3_setmaxnreg_inc232" in kernel
+    assert "__launch_bounds__(384, 1)" in kernel
+    cu = tmp_path / "dense.cu"
+    cu.write_text(src)
+    r = subprocess.run(["nvcc", "-cubin", "-arch=sm_90a", "-Xptxas", "-v", "-o", str(tmp_path / "d.cubin"),
+                        str(cu)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "0 bytes spill stores" in r.stderr, r.stderr
