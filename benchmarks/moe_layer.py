@@ -325,9 +325,17 @@ def run(lib_dir: Path) -> dict:
         res["timing"].append(row)
         print(json.dumps(row), flush=True)
 
-    # prefill: the grouped MXFP4 GEMMs and the dense projections at many tokens
+    # prefill: the grouped MXFP4 GEMMs and the dense projections at many tokens, against the
+    # bf16 tensor-core peak measured here (torch.matmul 8192³, CUDA-graph replays)
     res["prefill"] = []
     pre = vm["prefill"]
+    ma = torch.randn(8192, 8192, device=dev, generator=g).bfloat16()
+    mb = torch.randn(8192, 8192, device=dev, generator=g).bfloat16()
+    mc_ = torch.empty(8192, 8192, device=dev).bfloat16()
+    peak = 2 * 8192 ** 3 / time_cuda_graph(lambda: torch.matmul(ma, mb, out=mc_)) / 1e9
+    res["bf16_matmul_peak_tflops"] = peak
+    del ma, mb, mc_
+    print(f"bf16 matmul peak {peak:.0f} TFLOP/s", flush=True)
     for T in PREFILL_T:
         x = torch.randn(T, H, device=dev, generator=g).bfloat16()
         tx = tvm.runtime.from_dlpack(x)
@@ -339,7 +347,12 @@ def run(lib_dir: Path) -> dict:
             _cublas_dense(x, P)
 
         dense_flop = 2 * T * sum(P[n].numel() for n in dense if P[n].dim() == 2)
-        row = {"T": T, "layer_ms": ms, "kernels_us": kernels,
+        # W1 and W3 (L -> I each) and W2 (I -> L) for each of the T·k token-expert pairs
+        expert_flop = 6 * T * meta["top_k"] * meta["latent"] * meta["inter"]
+        layer_tflops = (dense_flop + expert_flop) / ms / 1e9
+        row = {"T": T, "layer_ms": ms, "layer_tflops": layer_tflops,
+               "layer_pct_peak": 100 * layer_tflops / peak, "expert_gflop": expert_flop / 1e9,
+               "kernels_us": kernels,
                "grouped_gemm_us": sum(v for k, v in kernels.items() if "moe_grouped" in k),
                "dense_matmul_us": sum(v for k, v in kernels.items() if "NT_matmul" in k),
                "dense_gflop": dense_flop / 1e9, "cublas_dense_ms": time_cuda(cublas, iters=5, warmup=2)}
