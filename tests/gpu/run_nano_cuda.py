@@ -243,12 +243,12 @@ def prepare(out: Path) -> None:
                 s = eng.add_sequence()
                 ref[f"logits{i}"] = eng.prefill([s], [p], all_logits=True)
                 eng.remove_sequence(s)
+            ref[f"greedy_{tag}_{i}"] = np.array(eng.greedy(p, N_GREEDY), np.int32)
         if dtype == "float32":
             s = eng.add_sequence()
             # every LONG_STRIDE-th position (keeps the carried reference small)
             ref["logits_long"] = eng.prefill([s], [tok.encode(LONG_PROMPT)], all_logits=True)[::LONG_STRIDE]
             eng.remove_sequence(s)
-            ref[f"greedy_{tag}_{i}"] = np.array(eng.greedy(p, N_GREEDY), np.int32)
     for i, p in enumerate(ids):
         ref[f"ids{i}"] = np.array(p, np.int32)
     long_ids = tok.encode(LONG_PROMPT)
