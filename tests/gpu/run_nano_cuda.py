@@ -351,7 +351,9 @@ def run(out: Path, json_path: Path | None) -> dict:
     from k3_compile.weights import CheckpointReader
 
     report: dict = {"machine": platform.node(), "python": sys.version.split()[0],
-                    "tvm": getattr(tvm, "__version__", "?"), "date": time.strftime("%Y-%m-%d")}
+                    "tvm": getattr(tvm, "__version__", "?"), "date": time.strftime("%Y-%m-%d"),
+                    # the device copy has no .git: the commit is passed in K3_COMMIT
+                    "commit": os.environ.get("K3_COMMIT", "unknown")}
     report["cuda_runtime_lib"] = str(load_cuda_runtime())
     dev = tvm.runtime.device("cuda", 0)
     try:
