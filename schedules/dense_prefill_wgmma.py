@@ -91,31 +91,34 @@ def tile_of(bid, tiles_m, tiles_n, group: int = GROUP_M):
     return first + r % size, r // size
 
 
-def smem_bytes(n_rows: int, stages: int = STAGES) -> int:
+def smem_bytes(n_rows: int, stages: int = STAGES, bn: int | None = None) -> int:
     """Dynamic shared memory of a block: ``stages`` × (128 + BN) rows of 128 bytes, 1 KiB of
-    alignment slack, the mbarriers."""
-    bn = tile_rows(n_rows) or 128
+    alignment slack, the mbarriers (BN = ``bn`` or :func:`tile_rows`)."""
+    bn = bn or tile_rows(n_rows) or 128
     return (256 + stages * (BM + bn) * 32 + 4 * stages) * 4
 
 
-def dense_wgmma_macro(N: int, K: int, stages: int = STAGES, group: int = GROUP_M):
+def dense_wgmma_macro(N: int, K: int, stages: int = STAGES, group: int = GROUP_M, bn: int | None = None):
     """The kernel as a TVMScript macro ``body(x, w, y, n, store)``, as
     :func:`schedules.dense_decode_tc.dense_tc_macro`: ``x`` bf16 ``[n, K]`` (``n >= 1``), ``w``
     bf16 ``[N, K]``, ``store(y, i, j, acc)`` emitting the store of the fp32 sum ``acc`` of token
-    ``i``, row ``j`` (int64).
+    ``i``, row ``j`` (int64). ``bn``: weight rows per tile (128 or 256; default
+    :func:`tile_rows`).
 
     Raises:
-        ValueError: ``N`` not a multiple of 128, ``K`` not a multiple of 64, over 2^31
-            elements, ``stages < 2``, shared memory over the per-block limit.
+        ValueError: ``N`` not a multiple of 128 (of ``bn``), ``K`` not a multiple of 64, over
+            2^31 elements, ``stages < 2``, shared memory over the per-block limit.
     """
     if not fits(N, K):
         raise ValueError(f"W [{N}, {K}]: rows must be a multiple of 128 and the input width a "
                          f"multiple of {BK} (and under 2^31 elements)")
     if stages < 2:
         raise ValueError(f"stages must be at least 2, got {stages}")
-    if smem_bytes(N, stages) > SMEM_LIMIT:
-        raise ValueError(f"{stages} stages need {smem_bytes(N, stages)} bytes of shared memory (limit {SMEM_LIMIT})")
-    BN = tile_rows(N)
+    BN = bn or tile_rows(N)
+    if BN not in (128, 256) or N % BN:
+        raise ValueError(f"tile of {BN} weight rows: 128 or 256, dividing the {N} rows")
+    if smem_bytes(N, stages, BN) > SMEM_LIMIT:
+        raise ValueError(f"{stages} stages need {smem_bytes(N, stages, BN)} bytes of shared memory (limit {SMEM_LIMIT})")
     NS = stages
     NK = K // BK
     XW = K // 2                  # uint32 words per row of x and W
@@ -206,7 +209,7 @@ def dense_wgmma_macro(N: int, K: int, stages: int = STAGES, group: int = GROUP_M
 
 
 def dense_wgmma_kernel(N: int, K: int, out_dtype: str = "float32", stages: int = STAGES,
-                       group: int = GROUP_M):
+                       group: int = GROUP_M, bn: int | None = None):
     """Standalone PrimFunc ``(x [n, K] bf16, w [N, K] bf16, y [n, N] out_dtype)``, ``n >= 1``,
     of the kernel (``y = x @ wᵀ``), for tests and benchmarks; the compile pipeline splices
     :func:`dense_wgmma_macro` into the model's fused functions instead.
@@ -214,7 +217,7 @@ def dense_wgmma_kernel(N: int, K: int, out_dtype: str = "float32", stages: int =
     Raises:
         ValueError: as :func:`dense_wgmma_macro`.
     """
-    body = dense_wgmma_macro(N, K, stages, group)
+    body = dense_wgmma_macro(N, K, stages, group, bn)
 
     @T.macro
     def store(y, i, j, a):

@@ -30,13 +30,21 @@ CHECK_N = (1, 3, 8, 13, 64, 65, 200)
 CHECK_N_WGMMA = (1, 127, 128, 129, 300, 1000)
 TIME_N = (1, 8, 64, 2048, 8192)
 TIME_N_WGMMA = (64, 256, 512, 1024, 2048, 8192)
+CHECK_N_SPLITK = (1, 3, 17, 64, 65, 130)
+TIME_N_SPLITK = (16, 24, 32, 48, 64, 128, 192, 256, 384, 512)
 ROTATE = 8
 
 
 # schedule variants timed beside the default: name -> dense_nt_tc_kernel kwargs
 VARIANTS = {}
 # the prefill kernel's variants: name -> dense_wgmma_kernel kwargs
-WGMMA_VARIANTS = {"s3": {"stages": 3}, "g1": {"group": 1}, "g16": {"group": 16}}
+WGMMA_VARIANTS = {"bn128": {"bn": 128}}
+# the split-K decode kernel's variants: name -> (N, K) -> dense_splitk_kernel kwargs
+SPLITK_VARIANTS = {}
+
+
+def _sname(n_rows, k, variant=""):
+    return f"dense_splitk_{n_rows}x{k}" + (f"_{variant}" if variant else "")
 
 
 def _name(n_rows, k, variant=""):
@@ -53,6 +61,7 @@ def prepare(out: Path) -> None:
     from k3_compile.device_code import precompiled_cuda
     from schedules.barriers import respect_manual_barriers
     from schedules.dense_decode_tc import dense_nt_tc_kernel
+    from schedules import dense_splitk_wgmma as dk
     from schedules.dense_prefill_wgmma import dense_wgmma_kernel, fits
     from targets import get_target
 
@@ -71,6 +80,14 @@ def prepare(out: Path) -> None:
             if fits(r, k):
                 fs[_wname(r, k, v)] = dense_wgmma_kernel(r, k, "float32", **kw).with_attr(
                     "global_symbol", _wname(r, k, v))
+    for r, k in K3_SHAPES + ODD_SHAPES_WGMMA:
+        if dk.fits(r, k):
+            fs[_sname(r, k)] = dk.dense_splitk_kernel(r, k, "float32").with_attr("global_symbol", _sname(r, k))
+    for v, kw in SPLITK_VARIANTS.items():
+        for r, k in K3_SHAPES:
+            if dk.fits(r, k) and (k // 64) % kw(r, k).get("splits", 1) == 0:
+                fs[_sname(r, k, v)] = dk.dense_splitk_kernel(r, k, "float32", **kw(r, k)).with_attr(
+                    "global_symbol", _sname(r, k, v))
     with precompiled_cuda(spec.nvcc_arch), respect_manual_barriers():
         lib = tvm.compile(tvm.IRModule(fs), target=spec.tvm_target())
     out.mkdir(parents=True, exist_ok=True)
@@ -193,7 +210,24 @@ def run(lib_dir: Path, only: str = "all") -> dict:
         for r, k in K3_SHAPES:
             if has(_wname(r, k, v)):
                 res["check"] += _check(lib[_wname(r, k, v)], r, k, (129, 1000), "wgmma_" + v, dev, g)
+    for r, k in K3_SHAPES + ODD_SHAPES_WGMMA:
+        if has(_sname(r, k)):
+            res["check"] += _check(lib[_sname(r, k)], r, k, CHECK_N_SPLITK, "splitk", dev, g)
+    for v in SPLITK_VARIANTS:
+        for r, k in K3_SHAPES:
+            if has(_sname(r, k, v)):
+                res["check"] += _check(lib[_sname(r, k, v)], r, k, (3, 65), "splitk_" + v, dev, g)
+    res["timing_splitk"] = []
     for r, k in K3_SHAPES:
+        if only in ("all", "splitk") and has(_sname(r, k)):
+            fv = {"tc": lib[_name(r, k)], "wgmma": lib[_wname(r, k)], "splitk": lib[_sname(r, k)]}
+            fv.update({"wgmma_" + v: lib[_wname(r, k, v)] for v in WGMMA_VARIANTS if has(_wname(r, k, v))})
+            fv.update({"splitk_" + v: lib[_sname(r, k, v)] for v in SPLITK_VARIANTS if has(_sname(r, k, v))})
+            for n in TIME_N_SPLITK:
+                res["timing_splitk"].append(_time(fv, r, k, n, dev, g, bw, peak))
+    for r, k in K3_SHAPES:
+        if only == "splitk":
+            continue
         if only in ("all", "decode"):
             fv = {v or "default": lib[_name(r, k, v)] for v in ("", *VARIANTS)}
             for n in TIME_N:
@@ -211,8 +245,8 @@ def main(argv=None) -> int:
     ap.add_argument("cmd", choices=["prepare", "run"])
     ap.add_argument("lib_dir", type=Path)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    ap.add_argument("--only", choices=["all", "decode", "prefill"], default="all",
-                    help="run: time the decode kernel, the prefill kernel, or both")
+    ap.add_argument("--only", choices=["all", "decode", "prefill", "splitk"], default="all",
+                    help="run: time the decode kernel, the prefill kernel, the split-K kernel, or all")
     args = ap.parse_args(argv)
     if args.cmd == "prepare":
         prepare(args.lib_dir)
