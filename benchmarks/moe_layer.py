@@ -61,7 +61,7 @@ sys.path.insert(0, str(ROOT))
 DEFAULT_CONFIG = ROOT.parent / "shared" / "reference-configs" / "kimi-k3.config.json"
 TIME_T = (1, 8, 64)
 PREFILL_T = (2048, 8192)  # the prefill path's timing (no check here: benchmarks/moe.py checks its kernels)
-CHECK_T = (1, 2, 3, 8, 64, 200)  # every branch of the dense projections, several token tiles
+CHECK_T = (1, 2, 3, 8, 64, 200, 300)  # every branch of the dense projections, several token tiles
 INPUTS = 4       # inputs rotated per T
 DENSE_SETS = 2   # dense weight sets alternated
 REL_TOL = 0.015  # of the largest |output|: a few bf16 roundings (0.4% each) on the way

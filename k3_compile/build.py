@@ -46,10 +46,15 @@ LOW_BATCH = ((1, 1), (2, 2), (8, 4))
 # tokens the kernel takes 26 / 58 us there, dlight 118 / ~620, and at prefill sizes dlight's
 # Matmul runs bf16 on CUDA cores (18 TFLOP/s, moe_layer_h200_2026-11-30.json).
 TENSOR_CORE_FROM = 3
-# On targets with Hopper's wgmma, the projections that schedules/dense_prefill_wgmma.py fits take
-# it from this many tokens on (its 128-token tile; dense_prefill_wgmma_h200_2026-11-30.json: at 256
-# tokens 0.047-0.079 ms against the decode kernel's 0.16-0.33 at K3 shapes, at 64 the two are even).
-WGMMA_FROM = 128
+# On targets with Hopper's wgmma, the projections with rows a multiple of 128 take the split-K
+# kernel (schedules/dense_splitk_wgmma.py) from SPLITK_FROM tokens and the prefill kernel
+# (schedules/dense_prefill_wgmma.py) from WGMMA_FROM tokens. Measured on the H200 at the K3 MoE
+# layer's shapes (dense_splitk_h200_2026-11-30.json): at 16 tokens the decode kernel is faster on
+# 4 of 5 shapes, from 24 the split-K one (at 64 tokens 12-34 us against 32-96); at 192 tokens
+# split-K and the prefill kernel are even (242 vs 272 us over four shapes), at 256 the prefill
+# kernel is faster (268 vs 276; at 8192 tokens 0.78-0.94x cuBLAS's time).
+SPLITK_FROM = 17
+WGMMA_FROM = 256
 # Static shared memory per block of the kernels dlight schedules (no opt-in): given to the
 # dlight rules, which otherwise warn for every function and assume the same.
 DLIGHT_SMEM = 48 * 1024
@@ -97,8 +102,9 @@ def low_batch_specialize(target, ranges=LOW_BATCH, tensor_cores: bool = True, wg
     accepts, the ranges up to :data:`TENSOR_CORE_FROM` - 1 tokens and then the hand-written
     tensor-core kernel for every larger ``n``, with the function's fused epilogue; elsewhere
     dlight's Matmul schedule above the last range. With ``wgmma`` (Hopper), the projections
-    :mod:`schedules.dense_prefill_wgmma` fits take its kernel from :data:`WGMMA_FROM` tokens
-    on. One tiled schedule for every ``n`` reads the
+    with rows a multiple of 128 take :mod:`schedules.dense_splitk_wgmma` from
+    :data:`SPLITK_FROM` tokens and :mod:`schedules.dense_prefill_wgmma` from
+    :data:`WGMMA_FROM` on. One tiled schedule for every ``n`` reads the
     weights with a few dozen blocks at decode sizes (the MoE layer's dense projections took tens
     of times their HBM time, benchmarks/moe_layer.py); a GEMV schedule for every ``n`` re-reads them per
     bucket at prefill sizes. Every branch computes the whole function, so the branch only
@@ -121,6 +127,7 @@ def low_batch_specialize(target, ranges=LOW_BATCH, tensor_cores: bool = True, wg
 
     from schedules import dense_decode_tc as ddt
     from schedules import dense_prefill_wgmma as dpw
+    from schedules import dense_splitk_wgmma as dsk
 
     limits = [lim for lim, _ in ranges]
     if limits != sorted(set(limits)):
@@ -142,6 +149,8 @@ def low_batch_specialize(target, ranges=LOW_BATCH, tensor_cores: bool = True, wg
             tc = ddt.splice_body(f) if use_tc else None
             wg = (ddt.splice_body(f, dpw.dense_wgmma_macro, dpw.fits)
                   if tc is not None and wgmma else None)
+            sk = (ddt.splice_body(f, dsk.dense_splitk_macro, dsk.fits)
+                  if tc is not None and wgmma else None)
             tiled = _dlight(f, dl.gpu.Matmul(), target) if tc is None else None
             if tc is None and tiled is None:
                 continue
@@ -155,6 +164,8 @@ def low_batch_specialize(target, ranges=LOW_BATCH, tensor_cores: bool = True, wg
             # blockIdx.y); 0 tokens have nothing to compute (and would launch an empty grid)
             body = (tirx.IfThenElse(tirx.op.tvm_thread_invariant(n >= 1), tc, None)
                     if tc is not None else tiled.body)
+            if sk is not None:
+                body = tirx.IfThenElse(tirx.op.tvm_thread_invariant(n >= SPLITK_FROM), sk, body)
             if wg is not None:
                 body = tirx.IfThenElse(tirx.op.tvm_thread_invariant(n >= WGMMA_FROM), wg, body)
             for (limit, _), low in reversed(list(zip(rs, lows))):

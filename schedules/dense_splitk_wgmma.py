@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from schedules.dense_prefill_wgmma import BK, SMEM_LIMIT, copy_chunk
+from schedules.dense_prefill_wgmma import BK, SMEM_LIMIT, acc_position, copy_chunk
 from schedules.mxfp4_ptx import wait
 from schedules.wgmma_ptx import (cp_async16_raw, cp_async_mbar_arrive, fence_proxy_async, global_address,
                                  mbar_arrive, mbar_init, mbar_wait, smem_address, sw128_desc, swizzle128_word,
@@ -180,12 +180,12 @@ def dense_splitk_macro(N: int, K: int, splits: int | None = None, stages: int = 
                                 if ks > 0:
                                     T.evaluate(mbar_arrive(T.address_of(sm[OB + 2 * (NS + (ks + NS - 1) % NS)])))
                             T.evaluate(wgmma_wait(0))
-                            # partial sums: d[4j + c] = token 16w + g + 8(c / 2), row 8j + 2q + c % 2
+                            # partial sums (the wgmma D fragment, acc_position)
                             for a in T.unroll(ND):
-                                if rr[2] * BM + tx // 32 * 16 + tx % 32 // 4 + a % 4 // 2 * 8 < rr[1]:
+                                if rr[2] * BM + acc_position(tx, a)[0] < rr[1]:
                                     ws[(T.Cast("int64", T.Cast("int32", by) % rr[4]) * n
-                                        + T.Cast("int64", rr[2] * BM + tx // 32 * 16 + tx % 32 // 4 + a % 4 // 2 * 8)) * N
-                                       + T.Cast("int64", T.Cast("int32", bx) * BN + a // 4 * 8 + tx % 4 * 2 + a % 2)] = acc[a]
+                                        + T.Cast("int64", rr[2] * BM + acc_position(tx, a)[0])) * N
+                                       + T.Cast("int64", T.Cast("int32", bx) * BN + acc_position(tx, a)[1])] = acc[a]
         # the splits' partials of each output, in split order, through the epilogue
         for b in T.thread_binding((n * (N // RED) + 127) // 128, thread="blockIdx.x"):
             for t in T.thread_binding(128, thread="threadIdx.x"):

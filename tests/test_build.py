@@ -145,7 +145,7 @@ def test_gpu_pipeline_dense_matmuls_read_weights_as_stored_and_branch_on_tokens(
 
     import tvm
 
-    from k3_compile.build import LOW_BATCH, TENSOR_CORE_FROM, WGMMA_FROM, gpu_relax_pipeline
+    from k3_compile.build import LOW_BATCH, SPLITK_FROM, TENSOR_CORE_FROM, WGMMA_FROM, gpu_relax_pipeline
     from schedules import dense_prefill_wgmma as dpw
     from targets import get_target
 
@@ -174,8 +174,9 @@ def test_gpu_pipeline_dense_matmuls_read_weights_as_stored_and_branch_on_tokens(
         tc = "k3_mma_bf16" in src
         n_tc += tc
         assert found == (tc_limits if tc else limits), (name, found)
-        # Hopper: the projections the prefill kernel fits (rows a multiple of 128) take it from
-        # WGMMA_FROM tokens on (a branch before the decode kernel's n >= 1), the others do not
+        # Hopper: the projections the wgmma kernels fit (rows a multiple of 128) take the split-K
+        # one from SPLITK_FROM tokens and the prefill one from WGMMA_FROM (branches before the
+        # decode kernel's n >= 1), the others neither
         f = out[name]
         w = next(p for p in f.params if p.name.endswith("weight") and len(p.ty.shape) == 2)
         rows, width = (int(d) for d in w.ty.shape)
@@ -183,7 +184,9 @@ def test_gpu_pipeline_dense_matmuls_read_weights_as_stored_and_branch_on_tokens(
         n_wg += wg
         assert wg == (tc and dpw.fits(rows, width)), (name, rows, width)
         lower = [int(v) for v in re.findall(r"\b\w+ >= T\.int64\((\d+)\)", src)]
-        assert lower == ([WGMMA_FROM, 1] if wg else [1] if tc else []), (name, lower)
+        assert lower == ([WGMMA_FROM, SPLITK_FROM, 1] if wg else [1] if tc else []), (name, lower)
+        # the split-K kernel: its 128-row wgmma and its fp32 workspace of partial sums
+        assert ("ws = T.alloc_buffer(" in src and "k3_wgmma_m64n128k16_bf16_ss" in src) == wg, name
         if wg:  # the 256-row tile where the rows allow it
             assert f"k3_wgmma_m64n{dpw.tile_rows(rows)}k16_bf16_ss" in src, name
     # k3-nano: all but b_proj (2 rows, not a multiple of 16) fit the kernel

@@ -1,4 +1,4 @@
-"""The Hopper dense prefill kernel (schedules/dense_prefill_wgmma.py) without a GPU: its copy,
+"""The Hopper dense kernels (schedules/dense_prefill_wgmma.py, dense_splitk_wgmma.py) without a GPU: copy,
 accumulator and tile mappings cover their tiles exactly once, its errors, its splice into a
 fused projection with an epilogue, and its CUDA (wgmma count, no spills). GPU numerics:
 tests/gpu/check_dense_decode.py (odd sizes, 1..1000 tokens, against torch) and
@@ -14,6 +14,7 @@ import pytest
 
 from schedules import dense_decode_tc as ddt
 from schedules import dense_prefill_wgmma as dpw
+from schedules import dense_splitk_wgmma as dsk
 from schedules.wgmma_ptx import swizzle128_word
 
 
@@ -137,3 +138,50 @@ def test_cuda_has_four_wgmmas_per_k_step_and_no_spills(tmp_path):
                         str(cu)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "0 bytes spill stores" in r.stderr, r.stderr
+
+
+# ------------------------------------------------------------------ split-K kernel (batched decode)
+@pytest.mark.parametrize("rows,width", [(3584, 7168), (7168, 3584), (6144, 7168), (896, 7168), (384, 192), (128, 64)])
+def test_splits_divide_k_fill_the_machine_and_keep_the_pipeline_deep(rows, width):
+    """choose_splits: a divisor of the K steps, at most TARGET_BLOCKS blocks, at least MIN_STEPS
+    steps per split where the width allows, and the largest such divisor."""
+    nk = width // 64
+    for target in (dsk.TARGET_BLOCKS, dsk.TARGET_BLOCKS // 2):
+        s = dsk.choose_splits(rows, width, target)
+        assert nk % s == 0
+        ok = [d for d in range(1, nk + 1)
+              if nk % d == 0 and rows // dsk.BN * d <= target and nk // d >= dsk.MIN_STEPS]
+        assert s == (max(ok) if ok else 1)
+    assert dsk.choose_splits(3584, 7168) == 8 and dsk.choose_splits(3584, 7168, 132) == 4
+
+
+def test_splitk_errors():
+    with pytest.raises(ValueError, match="multiple of 128"):
+        dsk.dense_splitk_macro(96, 128)
+    with pytest.raises(ValueError, match="do not divide"):
+        dsk.dense_splitk_macro(128, 320, splits=3)
+    with pytest.raises(ValueError, match="two blocks per SM"):
+        dsk.dense_splitk_macro(128, 256, stages=5)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+def test_splitk_cuda_two_kernels_two_blocks_per_sm_no_spills(tmp_path):
+    import tvm
+
+    from schedules.barriers import respect_manual_barriers
+    from targets import get_target
+
+    f = dsk.dense_splitk_kernel(3584, 7168, "bfloat16")
+    with respect_manual_barriers():
+        lib = tvm.tirx.build(tvm.IRModule({"dense": f.with_attr("global_symbol", "dense")}),
+                             target=get_target("cuda-sm90a").tvm_target())
+    src = lib.imports[0].inspect_source()
+    # the split GEMM (two blocks per SM, four k16 wgmmas per K step) and the reduction
+    assert "__launch_bounds__(256, 2) dense_kernel(" in src and "dense_kernel_1(" in src
+    assert len(re.findall(r"k3_wgmma_m64n128k16_bf16_ss\(\(&", src)) == 4
+    cu = tmp_path / "splitk.cu"
+    cu.write_text(src)
+    r = subprocess.run(["nvcc", "-cubin", "-arch=sm_90a", "-Xptxas", "-v", "-o", str(tmp_path / "s.cubin"),
+                        str(cu)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stderr.count("0 bytes spill stores") == 2, r.stderr
