@@ -112,7 +112,10 @@ def dense_splitk_macro(N: int, K: int, splits: int | None = None, stages: int = 
         xq = T.decl_buffer((n * XW,), "uint32", data=x.data)
         wq = T.decl_buffer((N * XW,), "uint32", data=w.data)
         ws = T.alloc_buffer((SMAX * n * N,), "float32", scope="global")
-        for by in T.thread_binding(n_splits(n) * ((n + BM - 1) // BM), thread="blockIdx.y"):
+        # SMAX splits per token tile in the grid; the blocks past the run-time splits exit (a
+        # grid extent that depends on n through a select gets its kernel duplicated by TVM's
+        # passes with one thread variable in both copies, which its bound analysis rejects)
+        for by in T.thread_binding(SMAX * ((n + BM - 1) // BM), thread="blockIdx.y"):
             for bx in T.thread_binding(TN, thread="blockIdx.x"):
                 for tx in T.thread_binding(NC + NP, thread="threadIdx.x"):
                     with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", 2):
@@ -129,63 +132,64 @@ def dense_splitk_macro(N: int, K: int, splits: int | None = None, stages: int = 
                         rr[1] = T.Cast("int32", n)
                         rr[4] = T.Cast("int32", n_splits(n))
                         rr[5] = NK // rr[4]
-                        rr[2] = T.Cast("int32", by) // rr[4]
-                        rr[3] = T.Cast("int32", by) % rr[4] * rr[5]
-                        if tx == 0:
-                            for i in range(NS):
-                                T.evaluate(mbar_init(T.address_of(sm[OB + 2 * i]), NP))
-                                T.evaluate(mbar_init(T.address_of(sm[OB + 2 * (NS + i)]), NC))
-                        T.tvm_storage_sync("shared.dyn")
-                        if tx >= NC:
-                            # ---- producers
-                            for j in T.unroll(AJ):
-                                ga[j] = global_address(T.address_of(xq[
-                                    T.Cast("int64", T.min(rr[2] * BM + copy_chunk(tx - NC, j)[0], rr[1] - 1)) * XW
-                                    + rr[3] * (BK // 2) + copy_chunk(tx - NC, j)[1] * 4]))
-                            ga[AJ] = global_address(T.address_of(wq[
-                                T.Cast("int64", T.Cast("int32", bx) * BN + copy_chunk(tx - NC, 0)[0]) * XW
-                                + rr[3] * (BK // 2) + copy_chunk(tx - NC, 0)[1] * 4]))
-                            sb[0] = smem_address(T.address_of(sm[rr[0]]))
-                            for ks in range(rr[5]):
-                                if ks >= NS:
-                                    T.evaluate(mbar_wait(T.address_of(sm[OB + 2 * (NS + ks % NS)]),
-                                                         T.Cast("uint32", (ks // NS + 1) % 2)))
+                        rr[2] = T.Cast("int32", by) // SMAX
+                        rr[3] = T.Cast("int32", by) % SMAX * rr[5]
+                        if T.Cast("int32", by) % SMAX < rr[4]:
+                            if tx == 0:
+                                for i in range(NS):
+                                    T.evaluate(mbar_init(T.address_of(sm[OB + 2 * i]), NP))
+                                    T.evaluate(mbar_init(T.address_of(sm[OB + 2 * (NS + i)]), NC))
+                            T.tvm_storage_sync("shared.dyn")
+                            if tx >= NC:
+                                # ---- producers
                                 for j in T.unroll(AJ):
-                                    T.evaluate(cp_async16_raw(
-                                        sb[0] + T.Cast("uint32", (ks % NS * SW + swizzle128_word(*copy_chunk(tx - NC, j))) * 4),
-                                        ga[j] + T.Cast("uint64", ks * BK * 2)))
-                                for j in T.unroll(WJ):
-                                    T.evaluate(cp_async16_raw(
-                                        sb[0] + T.Cast("uint32", (ks % NS * SW + BM * 32
-                                                                  + swizzle128_word(*copy_chunk(tx - NC, j))) * 4),
-                                        ga[AJ] + T.Cast("uint64", j * 16 * K * 2 + ks * BK * 2)))
-                                T.evaluate(cp_async_mbar_arrive(T.address_of(sm[OB + 2 * (ks % NS)])))
-                            T.evaluate(wait(0))
-                        else:
-                            # ---- consumers: the tile's 64 tokens × 128 rows over the split's K steps
-                            desc[0] = sw128_desc(smem_address(T.address_of(sm[rr[0]])))
-                            for ks in range(rr[5]):
-                                T.evaluate(mbar_wait(T.address_of(sm[OB + 2 * (ks % NS)]),
-                                                     T.Cast("uint32", ks // NS % 2)))
-                                T.evaluate(fence_proxy_async())
-                                T.evaluate(wgmma_fence())
-                                for s in T.unroll(4):
-                                    T.evaluate(wgmma_bf16_ss(
-                                        BN, T.address_of(acc[0]),
-                                        desc[0] + T.Cast("uint64", ks % NS * (SW // 4) + 2 * s),
-                                        desc[0] + T.Cast("uint64", ks % NS * (SW // 4) + BM * ROW_DESC + 2 * s),
-                                        T.Cast("int32", ks + s > 0)))
-                                T.evaluate(wgmma_commit())
-                                T.evaluate(wgmma_wait(1))
-                                if ks > 0:
-                                    T.evaluate(mbar_arrive(T.address_of(sm[OB + 2 * (NS + (ks + NS - 1) % NS)])))
-                            T.evaluate(wgmma_wait(0))
-                            # partial sums (the wgmma D fragment, acc_position)
-                            for a in T.unroll(ND):
-                                if rr[2] * BM + acc_position(tx, a)[0] < rr[1]:
-                                    ws[(T.Cast("int64", T.Cast("int32", by) % rr[4]) * n
-                                        + T.Cast("int64", rr[2] * BM + acc_position(tx, a)[0])) * N
-                                       + T.Cast("int64", T.Cast("int32", bx) * BN + acc_position(tx, a)[1])] = acc[a]
+                                    ga[j] = global_address(T.address_of(xq[
+                                        T.Cast("int64", T.min(rr[2] * BM + copy_chunk(tx - NC, j)[0], rr[1] - 1)) * XW
+                                        + rr[3] * (BK // 2) + copy_chunk(tx - NC, j)[1] * 4]))
+                                ga[AJ] = global_address(T.address_of(wq[
+                                    T.Cast("int64", T.Cast("int32", bx) * BN + copy_chunk(tx - NC, 0)[0]) * XW
+                                    + rr[3] * (BK // 2) + copy_chunk(tx - NC, 0)[1] * 4]))
+                                sb[0] = smem_address(T.address_of(sm[rr[0]]))
+                                for ks in range(rr[5]):
+                                    if ks >= NS:
+                                        T.evaluate(mbar_wait(T.address_of(sm[OB + 2 * (NS + ks % NS)]),
+                                                             T.Cast("uint32", (ks // NS + 1) % 2)))
+                                    for j in T.unroll(AJ):
+                                        T.evaluate(cp_async16_raw(
+                                            sb[0] + T.Cast("uint32", (ks % NS * SW + swizzle128_word(*copy_chunk(tx - NC, j))) * 4),
+                                            ga[j] + T.Cast("uint64", ks * BK * 2)))
+                                    for j in T.unroll(WJ):
+                                        T.evaluate(cp_async16_raw(
+                                            sb[0] + T.Cast("uint32", (ks % NS * SW + BM * 32
+                                                                      + swizzle128_word(*copy_chunk(tx - NC, j))) * 4),
+                                            ga[AJ] + T.Cast("uint64", j * 16 * K * 2 + ks * BK * 2)))
+                                    T.evaluate(cp_async_mbar_arrive(T.address_of(sm[OB + 2 * (ks % NS)])))
+                                T.evaluate(wait(0))
+                            else:
+                                # ---- consumers: the tile's 64 tokens × 128 rows over the split's K steps
+                                desc[0] = sw128_desc(smem_address(T.address_of(sm[rr[0]])))
+                                for ks in range(rr[5]):
+                                    T.evaluate(mbar_wait(T.address_of(sm[OB + 2 * (ks % NS)]),
+                                                         T.Cast("uint32", ks // NS % 2)))
+                                    T.evaluate(fence_proxy_async())
+                                    T.evaluate(wgmma_fence())
+                                    for s in T.unroll(4):
+                                        T.evaluate(wgmma_bf16_ss(
+                                            BN, T.address_of(acc[0]),
+                                            desc[0] + T.Cast("uint64", ks % NS * (SW // 4) + 2 * s),
+                                            desc[0] + T.Cast("uint64", ks % NS * (SW // 4) + BM * ROW_DESC + 2 * s),
+                                            T.Cast("int32", ks + s > 0)))
+                                    T.evaluate(wgmma_commit())
+                                    T.evaluate(wgmma_wait(1))
+                                    if ks > 0:
+                                        T.evaluate(mbar_arrive(T.address_of(sm[OB + 2 * (NS + (ks + NS - 1) % NS)])))
+                                T.evaluate(wgmma_wait(0))
+                                # partial sums (the wgmma D fragment, acc_position)
+                                for a in T.unroll(ND):
+                                    if rr[2] * BM + acc_position(tx, a)[0] < rr[1]:
+                                        ws[(T.Cast("int64", T.Cast("int32", by) % SMAX) * n
+                                            + T.Cast("int64", rr[2] * BM + acc_position(tx, a)[0])) * N
+                                           + T.Cast("int64", T.Cast("int32", bx) * BN + acc_position(tx, a)[1])] = acc[a]
         # the splits' partials of each output, in split order, through the epilogue
         for b in T.thread_binding((n * (N // RED) + 127) // 128, thread="blockIdx.x"):
             for t in T.thread_binding(128, thread="threadIdx.x"):
