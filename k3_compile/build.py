@@ -14,7 +14,9 @@ written out so that the schedule step is ours):
    ``LegalizeOps`` → ``AnnotateTIROpPattern`` → ``FoldConstant`` → ``FuseOps`` → ``FuseTIR``;
 3. :func:`low_batch_specialize` (dense matmuls branch on the token count: GEMV schedules
    at 1-2 tokens, then on CUDA the tensor-core kernel of schedules/dense_decode_tc.py for
-   the bf16 projections it fits, else dlight's tiled one), then dlight
+   the bf16 projections it fits — on sm_90a the split-K and prefill ``wgmma`` kernels of
+   schedules/dense_splitk_wgmma.py and dense_prefill_wgmma.py from 17 and 256 tokens —, else
+   dlight's tiled one), then dlight
    ``ApplyDefaultSchedule(Matmul, GEMV, Reduction, GeneralReduction, Fallback)`` on
    every PrimFunc that is not already scheduled: the hand-written kernels' GPU variants
    (``export_model(..., gpu=True)``) carry ``tirx.is_scheduled`` and are left alone;

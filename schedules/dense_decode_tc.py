@@ -25,9 +25,12 @@ per-thread ``cp.async`` slots (each thread reads back only what it copied: no ba
 loop); the token rows are read from L1/L2 (every block reads the same ``x``), tile 0's
 before the wait for the weights, each further tile's during the previous tile's mmas.
 
-At prefill sizes the same kernel replaces dlight's CUDA-core Matmul (82 TFLOP/s on the K3 MoE
-layer's projections at 8192 tokens against dlight's 18; cuBLAS is still 8-9x faster: each block
-re-reads its weights and tokens from L2, moe_layer_h200_2026-11-30.json).
+At prefill sizes the same kernel replaces dlight's CUDA-core Matmul on CUDA targets without
+``wgmma`` (82 TFLOP/s on the K3 MoE layer's projections at 8192 tokens against dlight's 18;
+cuBLAS is 8-9x faster: each block re-reads its weights and tokens from L2,
+moe_layer_h200_2026-11-30.json). On sm_90a the projections with rows a multiple of 128 take
+:mod:`schedules.dense_splitk_wgmma` from 17 tokens and :mod:`schedules.dense_prefill_wgmma` from
+256 instead.
 
 Reference: :func:`dense_reference` (NumPy); checked on the CPU through the fragment mapping
 (tests/test_dense_decode_tc.py) and on the H200 (tests/gpu/check_dense_decode.py: odd sizes,
