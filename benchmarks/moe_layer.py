@@ -60,7 +60,9 @@ sys.path.insert(0, str(ROOT))
 
 DEFAULT_CONFIG = ROOT.parent / "shared" / "reference-configs" / "kimi-k3.config.json"
 TIME_T = (1, 8, 64)
-PREFILL_T = (2048, 8192)  # the prefill path's timing (no check here: benchmarks/moe.py checks its kernels)
+# the prefill path's timing (no check here: benchmarks/moe.py checks its kernels); 512 is the
+# runtime's default prefill chunk
+PREFILL_T = (512, 2048, 8192)
 CHECK_T = (1, 2, 3, 8, 64, 200, 300)  # every branch of the dense projections, several token tiles
 INPUTS = 4       # inputs rotated per T
 DENSE_SETS = 2   # dense weight sets alternated
@@ -350,8 +352,13 @@ def run(lib_dir: Path) -> dict:
         # W1 and W3 (L -> I each) and W2 (I -> L) for each of the T·k token-expert pairs
         expert_flop = 6 * T * meta["top_k"] * meta["latent"] * meta["inter"]
         layer_tflops = (dense_flop + expert_flop) / ms / 1e9
+        # HBM roofline of the bytes touched: dense weights and every expert hit (at 512+ tokens
+        # nearly all 896), a bound the layer approaches where the grouped GEMMs are weight-bound
+        distinct = torch.unique(route(x, P, meta)[0]).numel()
+        roof_ms = (dense_bytes + distinct * expert_bytes) / bw * 1e3
         row = {"T": T, "layer_ms": ms, "layer_tflops": layer_tflops,
                "layer_pct_peak": 100 * layer_tflops / peak, "expert_gflop": expert_flop / 1e9,
+               "distinct_experts": distinct, "roofline_ms": roof_ms, "pct_roofline": 100 * roof_ms / ms,
                "kernels_us": kernels,
                "grouped_gemm_us": sum(v for k, v in kernels.items() if "moe_grouped" in k),
                "dense_matmul_us": sum(v for k, v in kernels.items() if "NT_matmul" in k),
