@@ -63,6 +63,9 @@ TIME_T = (1, 8, 64)
 # the prefill path's timing (no check here: benchmarks/moe.py checks its kernels); 512 is the
 # runtime's default prefill chunk
 PREFILL_T = (512, 2048, 8192)
+# the decode path (chain + MXFP4 GEMV kernels) timed at prefill chunk sizes, beside the prefill
+# path: which expert kernels a mid-size chunk should take
+DECODE_PATH_AT = (256, 512, 1024)
 CHECK_T = (1, 2, 3, 8, 64, 200, 300)  # every branch of the dense projections, several token tiles
 INPUTS = 4       # inputs rotated per T
 DENSE_SETS = 2   # dense weight sets alternated
@@ -338,6 +341,20 @@ def run(lib_dir: Path) -> dict:
     res["bf16_matmul_peak_tflops"] = peak
     del ma, mb, mc_
     print(f"bf16 matmul peak {peak:.0f} TFLOP/s", flush=True)
+    res["decode_path_at_prefill_sizes"] = []
+    for T in DECODE_PATH_AT:
+        x = torch.randn(T, H, device=dev, generator=g).bfloat16()
+        tx = tvm.runtime.from_dlpack(x)
+        for name, fn in (("forward", fwd), ("prefill", pre)):
+            f = (lambda tx=tx, fn=fn: fn(tx, *targs[0]))
+            ms = time_cuda(f, iters=5, warmup=2, per_sample=2)
+            kernels = _kernel_times(f, 2)
+            row = {"T": T, "function": name, "layer_ms": ms,
+                   "expert_us": sum(v for k, v in kernels.items() if "moe_mxfp4" in k or "moe_grouped" in k),
+                   "chain_or_sort_us": sum(v for k, v in kernels.items() if "chain" in k or "sort" in k),
+                   "kernels_us": kernels}
+            res["decode_path_at_prefill_sizes"].append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "kernels_us"}), flush=True)
     for T in PREFILL_T:
         x = torch.randn(T, H, device=dev, generator=g).bfloat16()
         tx = tvm.runtime.from_dlpack(x)
