@@ -127,7 +127,11 @@ PREFILL_VARIANTS = {}
 # 256 token rows per block (moe_prefill_r256_ / moe_prefill_t256_h200_2026-11-30.json)
 WGMMA_VARIANTS = {"plain": ({"warp_specialized": False}, {"warp_specialized": False}),
                   "ws": ({"warp_specialized": True}, {"warp_specialized": True}),
-                  "staged_gu": ({"warp_specialized": False, "staged": True}, {"warp_specialized": False})}
+                  # few tokens per expert (prefill chunks of 256-2048 tokens): 32- or 64-row tiles,
+                  # deeper cp.async pipelines (the plain form reads weights at ~1.6 TB/s there)
+                  **{f"bm{bm}_s{st}": ({"warp_specialized": False, "bm": bm, "stages": st},
+                                       {"warp_specialized": False, "bm": bm, "stages": st})
+                     for bm, st in ((32, 6), (32, 10), (64, 8))}}
 
 
 def _variant_bm(gu_kw: dict, pairs: int) -> int:
@@ -136,7 +140,7 @@ def _variant_bm(gu_kw: dict, pairs: int) -> int:
     from schedules.moe_plan import BM, BM_WS, tile_rows, warp_specialized_shapes
 
     ws = gu_kw.get("warp_specialized", "auto")
-    return tile_rows(pairs, E, warp_specialized_shapes(L, I)) if ws == "auto" else (BM_WS if ws else BM)
+    return tile_rows(pairs, E, warp_specialized_shapes(L, I)) if ws == "auto" else (BM_WS if ws else gu_kw.get("bm", BM))
 
 
 WGMMA = "wgmma"  # prefill libraries whose name holds this read z and a_sorted in the permuted k order
@@ -160,7 +164,8 @@ def build_prefill(out_dir: Path) -> None:
         """Hopper wgmma kernels (activations in the permuted k order; the run permutes z), with
         the sort whose tile table they read."""
         gu_kw, d_kw = gu_kw or {}, d_kw or {}
-        return {"moe_sort": mw.moe_sort_wgmma_kernel(e, l_, i_, k, gu_kw.get("warp_specialized", "auto")),
+        return {"moe_sort": mw.moe_sort_wgmma_kernel(e, l_, i_, k, gu_kw.get("warp_specialized", "auto"),
+                                                     gu_kw.get("bm", 128)),
                 "moe_grouped_gate_up": mw.moe_grouped_gate_up_wgmma_kernel(e, l_, i_, k, BETA, BETA_LIN, **gu_kw),
                 "moe_grouped_down": mw.moe_grouped_down_wgmma_kernel(e, l_, i_, k, **d_kw)}
 
@@ -476,7 +481,7 @@ def check_small(path: Path, g, repack, permuted: bool = False) -> list:
 
 # (6400, "uniform"): 102400 pairs, 114 per expert — the dispatched wgmma build's warp-specialized branch
 PREFILL_CHECK = ((37, "skewed"), (300, "hot"), (1, "uniform"), (6400, "uniform"))
-PREFILL_T = (8192, 6144, 4096, 2048)
+PREFILL_T = (8192, 2048, 1024, 512, 256)  # 512: the runtime's default prefill chunk
 PREFILL_ROUNDS = 3  # interleaved timing rounds of every prefill build and torch._grouped_mm
 
 
@@ -525,7 +530,7 @@ def run_prefill(lib_dir: Path, W, Wb, tw, g, repack) -> dict:
     def pipeline(T, ids, z, fns=None, permuted=False):
         f_sort, f_gu, f_down = fns or (f_sort0, f_gu0, f_down0)
         P = T * TOPK
-        mt = max_tiles(P, E)  # as relax_modules/moe.py sizes the tile table
+        mt = max_tiles(P, E, 32)  # the bound for the smallest tile rows any variant uses (bm 32)
         bufs = dict(
             counts=torch.empty(E, dtype=torch.int32, device=dev),
             tiles=torch.empty(mt, 3, dtype=torch.int32, device=dev),
@@ -609,6 +614,8 @@ def run_prefill(lib_dir: Path, W, Wb, tw, g, repack) -> dict:
     res["bf16_matmul_peak_tflops"] = peak
     del xa, xb
     print(f"bf16 matmul peak {peak:.0f} TFLOP/s", flush=True)
+    bw = copy_bandwidth()
+    res["copy_bandwidth_GBps"] = bw / 1e9
 
     for T in PREFILL_T:
         ids = routing(T, "uniform")
@@ -623,7 +630,12 @@ def run_prefill(lib_dir: Path, W, Wb, tw, g, repack) -> dict:
         t_gu = time_cuda(lambda: f_gu0(tvm.runtime.from_dlpack(z), *tw["w1"], *tw["w3"],
                                       *(tvm.runtime.from_dlpack(bufs[k]) for k in ("sorted", "tiles", "num_tiles", "a"))),
                          iters=5, per_sample=2, warmup=1)
-        row = {"T": T, "pairs": P, "gflop": flop / 1e9, "ours_route_ms": t_route, "ours_gemms_ms": t_gemm,
+        # HBM time of the weights of every expert hit (codes + E8M0 scales of W1, W3, W2): the
+        # bound where experts get few tokens each
+        hit = int(torch.unique(ids).numel())
+        w_ms = hit * 3 * I * L * (1 / 2 + 1 / 32) / bw * 1e3
+        row = {"T": T, "pairs": P, "gflop": flop / 1e9, "experts_hit": hit, "weights_hbm_ms": w_ms,
+               "ours_route_ms": t_route, "ours_gemms_ms": t_gemm,
                "ours_gate_up_ms": t_gu, "ours_down_ms": t_gemm - t_gu,
                "ours_tflops": flop / (t_gemm / 1e3) / 1e12}
         row["ours_pct_peak"] = 100 * row["ours_tflops"] / peak

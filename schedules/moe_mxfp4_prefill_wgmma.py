@@ -182,33 +182,40 @@ def _sizes(kind: str, E: int, N: int, KD: int, stages: int):
 
 def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
                    beta_lin: float | None = None, out_dtype: str = "bfloat16", stages: int = STAGES,
-                   short_tiles: bool = True, staged: bool = False):
+                   short_tiles: bool = True, staged: bool = False, bm: int = BM):
     """Body (a macro for ``grouped_gemm_primfunc``) of both kernels; arguments as :func:`schedules.moe_mxfp4_prefill_cuda.
     _grouped_gemm`, with the activations (gate_up's ``z``, down's ``a_sorted``) and gate_up's
     output in the permuted k order. ``short_tiles``: tiles of at most 64 (32) rows use a
     wgmma of N = 64 (32) instead of 128; ``staged`` (gate_up): the outputs go through shared
     memory and leave in 16-byte stores of whole rows, instead of 2-byte stores straight from the
-    registers (correct on the H200; its speed alone not yet measured, see docs/DESIGN.md)."""
+    registers (correct on the H200; its speed alone not yet measured, see docs/DESIGN.md).
+    ``bm``: token rows per tile and per stage (128, 64 or 32; the sort's tile rows): smaller
+    tiles leave room for deeper pipelines where experts get few tokens."""
     K = top_k
     NS = stages
     gate_up, cols, NTN, NK, KG, KGW, RW = _sizes(kind, E, N, KD, NS)
-    SM_WORDS = 256 + NS * TOK_WORDS + NS * BN * B_ROW_WORDS  # + up to 1 KiB to align the token tiles
-    smem = SM_WORDS * 4 + BN * KGW * 4 + BM * 4
+    if bm not in (32, 64, 128):
+        raise ValueError(f"token rows per tile must be 32, 64 or 128, got {bm}")
+    TW = bm * 32                 # uint32 words of one stage's token tile (bm rows of 128 bytes)
+    SM_WORDS = 256 + NS * TW + NS * BN * B_ROW_WORDS  # + up to 1 KiB to align the token tiles
+    smem = SM_WORDS * 4 + BN * KGW * 4 + bm * 4
     if smem > SMEM_LIMIT:
         raise ValueError(f"input width {KD} needs {smem} bytes of shared memory per block (limit {SMEM_LIMIT})")
     # the SiTU exchange (gate_up's epilogue) reuses the token stages: 64 words per thread of
     # warpgroup 1 fit in NS >= 3 stages
     # two blocks per SM where their shared memory fits (K3: 104 KiB each), else one
     MINB = 2 if 2 * (smem + 1024) <= SM_SMEM else 1
-    CODES = NS * TOK_WORDS       # word offset (from the aligned base) of the code stages
+    CODES = NS * TW              # word offset (from the aligned base) of the code stages
     # staged epilogue (gate_up): the tile's outputs as bf16 [token][column] (rows padded by 16
     # bytes) in the code stages, no longer in use (the SiTU exchange holds the token stages)
     OUT_ROW = cols + 8           # bf16 per row
     OUT_TILE = CODES
-    if staged and (not gate_up or BM * OUT_ROW // 2 > NS * BN * B_ROW_WORDS or out_dtype != "bfloat16"):
+    if staged and (not gate_up or bm * OUT_ROW // 2 > NS * BN * B_ROW_WORDS or out_dtype != "bfloat16"):
         raise ValueError("the staged epilogue is gate_up's, with bf16 outputs and at least 3 stages")
-    A_CH = BM * (BK // 8) // NT  # 16-byte token chunks per thread per step
-    ND = BM // 2                 # fp32 accumulators per thread (64 rows × BM tokens / 128)
+    A_CH = bm * (BK // 8) // NT  # 16-byte token chunks per thread per step
+    ND = bm // 2                 # fp32 accumulators per thread (64 rows × bm tokens / 128)
+    if gate_up and ND * 128 > NS * TW:
+        raise ValueError("the SiTU exchange does not fit in the token stages")
     B = float(beta)
     BL = float(beta_lin) if beta_lin is not None else 0.0
     use_bl = beta_lin is not None
@@ -221,7 +228,7 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
         16 bytes of packed codes (``pre[2]``: word offset of its chunk at step 0)."""
         for c in T.unroll(A_CH):
             T.evaluate(cp_async16(
-                T.address_of(sm[pre[0] + step % NS * TOK_WORDS + c * (NT // 8) * 32]),
+                T.address_of(sm[pre[0] + step % NS * TW + c * (NT // 8) * 32]),
                 T.address_of(xf[T.Cast("int64", tsrc[c]) * KD + (step * BK + tx % 8 * 8)]), (pre[1] >> c) & 1))
         if gate_up and tx // 2 >= 64:
             T.evaluate(cp_async16(T.address_of(sm[pre[3] + step % NS * BN * B_ROW_WORDS]),
@@ -238,11 +245,11 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
         T.evaluate(wgmma_bf16_rs(
             n, T.address_of(acc[0]), bf[buf * 16 + hk * 8 + A0[0]], bf[buf * 16 + hk * 8 + A0[1]],
             bf[buf * 16 + hk * 8 + A0[2]], bf[buf * 16 + hk * 8 + A0[3]],
-            desc[0] + T.Cast("uint64", ks % NS * (TOK_WORDS // 4) + hk * 4), T.Cast("int32", ks + hk > 0)))
+            desc[0] + T.Cast("uint64", ks % NS * (TW // 4) + hk * 4), T.Cast("int32", ks + hk > 0)))
         T.evaluate(wgmma_bf16_rs(
             n, T.address_of(acc[0]), bf[buf * 16 + hk * 8 + A1[0]], bf[buf * 16 + hk * 8 + A1[1]],
             bf[buf * 16 + hk * 8 + A1[2]], bf[buf * 16 + hk * 8 + A1[3]],
-            desc[0] + T.Cast("uint64", ks % NS * (TOK_WORDS // 4) + hk * 4 + 2)))
+            desc[0] + T.Cast("uint64", ks % NS * (TW // 4) + hk * 4 + 2)))
 
     @T.macro
     def kstep(n, ks, buf, sm, al, pre, tsrc, desc, sc_s, xf, wq0, wq1, bf, acc, tx):
@@ -282,7 +289,7 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
                     sm = T.alloc_buffer((SM_WORDS,), "uint32", scope="shared.dyn")
                     smb = T.decl_buffer((SM_WORDS * 2,), "bfloat16", data=sm.data, scope="shared.dyn")
                     sc_s = T.alloc_buffer((BN * KGW,), "uint32", scope="shared.dyn")  # E8M0 bytes, whole K
-                    row_s = T.alloc_buffer((BM,), "int32", scope="shared.dyn")  # the row of x, or -1
+                    row_s = T.alloc_buffer((bm,), "int32", scope="shared.dyn")  # the row of x, or -1
                     al = T.alloc_buffer((1,), "int32", scope="local")   # words to the 1024-byte-aligned base
                     acc = T.alloc_buffer((ND,), "float32", scope="local")
                     bf = T.alloc_buffer((32,), "uint32", scope="local")  # A fragments of two K steps
@@ -296,7 +303,7 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
                     if T.Cast("int32", blk // NTN) < num_tiles[0]:
                         # ---- tile metadata: gathered rows, scales of the block's weight rows
                         tile_prologue(tiles, sorted_pair, sq0, sq1, sm, al, ncols, row_s, None, sc_s, blk, tx, nt,
-                                      gate_up, BM, NT, N, NTN, K, KGW)
+                                      gate_up, bm, NT, N, NTN, K, KGW)
                         T.tvm_storage_sync("shared.dyn")
                         # ---- K loop (NK is even: KD % 128 == 0)
                         # per-thread copy addresses, fixed for the whole K loop
@@ -320,7 +327,14 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
                         # wgmma N: 32, 64 or 128, the least that covers the tile's rows (an
                         # expert's last tile is mostly short); one copy of the K loop per N
                         # (more copies cost ptxas the registers to pipeline the wgmmas)
-                        if not short_tiles or ncols[0] >= 3:
+                        if bm == 32:
+                            kloop(32, sm, al, pre, tsrc, desc, sc_s, xf, wq0, wq1, bf, acc, tx)
+                        elif bm == 64:
+                            if not short_tiles or ncols[0] >= 2:
+                                kloop(64, sm, al, pre, tsrc, desc, sc_s, xf, wq0, wq1, bf, acc, tx)
+                            else:
+                                kloop(32, sm, al, pre, tsrc, desc, sc_s, xf, wq0, wq1, bf, acc, tx)
+                        elif not short_tiles or ncols[0] >= 3:
                             kloop(128, sm, al, pre, tsrc, desc, sc_s, xf, wq0, wq1, bf, acc, tx)
                         elif ncols[0] == 2:
                             kloop(64, sm, al, pre, tsrc, desc, sc_s, xf, wq0, wq1, bf, acc, tx)
@@ -355,7 +369,7 @@ def _grouped_wgmma(kind: str, E: int, N: int, KD: int, top_k: int, beta: float =
                             if staged:
                                 T.tvm_storage_sync("shared.dyn")
                                 # 16-byte stores: row r's 64 columns are 128 contiguous bytes of a_sorted
-                                for it in T.unroll(BM * 8 // NT):
+                                for it in T.unroll(bm * 8 // NT):
                                     ok[0] = row_s[(it * NT + tx) // 8]
                                     if ok[0] >= 0:
                                         for v in T.vectorized(4):
@@ -629,17 +643,18 @@ def ws_min_pairs(num_experts: int) -> int:
 
 
 def moe_sort_wgmma_kernel(num_experts: int, latent: int, inter: int, top_k: int,
-                          warp_specialized: bool | str = "auto"):
+                          warp_specialized: bool | str = "auto", bm: int = BM):
     """The sort (``moe_sort_kernel``) whose tile table the wgmma kernels built with the same
-    ``warp_specialized`` read: 192-row tiles (:data:`TM_WS`) from :func:`ws_min_pairs` pairs
-    where the widths have the warp-specialized form ("auto"), always (True) or never (False)."""
+    ``warp_specialized`` (and ``bm``) read: 192-row tiles (:data:`TM_WS`) from :func:`ws_min_pairs` pairs
+    where the widths have the warp-specialized form ("auto"), always (True) or never (False,
+    tiles of ``bm`` rows)."""
     from schedules.moe_mxfp4_prefill_cuda import moe_sort_kernel
 
     if warp_specialized == "auto":
         if not warp_specialized_shapes(latent, inter):
             return moe_sort_kernel(num_experts, top_k)
         return moe_sort_kernel(num_experts, top_k, bm_large=TM_WS, large_from_pairs=ws_min_pairs(num_experts))
-    return moe_sort_kernel(num_experts, top_k, TM_WS if warp_specialized else BM)
+    return moe_sort_kernel(num_experts, top_k, TM_WS if warp_specialized else bm)
 
 
 def _primfunc(kind, E, N, KD, top_k, out_dtype, plain, ws, ws_from):
@@ -651,7 +666,8 @@ def _primfunc(kind, E, N, KD, top_k, out_dtype, plain, ws, ws_from):
     return grouped_gemm_primfunc(kind, E, N, KD, top_k, out_dtype, plain, ws, ws_from)
 
 
-def _bodies(kind, E, N, KD, top_k, beta, beta_lin, out_dtype, stages, short_tiles, staged, warp_specialized):
+def _bodies(kind, E, N, KD, top_k, beta, beta_lin, out_dtype, stages, short_tiles, staged, warp_specialized,
+            bm=BM):
     """(plain body or None, warp-specialized body or None, the branch's pair count) for the
     ``warp_specialized`` choice (False, True or "auto": both where
     ``moe_plan.warp_specialized_shapes``, else plain)."""
@@ -661,7 +677,7 @@ def _bodies(kind, E, N, KD, top_k, beta, beta_lin, out_dtype, stages, short_tile
         warp_specialized = False
     plain = ws = None
     if warp_specialized is not True:
-        plain = _grouped_wgmma(kind, E, N, KD, top_k, beta, beta_lin, out_dtype, stages, short_tiles, staged)
+        plain = _grouped_wgmma(kind, E, N, KD, top_k, beta, beta_lin, out_dtype, stages, short_tiles, staged, bm)
     if warp_specialized:
         ws = _grouped_wgmma_ws(kind, E, N, KD, top_k, beta, beta_lin, out_dtype, STAGES)
     return plain, ws, ws_min_pairs(E)
@@ -671,28 +687,29 @@ def _bodies(kind, E, N, KD, top_k, beta, beta_lin, out_dtype, stages, short_tile
 def moe_grouped_gate_up_wgmma_kernel(num_experts: int, latent: int, inter: int, top_k: int,
                                      beta: float, beta_lin: float | None, out_dtype: str = "bfloat16",
                                      stages: int = STAGES, short_tiles: bool = True, staged: bool = False,
-                                     warp_specialized: bool | str = "auto"):
+                                     warp_specialized: bool | str = "auto", bm: int = BM):
     """Grouped MXFP4 GEMM for W1/W3 with SiTU fused, on wgmma (cuda-sm90a). Arguments as
     :func:`schedules.moe_mxfp4_prefill_cuda.moe_grouped_gate_up_kernel`, except: ``z [T, L]``
     in the permuted k order, ``a_sorted [T·k, I]`` written in the permuted k order;
     ``warp_specialized``: False (plain), True (warp-specialized, tiles of TM_WS rows) or
     "auto" (both behind a host branch at :func:`ws_min_pairs` pairs, where
-    ``moe_plan.warp_specialized_shapes``); ``stages``, ``short_tiles``, ``staged``: the plain
-    form's (the warp-specialized one has 4 stages).
+    ``moe_plan.warp_specialized_shapes``); ``stages``, ``short_tiles``, ``staged``, ``bm``
+    (token rows per tile: the sort's, :func:`moe_sort_wgmma_kernel`): the plain form's (the
+    warp-specialized one has 4 stages).
 
     Raises:
         ValueError: L not a multiple of 128, I not a multiple of 64; ``stages < 3``; shared
             memory over the limit (the scale table grows with L).
     """
     plain, ws, ws_from = _bodies("gate_up", num_experts, inter, latent, top_k, beta, beta_lin, out_dtype, stages,
-                                 short_tiles, staged, warp_specialized)
+                                 short_tiles, staged, warp_specialized, bm)
     return _primfunc("gate_up", num_experts, inter, latent, top_k, out_dtype, plain, ws, ws_from)
 
 
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def moe_grouped_down_wgmma_kernel(num_experts: int, latent: int, inter: int, top_k: int,
                                   out_dtype: str = "bfloat16", stages: int = STAGES,
-                                  short_tiles: bool = True, warp_specialized: bool | str = "auto"):
+                                  short_tiles: bool = True, warp_specialized: bool | str = "auto", bm: int = BM):
     """Grouped MXFP4 GEMM for W2 on wgmma (cuda-sm90a). Arguments as :func:`schedules.
     moe_mxfp4_prefill_cuda.moe_grouped_down_kernel`, with ``a_sorted`` in the permuted k order;
     ``warp_specialized`` as for :func:`moe_grouped_gate_up_wgmma_kernel`.
@@ -702,5 +719,5 @@ def moe_grouped_down_wgmma_kernel(num_experts: int, latent: int, inter: int, top
             memory over the limit.
     """
     plain, ws, ws_from = _bodies("down", num_experts, latent, inter, top_k, 0.0, None, out_dtype, stages,
-                                 short_tiles, False, warp_specialized)
+                                 short_tiles, False, warp_specialized, bm)
     return _primfunc("down", num_experts, latent, inter, top_k, out_dtype, plain, ws, ws_from)
