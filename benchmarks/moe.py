@@ -444,7 +444,7 @@ def check_small(path: Path, g, repack, permuted: bool = False) -> list:
         z = torch.randn(T, l_, device=dev, generator=g).to(torch.bfloat16)
         P = T * k_
         b = dict(counts=torch.full((e_,), -7, dtype=torch.int32, device=dev),
-                 tiles=torch.zeros(max_tiles(P, e_), 3, dtype=torch.int32, device=dev),
+                 tiles=torch.zeros(max_tiles(P, e_, 32), 3, dtype=torch.int32, device=dev),
                  num_tiles=torch.zeros(1, dtype=torch.int32, device=dev),
                  sorted=torch.full((P,), -7, dtype=torch.int32, device=dev),
                  a=torch.zeros(P, i_, dtype=torch.bfloat16, device=dev),
@@ -709,7 +709,8 @@ def run_prefill(lib_dir: Path, W, Wb, tw, g, repack) -> dict:
         if t_wg:
             row.update({"dispatched_sm90a_ms": t_wg, "dispatched_sm90a_tflops": flop / (t_wg / 1e3) / 1e12,
                         "dispatched_sm90a_pct_peak": 100 * flop / (t_wg / 1e3) / 1e12 / peak,
-                        "dispatched_sm90a_form": "warp_specialized" if _variant_bm({}, P) != BM else "plain"})
+                        "dispatched_sm90a_form": {BM: "plain", 32: "small_tiles"}.get(_variant_bm({}, P),
+                                                                                       "warp_specialized")})
             if "torch_grouped_mm_ms" in row:
                 row["dispatched_sm90a_speedup_vs_torch_grouped_mm"] = row["torch_grouped_mm_ms"] / t_wg
         res["timing"].append(row)

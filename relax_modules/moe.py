@@ -197,7 +197,8 @@ class RoutedExperts(nn.Module):
         sort = mw.moe_sort_wgmma_kernel(E, L, I, k) if self.wgmma else mp.moe_sort_kernel(E, k)
         sorted_pair, tiles, num_tiles, _ = _fill(
             sort, "moe_sort", [ids],
-            [([pairs], "int32"), ([mp.max_tiles(pairs, E), 3], "int32"), ([1], "int32"), ([E], "int32")])
+            [([pairs], "int32"), ([mp.max_tiles(pairs, E, mw.BM_SMALL if self.wgmma else mp.BM), 3], "int32"),
+             ([1], "int32"), ([E], "int32")])
         a = _fill(gu_kernel, "moe_grouped_gate_up",
                   [z, self.w1.weight_packed, self.w1.weight_scale, self.w3.weight_packed,
                    self.w3.weight_scale, sorted_pair, tiles, num_tiles], [([pairs, I], self.dtype)])

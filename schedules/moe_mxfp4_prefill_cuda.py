@@ -126,7 +126,8 @@ B_ROW_WORDS = 12  # uint32 per packed weight row in shared memory (64 codes + 16
 # ----------------------------------------------------------------------------- permutation
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def moe_sort_kernel(num_experts: int, top_k: int, bm: int = BM, bm_large: int | None = None,
-                    large_from_pairs: int | None = None):
+                    large_from_pairs: int | None = None, bm_small: int | None = None,
+                    small_until_pairs: int | None = None):
     """Token-expert pairs into expert order, and the GEMM tile table (CUDA, one block of
     1024 threads; E ≤ 1024).
 
@@ -141,7 +142,7 @@ def moe_sort_kernel(num_experts: int, top_k: int, bm: int = BM, bm_large: int | 
 
     BM is ``bm``, or ``bm_large`` where the pairs (T·k) reach ``large_from_pairs`` (the tiles
     of the warp-specialized wgmma kernels, schedules/moe_mxfp4_prefill_wgmma.py, which branch
-    on the same count).
+    on the same count), or ``bm_small`` below ``small_until_pairs`` (their small-tile form).
 
     Steps: shared-memory counters zeroed, one ``atomicAdd`` per pair; Hillis-Steele scans of
     the counts and of the tiles per expert; the counters become cursors at each expert's
@@ -155,6 +156,9 @@ def moe_sort_kernel(num_experts: int, top_k: int, bm: int = BM, bm_large: int | 
     TX = PLAN_THREADS
     if (bm_large is None) != (large_from_pairs is None):
         raise ValueError("bm_large and large_from_pairs go together")
+    if (bm_small is None) != (small_until_pairs is None):
+        raise ValueError("bm_small and small_until_pairs go together")
+    SMALL = bm_small is not None
     LARGE = bm_large is not None
     BML = bm_large if LARGE else bm
     FROM = large_from_pairs if LARGE else 0
@@ -185,6 +189,9 @@ def moe_sort_kernel(num_experts: int, top_k: int, bm: int = BM, bm_large: int | 
                     tr[0] = T.if_then_else(nt * K >= FROM, BML, bm)
                 else:
                     tr[0] = bm
+                if SMALL:
+                    if nt * K < small_until_pairs:
+                        tr[0] = bm_small
                 T.tvm_storage_sync("shared")
                 p[0] = tx
                 while p[0] < T.Cast("int32", nt * K):
@@ -431,12 +438,13 @@ def situ_expr(g, u, beta, beta_lin, use_bl):
 
 
 def grouped_gemm_primfunc(kind: str, E: int, N: int, KD: int, top_k: int, out_dtype: str, body,
-                          ws_body=None, ws_from: int = 0):
+                          ws_body=None, ws_from: int = 0, small_body=None, small_until: int = 0):
     """The PrimFunc of a grouped GEMM (both kernel families): the arguments of
     :func:`_grouped_gemm` matched to buffers, the flat uint32 / bf16 views every body reads
     (``xf``, ``wq0``, ``wq1``, ``sq0``, ``sq1``), then the kernel body — ``body``, or with
     ``ws_body`` a host-side branch to it where the pairs (tokens · top_k) reach ``ws_from``
-    (schedules/moe_mxfp4_prefill_wgmma.py's warp-specialized form). A body is a ``T.macro``
+    (schedules/moe_mxfp4_prefill_wgmma.py's warp-specialized form), and with ``small_body`` one
+    to it below ``small_until`` pairs (its small-tile form). A body is a ``T.macro``
     taking ``(xf, wq0, wq1, sq0, sq1, sorted_pair, tiles, num_tiles, y, nt, mt)``. Barriers
     are placed by hand: compile inside schedules.barriers.respect_manual_barriers()."""
     K = top_k
@@ -445,6 +453,7 @@ def grouped_gemm_primfunc(kind: str, E: int, N: int, KD: int, top_k: int, out_dt
     RW = KD // 8
     gate_up = kind == "gate_up"
     BOTH = ws_body is not None
+    SMALL = small_body is not None
 
     @T.prim_func(private=True)
     def grouped(x_h: T.handle, wp0_h: T.handle, ws0_h: T.handle, wp1_h: T.handle, ws1_h: T.handle,
@@ -470,7 +479,14 @@ def grouped_gemm_primfunc(kind: str, E: int, N: int, KD: int, top_k: int, out_dt
         wq1 = T.decl_buffer((E * N * RW,), "uint32", data=wp1.data)
         sq0 = T.decl_buffer((E * N * KGW,), "uint32", data=ws0.data)
         sq1 = T.decl_buffer((E * N * KGW,), "uint32", data=ws1.data)
-        if BOTH:
+        if SMALL and BOTH:
+            if nt * K >= ws_from:
+                ws_body(xf, wq0, wq1, sq0, sq1, sorted_pair, tiles, num_tiles, y, nt, mt)
+            elif nt * K < small_until:
+                small_body(xf, wq0, wq1, sq0, sq1, sorted_pair, tiles, num_tiles, y, nt, mt)
+            else:
+                body(xf, wq0, wq1, sq0, sq1, sorted_pair, tiles, num_tiles, y, nt, mt)
+        elif BOTH:
             if nt * K >= ws_from:
                 ws_body(xf, wq0, wq1, sq0, sq1, sorted_pair, tiles, num_tiles, y, nt, mt)
             else:

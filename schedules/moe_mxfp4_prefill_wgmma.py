@@ -71,7 +71,8 @@ from tvm.script import tirx as T
 from schedules.barriers import mark
 from schedules.moe_mxfp4_prefill_cuda import (B_ROW_WORDS, BK, BN, MMA_A_REGS, SMEM_LIMIT, block_scale_word,
                                               grouped_gemm_primfunc, situ_expr)
-from schedules.moe_plan import BM, BM_WS, WS_MIN_PAIRS_PER_EXPERT, warp_specialized_shapes
+from schedules.moe_plan import (BM, BM_SMALL, BM_WS, SMALL_MAX_PAIRS_PER_EXPERT, SMALL_STAGES,
+                                WS_MIN_PAIRS_PER_EXPERT, warp_specialized_shapes)
 from schedules.mxfp4_ptx import commit, cp_async16, dequant8, factor_bf16x2, wait
 from schedules.wgmma_ptx import (cp_async16_raw, cp_async_mbar_arrive, fence_proxy_async, global_address, mbar_arrive,
                                  mbar_init, mbar_wait, named_barrier, setmaxnreg, smem_address, sw128_desc,
@@ -653,34 +654,46 @@ def moe_sort_wgmma_kernel(num_experts: int, latent: int, inter: int, top_k: int,
     if warp_specialized == "auto":
         if not warp_specialized_shapes(latent, inter):
             return moe_sort_kernel(num_experts, top_k)
-        return moe_sort_kernel(num_experts, top_k, bm_large=TM_WS, large_from_pairs=ws_min_pairs(num_experts))
+        return moe_sort_kernel(num_experts, top_k, bm_large=TM_WS, large_from_pairs=ws_min_pairs(num_experts),
+                               bm_small=BM_SMALL, small_until_pairs=small_max_pairs(num_experts))
     return moe_sort_kernel(num_experts, top_k, TM_WS if warp_specialized else bm)
 
 
-def _primfunc(kind, E, N, KD, top_k, out_dtype, plain, ws, ws_from):
+def small_max_pairs(num_experts: int) -> int:
+    """Token-expert pairs below which the "auto" kernels take their small-tile form (tiles of
+    :data:`schedules.moe_plan.BM_SMALL` rows, :data:`schedules.moe_plan.SMALL_STAGES` stages):
+    :data:`schedules.moe_plan.SMALL_MAX_PAIRS_PER_EXPERT` per expert."""
+    return SMALL_MAX_PAIRS_PER_EXPERT * num_experts
+
+
+def _primfunc(kind, E, N, KD, top_k, out_dtype, plain, ws, ws_from, small=None):
     """The PrimFunc (``grouped_gemm_primfunc``) of the plain body, the warp-specialized one, or
-    both behind the host-side branch at ``ws_from`` pairs, which the sort's tile table follows
-    (:func:`moe_sort_wgmma_kernel`)."""
+    both behind the host-side branch at ``ws_from`` pairs (and the small-tile one below
+    :func:`small_max_pairs`), which the sort's tile table follows (:func:`moe_sort_wgmma_kernel`)."""
     if plain is None:
         return grouped_gemm_primfunc(kind, E, N, KD, top_k, out_dtype, ws)
-    return grouped_gemm_primfunc(kind, E, N, KD, top_k, out_dtype, plain, ws, ws_from)
+    return grouped_gemm_primfunc(kind, E, N, KD, top_k, out_dtype, plain, ws, ws_from,
+                                 small, small_max_pairs(E) if small is not None else 0)
 
 
 def _bodies(kind, E, N, KD, top_k, beta, beta_lin, out_dtype, stages, short_tiles, staged, warp_specialized,
             bm=BM):
-    """(plain body or None, warp-specialized body or None, the branch's pair count) for the
-    ``warp_specialized`` choice (False, True or "auto": both where
+    """(plain body or None, warp-specialized body or None, the branch's pair count, small-tile
+    body or None) for the ``warp_specialized`` choice (False, True or "auto": all three where
     ``moe_plan.warp_specialized_shapes``, else plain)."""
     if warp_specialized not in (False, True, "auto"):
         raise ValueError(f"warp_specialized must be False, True or 'auto', got {warp_specialized!r}")
     if warp_specialized == "auto" and not warp_specialized_shapes(KD, N):  # (L, I) or (I, L)
         warp_specialized = False
-    plain = ws = None
+    plain = ws = small = None
     if warp_specialized is not True:
         plain = _grouped_wgmma(kind, E, N, KD, top_k, beta, beta_lin, out_dtype, stages, short_tiles, staged, bm)
     if warp_specialized:
         ws = _grouped_wgmma_ws(kind, E, N, KD, top_k, beta, beta_lin, out_dtype, STAGES)
-    return plain, ws, ws_min_pairs(E)
+    if warp_specialized == "auto":
+        small = _grouped_wgmma(kind, E, N, KD, top_k, beta, beta_lin, out_dtype, SMALL_STAGES, short_tiles,
+                               False, BM_SMALL)
+    return plain, ws, ws_min_pairs(E), small
 
 
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
@@ -701,9 +714,9 @@ def moe_grouped_gate_up_wgmma_kernel(num_experts: int, latent: int, inter: int, 
         ValueError: L not a multiple of 128, I not a multiple of 64; ``stages < 3``; shared
             memory over the limit (the scale table grows with L).
     """
-    plain, ws, ws_from = _bodies("gate_up", num_experts, inter, latent, top_k, beta, beta_lin, out_dtype, stages,
-                                 short_tiles, staged, warp_specialized, bm)
-    return _primfunc("gate_up", num_experts, inter, latent, top_k, out_dtype, plain, ws, ws_from)
+    plain, ws, ws_from, small = _bodies("gate_up", num_experts, inter, latent, top_k, beta, beta_lin, out_dtype,
+                                        stages, short_tiles, staged, warp_specialized, bm)
+    return _primfunc("gate_up", num_experts, inter, latent, top_k, out_dtype, plain, ws, ws_from, small)
 
 
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
@@ -718,6 +731,6 @@ def moe_grouped_down_wgmma_kernel(num_experts: int, latent: int, inter: int, top
         ValueError: I not a multiple of 128, L not a multiple of 128; ``stages < 3``; shared
             memory over the limit.
     """
-    plain, ws, ws_from = _bodies("down", num_experts, latent, inter, top_k, 0.0, None, out_dtype, stages,
-                                 short_tiles, False, warp_specialized, bm)
-    return _primfunc("down", num_experts, latent, inter, top_k, out_dtype, plain, ws, ws_from)
+    plain, ws, ws_from, small = _bodies("down", num_experts, latent, inter, top_k, 0.0, None, out_dtype, stages,
+                                        short_tiles, False, warp_specialized, bm)
+    return _primfunc("down", num_experts, latent, inter, top_k, out_dtype, plain, ws, ws_from, small)

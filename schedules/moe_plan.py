@@ -15,6 +15,14 @@ WS_MIN_PAIRS_PER_EXPERT = 112
 # ... and only where both GEMMs reduce over at least this many inputs (8 K steps of 64): a short
 # K loop leaves the one block per SM of the warp-specialized form waiting on its pipeline
 WS_MIN_WIDTH = 512
+# ... and below this many pairs per expert on average (prefill chunks of up to ~1300 tokens at K3:
+# a few tokens per expert, the GEMMs weight-bound) their plain form on tiles of BM_SMALL rows,
+# whose small token stages leave room for 6 stages (H200, K3 shapes,
+# benchmarks/results/moe_prefill_small_tiles_h200_2026-11-30.json: 7.8 / 8.1 / 8.6 ms against 9.7 /
+# 9.7 / 9.9 ms at 256 / 512 / 1024 tokens (4.6 / 9.1 / 18.3 pairs per expert), 28% slower at 2048)
+SMALL_MAX_PAIRS_PER_EXPERT = 24
+BM_SMALL = 32
+SMALL_STAGES = 6
 
 
 def warp_specialized_shapes(latent: int, inter: int) -> bool:
@@ -24,11 +32,15 @@ def warp_specialized_shapes(latent: int, inter: int) -> bool:
 
 
 def tile_rows(num_pairs: int, num_experts: int, warp_specialized: bool) -> int:
-    """Rows per tile of the sort's tile table for ``num_pairs`` pairs: :data:`BM_WS` where the
-    wgmma kernels run warp-specialized (``warp_specialized``: the target has them and
-    :func:`warp_specialized_shapes`; and at least :data:`WS_MIN_PAIRS_PER_EXPERT` pairs per
-    expert), else :data:`BM`."""
-    return BM_WS if warp_specialized and num_pairs >= WS_MIN_PAIRS_PER_EXPERT * num_experts else BM
+    """Rows per tile of the sort's tile table for ``num_pairs`` pairs. Where the wgmma kernels
+    have their three forms (``warp_specialized``: the target has them and
+    :func:`warp_specialized_shapes`): :data:`BM_WS` from :data:`WS_MIN_PAIRS_PER_EXPERT` pairs
+    per expert, :data:`BM_SMALL` below :data:`SMALL_MAX_PAIRS_PER_EXPERT`, else :data:`BM`."""
+    if not warp_specialized:
+        return BM
+    if num_pairs >= WS_MIN_PAIRS_PER_EXPERT * num_experts:
+        return BM_WS
+    return BM_SMALL if num_pairs < SMALL_MAX_PAIRS_PER_EXPERT * num_experts else BM
 
 
 def max_tiles(num_pairs, num_experts: int, bm: int = BM):

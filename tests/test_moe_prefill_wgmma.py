@@ -310,6 +310,53 @@ def test_dispatch_threshold_is_shared_by_sort_and_gemms():
         assert len(mp.moe_prefill_plan_reference(ids, E, 192)[2]) <= mp.max_tiles(T * k, E)
 
 
+def _small_branch(script: str):
+    """(top_k, pair threshold, then-block, else-block) of the small-tile branch nested in the
+    else-block of a wgmma PrimFunc's host branch (``if nt * k < threshold:``), or None."""
+    branches = _branches(script)
+    if branches is None:
+        return None
+    lines = branches[3].splitlines()
+    for i, line in enumerate(lines):
+        m = re.match(r"^(\s*)if nt \* T\.int64\((\d+)\) < T\.int64\((\d+)\):$", line)
+        if m:
+            ind = m.group(1)
+            j = next(k for k in range(i + 1, len(lines)) if lines[k] == f"{ind}else:")
+            return int(m.group(2)), int(m.group(3)), "\n".join(lines[i + 1:j]), "\n".join(lines[j + 1:])
+    return None
+
+
+def test_small_tile_form_below_the_small_pair_count():
+    """Below small_max_pairs(E) pairs the "auto" GEMMs take their small-tile body (32-row tiles:
+    only wgmmas of N 32; 6 stages: cp.async waits of 3 pending groups) and the sort makes
+    32-row tiles from the same count; moe_plan.tile_rows agrees; the plain body keeps 4 stages
+    and its three wgmma widths. The model sizes its tile table for 32-row tiles."""
+    from schedules import moe_plan
+
+    E, k = 5, 3
+    small = mw.small_max_pairs(E)
+    assert small == moe_plan.SMALL_MAX_PAIRS_PER_EXPERT * E < mw.ws_min_pairs(E)
+    for f in (mw.moe_grouped_gate_up_wgmma_kernel(E, 512, 512, k, 4.0, 25.0), mw.moe_grouped_down_wgmma_kernel(E, 512, 512, k)):
+        kk, thr, then, other = _small_branch(f.script())
+        assert (kk, thr) == (k, small)
+        assert set(re.findall(r"k3_wgmma_m64n(\d+)k16", then)) == {"32"}
+        assert "k3_cp_async_wait3" in then and "k3_cp_async_wait1" not in then
+        assert set(re.findall(r"k3_wgmma_m64n(\d+)k16", other)) == {"32", "64", "128"}
+        assert "k3_cp_async_wait1" in other and "k3_cp_async_wait3" not in other
+    sort = mw.moe_sort_wgmma_kernel(E, 512, 512, k).script()
+    assert re.search(rf"if nt \* T\.int64\({k}\) < T\.int64\({small}\):\n\s*tr = 32\n", sort), sort[:2000]
+    assert moe_plan.tile_rows(small - 1, E, True) == moe_plan.BM_SMALL == 32
+    assert moe_plan.tile_rows(small, E, True) == 128 and moe_plan.tile_rows(small - 1, E, False) == 128
+    # K3: a 512-token chunk (9 pairs per expert) takes the small tiles, 2048 tokens (37) not
+    assert moe_plan.tile_rows(512 * 16, 896, True) == 32 and moe_plan.tile_rows(2048 * 16, 896, True) == 128
+    # the narrow widths (k3-nano) keep one form: no small branch
+    assert _small_branch(mw.moe_grouped_down_wgmma_kernel(E, 128, 256, k).script()) is None
+    rng = np.random.default_rng(1)
+    for T in (1, 7, 40):
+        ids = rng.integers(0, E, (T, k))
+        assert len(mp.moe_prefill_plan_reference(ids, E, 32)[2]) <= mp.max_tiles(T * k, E, 32)
+
+
 def test_model_export_dispatches_the_warp_specialized_form():
     """A cuda-sm90a bf16 export with MoE widths of 512: the sort's tile rows and both GEMMs'
     branch on the same pair count (ws_min_pairs(E)) and only the GEMMs' then-branch is the
@@ -330,9 +377,11 @@ def test_model_export_dispatches_the_warp_specialized_form():
     E, k = wide.num_experts, wide.num_experts_per_token
     edge = mw.ws_min_pairs(E)
     assert _sort_rows(fw["moe_sort"]) == (k, edge, 192, 128)
+    assert f"< T.int64({mw.small_max_pairs(E)}):" in fw["moe_sort"]
     for name in ("moe_grouped_gate_up", "moe_grouped_down"):
         kk, thr, then, other = _branches(fw[name])
         assert (kk, thr) == (k, edge) and "k3_setmaxnreg_inc224" in then and "k3_setmaxnreg" not in other
+        assert _small_branch(fw[name])[:2] == (k, mw.small_max_pairs(E))
     narrow = K3Config.from_dict(tiny_config(routed_expert_hidden_size=128, moe_intermediate_size=256))
     fn = funcs(narrow)
     assert _sort_rows(fn["moe_sort"]) is None

@@ -6,8 +6,8 @@ fit the tuned kernels (512: multiples of 128, and 4 warps split its K; KDA head_
 output (no routed_expert_norm, whose RMS normalization would hide a wrong scale, and
 ``routed_expert_up_proj`` ×20), and compiles it for cuda-sm90a in bf16 twice: with the tuned
 kernels and with ``--generic-kernels``. ``run OUT`` (H200, runtime-only TVM): prefill 150
-tokens (three KDA chunks) then 16 decode steps, and a second sequence's prefill of 170 tokens
-(the MoE prefill's warp-specialized wgmma form) with each library (the tuned one fed the generic one's greedy
+tokens (three KDA chunks) then 16 decode steps, a second sequence's prefill of 170 tokens
+(the MoE prefill's warp-specialized wgmma form) and a third's of 30 (its small-tile form) with each library (the tuned one fed the generic one's greedy
 tokens); reports the largest prefill-logit difference and each decode step's; exits 1 if a
 logit differs by more than ``TOLERANCE`` (10%) of the largest. Seen on the H200 (2026-11-29) with the
 tensor-core decode GEMVs: prefill logits equal, decode logits within 0.029 of 2.6 at every
@@ -79,12 +79,16 @@ def run(out: Path) -> dict:
     # gives the generic model's logits at that input (difference <= 2e-5), while the generic
     # bf16 GPU library's largest logit there is 1.77 against 2.55 in fp32: a bf16 effect in a
     # model whose routed experts are amplified x20, as far as the emulation shows.)
-    from schedules.moe_mxfp4_prefill_wgmma import ws_min_pairs
+    from schedules.moe_mxfp4_prefill_wgmma import small_max_pairs, ws_min_pairs
 
     ids = [int(t) for t in np.random.default_rng(0).integers(3, 97, size=150)]
     n_ws = ws_min_pairs(3) // 2 + 2   # 170 tokens at 112 pairs per expert: past the threshold
     assert 150 * 2 < ws_min_pairs(3) <= n_ws * 2
     ids_ws = [int(t) for t in np.random.default_rng(2).integers(3, 97, size=n_ws)]
+    # a third sequence of 30 tokens: 60 pairs, below small_max_pairs(3) = 72: the small-tile form
+    n_small = small_max_pairs(3) // 2 - 6
+    assert 0 < n_small * 2 < small_max_pairs(3)
+    ids_small = [int(t) for t in np.random.default_rng(3).integers(3, 97, size=n_small)]
     res, forced = {}, None
     for name in ("generic", "tuned"):
         m = load_model(out / "ckpt", lib=out / f"{name}.so", device="cuda:0")
@@ -100,7 +104,9 @@ def run(out: Path) -> dict:
             rows.append(np.array(logits[0]))
         s_ws = eng.add_sequence()
         first_ws = np.array(eng.prefill([s_ws], [ids_ws])[0])
-        res[name] = (toks, np.stack(rows), first, first_ws)
+        s_small = eng.add_sequence()
+        first_small = np.array(eng.prefill([s_small], [ids_small])[0])
+        res[name] = (toks, np.stack(rows), first, first_ws, first_small)
         forced = toks
     step_diff = np.abs(res["tuned"][1] - res["generic"][1]).max(axis=1)
     report = {"tokens": res["generic"][0],
@@ -112,6 +118,8 @@ def run(out: Path) -> dict:
               "max_abs_prefill_logit": float(np.abs(res["generic"][2]).max()),
               "max_prefill_ws_logit_diff": float(np.abs(res["tuned"][3] - res["generic"][3]).max()),
               "max_abs_prefill_ws_logit": float(np.abs(res["generic"][3]).max()),
+              "max_prefill_small_logit_diff": float(np.abs(res["tuned"][4] - res["generic"][4]).max()),
+              "max_abs_prefill_small_logit": float(np.abs(res["generic"][4]).max()),
               "max_abs_logit": float(np.abs(res["generic"][1]).max())}
     print(json.dumps(report))
     return report
@@ -130,6 +138,7 @@ def ok(report: dict) -> bool:
     tokens are reported, not required to agree: near-ties flip)."""
     return (report["max_prefill_logit_diff"] <= TOLERANCE * report["max_abs_prefill_logit"]
             and report["max_prefill_ws_logit_diff"] <= TOLERANCE * report["max_abs_prefill_ws_logit"]
+            and report["max_prefill_small_logit_diff"] <= TOLERANCE * report["max_abs_prefill_small_logit"]
             and report["max_decode_logit_diff"] <= TOLERANCE * report["max_abs_logit"])
 
 

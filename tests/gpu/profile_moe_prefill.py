@@ -32,7 +32,7 @@ P = T * TOPK
 z = torch.randn(T, L, device=dev).to(torch.bfloat16)
 ids = torch.rand(T, E, device=dev).topk(TOPK, dim=1).indices.int()
 bufs = [torch.empty(P, dtype=torch.int32, device=dev),
-        torch.empty(max_tiles(P, E), 3, dtype=torch.int32, device=dev),
+        torch.empty(max_tiles(P, E, 32), 3, dtype=torch.int32, device=dev),
         torch.empty(1, dtype=torch.int32, device=dev), torch.empty(E, dtype=torch.int32, device=dev)]
 a = torch.empty(P, I, dtype=torch.bfloat16, device=dev)
 o = torch.empty(T, TOPK, L, dtype=torch.bfloat16, device=dev)
