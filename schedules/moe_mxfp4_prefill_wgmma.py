@@ -47,6 +47,17 @@ in one PrimFunc behind a host-side branch on the pair count (:func:`ws_min_pairs
 expert, :data:`schedules.moe_plan.WS_MIN_PAIRS_PER_EXPERT`), and ``moe_sort_kernel`` builds
 its tile table with 192 rows from the same count; only where both widths are at least 512.
 
+Small-tile form (the plain kernels with ``bm`` = 32 token rows per tile and 6 stages, below
+:func:`small_max_pairs`: 24 pairs per expert, prefill chunks of up to ~1300 tokens at K3). With
+a few tokens per expert the GEMMs are weight-bound, and the plain form's 16 KiB token stages
+left room for loads only 2 K steps ahead: all 896 experts' weights streamed at ~1.6 TB/s
+(9.7 ms at 256-1024 tokens against 3.7 ms of HBM time). 4 KiB token stages take 6 stages at
+two blocks per SM: 7.97 / 8.29 / 8.96 ms at 256 / 512 / 1024 tokens, bit-identical
+(benchmarks/results/moe_prefill_dispatch_small_h200_2026-11-30.json; 10 stages, or 64-row tiles
+with 8, were slower, moe_prefill_small_tiles_h200_2026-11-30.json). Still 45% of the HBM bound:
+each block streams one 128-row weight tile over 56 short K steps, its start and the barrier of
+every step unhidden.
+
 Status (H200, K3 shapes; benchmarks/results/moe_prefill_ws_h200_2026-11-30.json): 8192
 tokens × top-16 as dispatched (warp-specialized) 19.1 ms = 452 TFLOP/s = 57.5% of the bf16 peak
 measured in the same run (787 TFLOP/s; later runs 19.0 ms = 59.1% of 772 and 20.0 ms = 60.3%
