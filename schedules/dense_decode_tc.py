@@ -217,14 +217,22 @@ def dense_nt_tc_kernel(N: int, K: int, out_dtype: str = "float32", stages: int |
     Raises:
         ValueError: as :func:`dense_tc_macro`.
     """
-    body = dense_tc_macro(N, K, stages, warps)
+    return standalone_kernel(dense_tc_macro(N, K, stages, warps), N, K, out_dtype)
+
+
+def standalone_kernel(body, N: int, K: int, out_dtype: str):
+    """PrimFunc ``(x [n, K] bf16, w [N, K] bf16, y [n, N] out_dtype)`` (``n`` symbolic) running
+    the kernel macro ``body(x, w, y, n, store)`` of any of the dense kernels
+    (:func:`dense_tc_macro`, ``dense_prefill_wgmma.dense_wgmma_macro``,
+    ``dense_splitk_wgmma.dense_splitk_macro``) with a plain store: ``y = x @ wᵀ`` rounded to
+    ``out_dtype``."""
 
     @T.macro
     def store(y, i, j, a):
         y[i, j] = T.Cast(out_dtype, a)
 
     @T.prim_func(private=True)
-    def dense_nt_tc(x_h: T.handle, w_h: T.handle, y_h: T.handle):
+    def dense(x_h: T.handle, w_h: T.handle, y_h: T.handle):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
         n = T.int64()
         x = T.match_buffer(x_h, (n, K), "bfloat16")
@@ -233,7 +241,7 @@ def dense_nt_tc_kernel(N: int, K: int, out_dtype: str = "float32", stages: int |
 
         body(x, w, y, n, store)
 
-    return dense_nt_tc
+    return dense
 
 
 # --------------------------------------------------------------------------- pipeline splice

@@ -36,6 +36,8 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from schedules.dense_decode_tc import standalone_kernel
+
 from schedules.mxfp4_ptx import wait
 from schedules.wgmma_ptx import (cp_async16_raw, cp_async_mbar_arrive, fence_proxy_async, global_address,
                                  mbar_arrive, mbar_init, mbar_wait, setmaxnreg, smem_address, sw128_desc,
@@ -98,6 +100,71 @@ def smem_bytes(n_rows: int, stages: int = STAGES, bn: int | None = None) -> int:
     return (256 + stages * (BM + bn) * 32 + 4 * stages) * 4
 
 
+def stage_pipeline(stages: int, a_rows: int, b_rows: int, K: int, consumers: int, base: int = 256):
+    """TVMScript macros of the shared-memory pipeline both Hopper dense kernels run (this module
+    and :mod:`schedules.dense_splitk_wgmma`): ``stages`` stages of ``a_rows`` token rows then
+    ``b_rows`` weight rows (128 bytes each, 128-byte swizzle) from word ``base`` of the aligned
+    buffer, then ``full[stages]`` / ``empty[stages]`` mbarriers; inputs of width ``K``; one
+    producer warpgroup and ``consumers`` consumer threads. Returns ``(init, produce, consume)``:
+
+    - ``init(sm, tx)``: thread 0 initialises the mbarriers (the caller barriers the block);
+    - ``produce(sm, sb, ga, p, steps)``: producer thread ``p`` (0..127) copies ``steps`` K steps,
+      its token rows from ``ga[j]`` and weight rows from ``ga[a_rows / 16]`` (uint64 global
+      addresses of step 0, :func:`copy_chunk`'s rows), to the stage at shared address ``sb[0]``;
+    - ``consume(sm, desc, acc, a_off, steps)``: per K step four ``wgmma.m64n{b_rows}k16`` into
+      ``acc`` from the token rows ``a_off`` descriptor units into the stage (``desc[0]``: stage
+      0's descriptor), each stage released once its wgmmas are done.
+    """
+    NS = stages
+    SW = (a_rows + b_rows) * 32
+    OB = base + NS * SW
+    AJ, WJ = a_rows // 16, b_rows // 16
+    ROW_DESC = 128 // 16
+
+    @T.macro
+    def init(sm, tx):
+        if tx == 0:
+            for i in range(NS):
+                T.evaluate(mbar_init(T.address_of(sm[OB + 2 * i]), NP))                # full: producer threads
+                T.evaluate(mbar_init(T.address_of(sm[OB + 2 * (NS + i)]), consumers))  # empty: consumer threads
+
+    @T.macro
+    def produce(sm, sb, ga, p, steps):
+        for ks in range(steps):
+            if ks >= NS:
+                T.evaluate(mbar_wait(T.address_of(sm[OB + 2 * (NS + ks % NS)]), T.Cast("uint32", (ks // NS + 1) % 2)))
+            for j in T.unroll(AJ):
+                T.evaluate(cp_async16_raw(
+                    sb[0] + T.Cast("uint32", (ks % NS * SW + swizzle128_word(*copy_chunk(p, j))) * 4),
+                    ga[j] + T.Cast("uint64", ks * BK * 2)))
+            for j in T.unroll(WJ):
+                T.evaluate(cp_async16_raw(
+                    sb[0] + T.Cast("uint32", (ks % NS * SW + a_rows * 32 + swizzle128_word(*copy_chunk(p, j))) * 4),
+                    ga[AJ] + T.Cast("uint64", j * 16 * K * 2 + ks * BK * 2)))
+            T.evaluate(cp_async_mbar_arrive(T.address_of(sm[OB + 2 * (ks % NS)])))
+        T.evaluate(wait(0))
+
+    @T.macro
+    def consume(sm, desc, acc, a_off, steps):
+        for ks in range(steps):
+            T.evaluate(mbar_wait(T.address_of(sm[OB + 2 * (ks % NS)]), T.Cast("uint32", ks // NS % 2)))
+            T.evaluate(fence_proxy_async())
+            T.evaluate(wgmma_fence())
+            for s in T.unroll(4):
+                T.evaluate(wgmma_bf16_ss(
+                    b_rows, T.address_of(acc[0]),
+                    desc[0] + T.Cast("uint64", ks % NS * (SW // 4) + a_off + 2 * s),
+                    desc[0] + T.Cast("uint64", ks % NS * (SW // 4) + a_rows * ROW_DESC + 2 * s),
+                    T.Cast("int32", ks + s > 0)))
+            T.evaluate(wgmma_commit())
+            T.evaluate(wgmma_wait(1))
+            if ks > 0:  # step ks - 1's wgmmas are done: its stage may be refilled
+                T.evaluate(mbar_arrive(T.address_of(sm[OB + 2 * (NS + (ks + NS - 1) % NS)])))
+        T.evaluate(wgmma_wait(0))
+
+    return init, produce, consume
+
+
 def dense_wgmma_macro(N: int, K: int, stages: int = STAGES, group: int = GROUP_M, bn: int | None = None):
     """The kernel as a TVMScript macro ``body(x, w, y, n, store)``, as
     :func:`schedules.dense_decode_tc.dense_tc_macro`: ``x`` bf16 ``[n, K]`` (``n >= 1``), ``w``
@@ -129,6 +196,7 @@ def dense_wgmma_macro(N: int, K: int, stages: int = STAGES, group: int = GROUP_M
     TN = N // BN                 # row tiles
     AJ, WJ = BM // 16, BN // 16  # copies per producer thread per step: token rows, weight rows
     ROW_DESC = 128 // 16         # descriptor units (16 bytes) per 128-byte row
+    init, produce, consume = stage_pipeline(NS, BM, BN, K, NC)
     if NP * REGS[0] + NC * REGS[1] > (NP + NC) * (65536 // (NP + NC) // 8 * 8):
         raise ValueError("setmaxnreg totals exceed the block's registers")
 
@@ -151,10 +219,7 @@ def dense_wgmma_macro(N: int, K: int, stages: int = STAGES, group: int = GROUP_M
                     rr[1] = T.Cast("int32", n)
                     rr[2] = tile_of(T.Cast("int32", bid), (rr[1] + BM - 1) // BM, TN, group)[0]
                     rr[3] = tile_of(T.Cast("int32", bid), (rr[1] + BM - 1) // BM, TN, group)[1]
-                    if tx == 0:
-                        for i in range(NS):
-                            T.evaluate(mbar_init(T.address_of(sm[OB + 2 * i]), NP))         # full: producer threads
-                            T.evaluate(mbar_init(T.address_of(sm[OB + 2 * (NS + i)]), NC))  # empty: consumer threads
+                    init(sm, tx)
                     T.tvm_storage_sync("shared.dyn")
                     if tx >= NC:
                         # ---- producers
@@ -166,40 +231,12 @@ def dense_wgmma_macro(N: int, K: int, stages: int = STAGES, group: int = GROUP_M
                         ga[AJ] = global_address(T.address_of(wq[
                             T.Cast("int64", rr[3] * BN + copy_chunk(tx - NC, 0)[0]) * XW + copy_chunk(tx - NC, 0)[1] * 4]))
                         sb[0] = smem_address(T.address_of(sm[rr[0]]))
-                        for ks in range(NK):
-                            if ks >= NS:
-                                T.evaluate(mbar_wait(T.address_of(sm[OB + 2 * (NS + ks % NS)]),
-                                                     T.Cast("uint32", (ks // NS + 1) % 2)))
-                            for j in T.unroll(AJ):
-                                T.evaluate(cp_async16_raw(
-                                    sb[0] + T.Cast("uint32", (ks % NS * SW + swizzle128_word(*copy_chunk(tx - NC, j))) * 4),
-                                    ga[j] + T.Cast("uint64", ks * BK * 2)))
-                            for j in T.unroll(WJ):
-                                T.evaluate(cp_async16_raw(
-                                    sb[0] + T.Cast("uint32", (ks % NS * SW + BM * 32
-                                                              + swizzle128_word(*copy_chunk(tx - NC, j))) * 4),
-                                    ga[AJ] + T.Cast("uint64", j * 16 * K * 2 + ks * BK * 2)))
-                            T.evaluate(cp_async_mbar_arrive(T.address_of(sm[OB + 2 * (ks % NS)])))
-                        T.evaluate(wait(0))
+                        produce(sm, sb, ga, tx - NC, NK)
                     else:
                         # ---- consumers: warpgroup tx / 128 takes token rows 64·(tx / 128) .. of the tile
                         T.evaluate(setmaxnreg("inc", REGS[1]))
                         desc[0] = sw128_desc(smem_address(T.address_of(sm[rr[0]])))
-                        for ks in range(NK):
-                            T.evaluate(mbar_wait(T.address_of(sm[OB + 2 * (ks % NS)]), T.Cast("uint32", ks // NS % 2)))
-                            T.evaluate(fence_proxy_async())
-                            T.evaluate(wgmma_fence())
-                            for s in T.unroll(4):
-                                T.evaluate(wgmma_bf16_ss(
-                                    BN, T.address_of(acc[0]),
-                                    desc[0] + T.Cast("uint64", ks % NS * (SW // 4) + tx // 128 * 64 * ROW_DESC + 2 * s),
-                                    desc[0] + T.Cast("uint64", ks % NS * (SW // 4) + BM * ROW_DESC + 2 * s),
-                                    T.Cast("int32", ks + s > 0)))
-                            T.evaluate(wgmma_commit())
-                            T.evaluate(wgmma_wait(1))
-                            if ks > 0:  # step ks - 1's wgmmas are done: its stage may be refilled
-                                T.evaluate(mbar_arrive(T.address_of(sm[OB + 2 * (NS + (ks + NS - 1) % NS)])))
-                        T.evaluate(wgmma_wait(0))
+                        consume(sm, desc, acc, tx // 128 * 64 * ROW_DESC, NK)
                         for a in T.unroll(ND):
                             if rr[2] * BM + tx // 128 * 64 + acc_position(tx % 128, a)[0] < rr[1]:
                                 store(y, T.Cast("int64", rr[2] * BM + tx // 128 * 64 + acc_position(tx % 128, a)[0]),
@@ -217,20 +254,4 @@ def dense_wgmma_kernel(N: int, K: int, out_dtype: str = "float32", stages: int =
     Raises:
         ValueError: as :func:`dense_wgmma_macro`.
     """
-    body = dense_wgmma_macro(N, K, stages, group, bn)
-
-    @T.macro
-    def store(y, i, j, a):
-        y[i, j] = T.Cast(out_dtype, a)
-
-    @T.prim_func(private=True)
-    def dense_wgmma(x_h: T.handle, w_h: T.handle, y_h: T.handle):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        n = T.int64()
-        x = T.match_buffer(x_h, (n, K), "bfloat16")
-        w = T.match_buffer(w_h, (N, K), "bfloat16")
-        y = T.match_buffer(y_h, (n, N), out_dtype)
-
-        body(x, w, y, n, store)
-
-    return dense_wgmma
+    return standalone_kernel(dense_wgmma_macro(N, K, stages, group, bn), N, K, out_dtype)

@@ -28,11 +28,10 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from schedules.dense_prefill_wgmma import BK, SMEM_LIMIT, acc_position, copy_chunk
-from schedules.mxfp4_ptx import wait
-from schedules.wgmma_ptx import (cp_async16_raw, cp_async_mbar_arrive, fence_proxy_async, global_address,
-                                 mbar_arrive, mbar_init, mbar_wait, smem_address, sw128_desc, swizzle128_word,
-                                 wgmma_bf16_ss, wgmma_commit, wgmma_fence, wgmma_wait)
+from schedules.dense_decode_tc import standalone_kernel
+
+from schedules.dense_prefill_wgmma import BK, SMEM_LIMIT, acc_position, copy_chunk, stage_pipeline
+from schedules.wgmma_ptx import global_address, smem_address, sw128_desc
 
 BM = 64           # tokens per tile (one wgmma M)
 BN = 128          # weight rows per tile (the wgmma's N)
@@ -101,8 +100,8 @@ def dense_splitk_macro(N: int, K: int, splits: int | None = None, stages: int = 
     SM_WORDS = OB + 4 * NS
     ND = BN // 2                 # fp32 accumulators per consumer thread
     TN = N // BN
-    AJ, WJ = BM // 16, BN // 16  # copies per producer thread per step
-    ROW_DESC = 128 // 16
+    AJ = BM // 16                # token-row copies per producer thread per step
+    init, produce, consume = stage_pipeline(NS, BM, BN, K, NC)
 
     def n_splits(n):
         return T.if_then_else(n <= FEW_TOKENS, T.int64(S1), T.int64(S2)) if S1 != S2 else T.int64(S1)
@@ -135,10 +134,7 @@ def dense_splitk_macro(N: int, K: int, splits: int | None = None, stages: int = 
                         rr[2] = T.Cast("int32", by) // SMAX
                         rr[3] = T.Cast("int32", by) % SMAX * rr[5]
                         if T.Cast("int32", by) % SMAX < rr[4]:
-                            if tx == 0:
-                                for i in range(NS):
-                                    T.evaluate(mbar_init(T.address_of(sm[OB + 2 * i]), NP))
-                                    T.evaluate(mbar_init(T.address_of(sm[OB + 2 * (NS + i)]), NC))
+                            init(sm, tx)
                             T.tvm_storage_sync("shared.dyn")
                             if tx >= NC:
                                 # ---- producers
@@ -150,40 +146,11 @@ def dense_splitk_macro(N: int, K: int, splits: int | None = None, stages: int = 
                                     T.Cast("int64", T.Cast("int32", bx) * BN + copy_chunk(tx - NC, 0)[0]) * XW
                                     + rr[3] * (BK // 2) + copy_chunk(tx - NC, 0)[1] * 4]))
                                 sb[0] = smem_address(T.address_of(sm[rr[0]]))
-                                for ks in range(rr[5]):
-                                    if ks >= NS:
-                                        T.evaluate(mbar_wait(T.address_of(sm[OB + 2 * (NS + ks % NS)]),
-                                                             T.Cast("uint32", (ks // NS + 1) % 2)))
-                                    for j in T.unroll(AJ):
-                                        T.evaluate(cp_async16_raw(
-                                            sb[0] + T.Cast("uint32", (ks % NS * SW + swizzle128_word(*copy_chunk(tx - NC, j))) * 4),
-                                            ga[j] + T.Cast("uint64", ks * BK * 2)))
-                                    for j in T.unroll(WJ):
-                                        T.evaluate(cp_async16_raw(
-                                            sb[0] + T.Cast("uint32", (ks % NS * SW + BM * 32
-                                                                      + swizzle128_word(*copy_chunk(tx - NC, j))) * 4),
-                                            ga[AJ] + T.Cast("uint64", j * 16 * K * 2 + ks * BK * 2)))
-                                    T.evaluate(cp_async_mbar_arrive(T.address_of(sm[OB + 2 * (ks % NS)])))
-                                T.evaluate(wait(0))
+                                produce(sm, sb, ga, tx - NC, rr[5])
                             else:
                                 # ---- consumers: the tile's 64 tokens × 128 rows over the split's K steps
                                 desc[0] = sw128_desc(smem_address(T.address_of(sm[rr[0]])))
-                                for ks in range(rr[5]):
-                                    T.evaluate(mbar_wait(T.address_of(sm[OB + 2 * (ks % NS)]),
-                                                         T.Cast("uint32", ks // NS % 2)))
-                                    T.evaluate(fence_proxy_async())
-                                    T.evaluate(wgmma_fence())
-                                    for s in T.unroll(4):
-                                        T.evaluate(wgmma_bf16_ss(
-                                            BN, T.address_of(acc[0]),
-                                            desc[0] + T.Cast("uint64", ks % NS * (SW // 4) + 2 * s),
-                                            desc[0] + T.Cast("uint64", ks % NS * (SW // 4) + BM * ROW_DESC + 2 * s),
-                                            T.Cast("int32", ks + s > 0)))
-                                    T.evaluate(wgmma_commit())
-                                    T.evaluate(wgmma_wait(1))
-                                    if ks > 0:
-                                        T.evaluate(mbar_arrive(T.address_of(sm[OB + 2 * (NS + (ks + NS - 1) % NS)])))
-                                T.evaluate(wgmma_wait(0))
+                                consume(sm, desc, acc, 0, rr[5])
                                 # partial sums (the wgmma D fragment, acc_position)
                                 for a in T.unroll(ND):
                                     if rr[2] * BM + acc_position(tx, a)[0] < rr[1]:
@@ -216,20 +183,4 @@ def dense_splitk_kernel(N: int, K: int, out_dtype: str = "float32", splits: int 
     Raises:
         ValueError: as :func:`dense_splitk_macro`.
     """
-    body = dense_splitk_macro(N, K, splits, stages)
-
-    @T.macro
-    def store(y, i, j, a):
-        y[i, j] = T.Cast(out_dtype, a)
-
-    @T.prim_func(private=True)
-    def dense_splitk(x_h: T.handle, w_h: T.handle, y_h: T.handle):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        n = T.int64()
-        x = T.match_buffer(x_h, (n, K), "bfloat16")
-        w = T.match_buffer(w_h, (N, K), "bfloat16")
-        y = T.match_buffer(y_h, (n, N), out_dtype)
-
-        body(x, w, y, n, store)
-
-    return dense_splitk
+    return standalone_kernel(dense_splitk_macro(N, K, splits, stages), N, K, out_dtype)

@@ -5,6 +5,8 @@
 - :func:`param_args` — the trailing parameter arguments, in ``params`` order, from a dict.
 - :func:`ragged_meta` — the int32 ForwardMeta arrays (docs/DESIGN.md) for sequence lengths.
 - :func:`nd` — numpy → ``tvm.runtime.Tensor`` on the CPU.
+- :func:`sm90a_cuda_source` / :func:`ptxas_report` — one hand-written PrimFunc's CUDA for
+  cuda-sm90a, and what ptxas says of it (registers, spills).
 - :func:`build_sm90a_fatbin` / :data:`needs_nvcc` — build kernels for cuda-sm90a in a
   subprocess (device code precompiled by nvcc) and report what the library holds.
 - :func:`nano_kda_prefill_vs_generic` — k3-nano's logits with a KDA prefill path under test
@@ -105,6 +107,29 @@ def meta_spec() -> dict:
 
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+
+
+def sm90a_cuda_source(func, name: str = "dense") -> str:
+    """The CUDA source TVM generates for the hand-scheduled PrimFunc ``func`` on cuda-sm90a
+    (compiled with the kernels' own barriers, as k3_compile.build does)."""
+    from schedules.barriers import respect_manual_barriers
+    from targets import get_target
+
+    with respect_manual_barriers():
+        lib = tvm.tirx.build(tvm.IRModule({name: func.with_attr("global_symbol", name)}),
+                             target=get_target("cuda-sm90a").tvm_target())
+    return lib.imports[0].inspect_source()
+
+
+def ptxas_report(src: str, tmp_path: Path) -> str:
+    """ptxas's verbose report (stderr) of compiling CUDA ``src`` for sm_90a with nvcc; fails
+    the test where nvcc fails."""
+    cu = tmp_path / "kernel.cu"
+    cu.write_text(src)
+    r = subprocess.run(["nvcc", "-cubin", "-arch=sm_90a", "-Xptxas", "-v", "-o", str(tmp_path / "kernel.cubin"),
+                        str(cu)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stderr
 
 
 def build_sm90a_fatbin(setup: str, tmp_path: Path, contexts: str = "", keep_src: bool = False) -> str:

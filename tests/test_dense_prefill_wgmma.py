@@ -7,10 +7,9 @@ benchmarks/moe_layer.py (the K3 MoE layer against a torch reference) on the H200
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 
 import pytest
+from helpers_tvm import needs_nvcc, ptxas_report, sm90a_cuda_source
 
 from schedules import dense_decode_tc as ddt
 from schedules import dense_prefill_wgmma as dpw
@@ -115,29 +114,15 @@ def test_splice_keeps_the_fused_epilogue_and_rejects_what_does_not_fit():
     assert ddt.splice_body(g, dpw.dense_wgmma_macro, dpw.fits) is None
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+@needs_nvcc
 def test_cuda_has_four_wgmmas_per_k_step_and_no_spills(tmp_path):
-    import tvm
-
-    from schedules.barriers import respect_manual_barriers
-    from targets import get_target
-
-    f = dpw.dense_wgmma_kernel(3584, 7168, "bfloat16")
-    with respect_manual_barriers():
-        lib = tvm.tirx.build(tvm.IRModule({"dense": f.with_attr("global_symbol", "dense")}),
-                             target=get_target("cuda-sm90a").tvm_target())
-    src = lib.imports[0].inspect_source()
+    src = sm90a_cuda_source(dpw.dense_wgmma_kernel(3584, 7168, "bfloat16"))
     kernel = src[src.index('extern "C" __global__'):]
     # one k16 slice per wgmma, four per K step of 64 inputs, 256-row tiles
     assert len(re.findall(r"k3_wgmma_m64n256k16_bf16_ss\(\(&", kernel)) == 4
     assert "k3_setmaxnreg_dec40" in kernel and "k3_setmaxnreg_inc232" in kernel
     assert "__launch_bounds__(384, 1)" in kernel
-    cu = tmp_path / "dense.cu"
-    cu.write_text(src)
-    r = subprocess.run(["nvcc", "-cubin", "-arch=sm_90a", "-Xptxas", "-v", "-o", str(tmp_path / "d.cubin"),
-                        str(cu)], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "0 bytes spill stores" in r.stderr, r.stderr
+    assert "0 bytes spill stores" in ptxas_report(src, tmp_path)
 
 
 # ------------------------------------------------------------------ split-K kernel (batched decode)
@@ -164,24 +149,10 @@ def test_splitk_errors():
         dsk.dense_splitk_macro(128, 256, stages=5)
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+@needs_nvcc
 def test_splitk_cuda_two_kernels_two_blocks_per_sm_no_spills(tmp_path):
-    import tvm
-
-    from schedules.barriers import respect_manual_barriers
-    from targets import get_target
-
-    f = dsk.dense_splitk_kernel(3584, 7168, "bfloat16")
-    with respect_manual_barriers():
-        lib = tvm.tirx.build(tvm.IRModule({"dense": f.with_attr("global_symbol", "dense")}),
-                             target=get_target("cuda-sm90a").tvm_target())
-    src = lib.imports[0].inspect_source()
+    src = sm90a_cuda_source(dsk.dense_splitk_kernel(3584, 7168, "bfloat16"))
     # the split GEMM (two blocks per SM, four k16 wgmmas per K step) and the reduction
     assert "__launch_bounds__(256, 2) dense_kernel(" in src and "dense_kernel_1(" in src
     assert len(re.findall(r"k3_wgmma_m64n128k16_bf16_ss\(\(&", src)) == 4
-    cu = tmp_path / "splitk.cu"
-    cu.write_text(src)
-    r = subprocess.run(["nvcc", "-cubin", "-arch=sm_90a", "-Xptxas", "-v", "-o", str(tmp_path / "s.cubin"),
-                        str(cu)], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stderr.count("0 bytes spill stores") == 2, r.stderr
+    assert ptxas_report(src, tmp_path).count("0 bytes spill stores") == 2
