@@ -22,7 +22,8 @@ there differ by ~0.005; a larger one concentrates the routing on a few experts),
 1 + N(0, 0.1²). Two sets of the dense weights alternate between calls, and each call
 takes the next of 4 inputs, so no call finds the previous call's weights in L2 (50 MiB).
 
-Check (T = 1, 2, 3, 8, 64: each branch of the dense projections): the layer's output vs a torch reference of spec §3 "MoE block" written here
+Check (``CHECK_T``: each branch of the dense projections and its edges; the decode function at
+every count, the prefill function from 64 tokens): the layer's output vs a torch reference of spec §3 "MoE block" written here
 from the spec (router in fp32, sigmoid, top-k of score + bias, renormalized, × scaling factor;
 MXFP4 dequantized in fp32; bf16 rounding where the model rounds), relative to the largest
 output.
@@ -66,7 +67,9 @@ PREFILL_T = (512, 2048, 8192)
 # the decode path (chain + MXFP4 GEMV kernels) timed at prefill chunk sizes, beside the prefill
 # path: which expert kernels a mid-size chunk should take
 DECODE_PATH_AT = (256, 512, 1024)
-CHECK_T = (1, 2, 3, 8, 64, 200, 300)  # every branch of the dense projections, several token tiles
+# every branch of the dense projections (GEMV 1-2, decode kernel 3-16, split-K 17-255 with its
+# two split counts either side of 32, prefill kernel 256+) with its edges, several token tiles
+CHECK_T = (1, 2, 3, 8, 16, 17, 32, 33, 64, 200, 255, 256, 300)
 INPUTS = 4       # inputs rotated per T
 DENSE_SETS = 2   # dense weight sets alternated
 REL_TOL = 0.015  # of the largest |output|: a few bf16 roundings (0.4% each) on the way

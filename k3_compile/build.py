@@ -123,6 +123,8 @@ def low_batch_specialize(target, ranges=LOW_BATCH, tensor_cores: bool = True, wg
     Raises:
         ValueError: ``ranges`` whose limits do not increase.
     """
+    import functools
+
     import tvm
     from tvm import s_tir, tirx
     from tvm.s_tir import dlight as dl
@@ -151,7 +153,9 @@ def low_batch_specialize(target, ranges=LOW_BATCH, tensor_cores: bool = True, wg
             tc = ddt.splice_body(f) if use_tc else None
             wg = (ddt.splice_body(f, dpw.dense_wgmma_macro, dpw.fits)
                   if tc is not None and wgmma else None)
-            sk = (ddt.splice_body(f, dsk.dense_splitk_macro, dsk.fits)
+            # its workspace sized for the token counts it runs at (else for one token)
+            sk = (ddt.splice_body(f, functools.partial(dsk.dense_splitk_macro,
+                                                       token_range=(SPLITK_FROM, WGMMA_FROM - 1)), dsk.fits)
                   if tc is not None and wgmma else None)
             tiled = _dlight(f, dl.gpu.Matmul(), target) if tc is None else None
             if tc is None and tiled is None:

@@ -7,7 +7,7 @@ Why: the ``mma.sync`` kernel of :mod:`schedules.dense_decode_tc` is built for de
 rows per block, tokens from L2); at 8192 tokens the K3 MoE layer's dense projections took 37.7
 ms with it, cuBLAS 4.5 ms (benchmarks/results/moe_layer_h200_2026-11-30.json). The compile
 pipeline (``k3_compile.build.low_batch_specialize``) gives each projection this kernel from
-:data:`PREFILL_FROM` tokens on, on targets with ``wgmma``.
+``k3_compile.build.WGMMA_FROM`` (256) tokens on, on targets with ``wgmma``.
 
 Mapping. A block computes a tile of :data:`BM` = 128 tokens × ``BN`` (256, else 128) weight
 rows. Its two consumer warpgroups take 64 tokens each: per K step of :data:`BK` = 64 inputs,
@@ -50,8 +50,6 @@ REGS = (40, 232)  # registers per producer / consumer thread (setmaxnreg)
 GROUP_M = 8       # token tiles per group of the tile order
 STAGES = 4
 SMEM_LIMIT = 227 * 1024
-# tokens from which the compile pipeline uses this kernel (below: schedules/dense_decode_tc.py)
-PREFILL_FROM = 256
 
 
 def tile_rows(n_rows: int) -> int | None:
@@ -174,13 +172,15 @@ def dense_wgmma_macro(N: int, K: int, stages: int = STAGES, group: int = GROUP_M
 
     Raises:
         ValueError: ``N`` not a multiple of 128 (of ``bn``), ``K`` not a multiple of 64, over
-            2^31 elements, ``stages < 2``, shared memory over the per-block limit.
+            2^31 elements, ``stages < 2``, ``group < 1``, shared memory over the per-block limit.
     """
     if not fits(N, K):
         raise ValueError(f"W [{N}, {K}]: rows must be a multiple of 128 and the input width a "
                          f"multiple of {BK} (and under 2^31 elements)")
     if stages < 2:
         raise ValueError(f"stages must be at least 2, got {stages}")
+    if group < 1:
+        raise ValueError(f"group must be at least 1 token tile, got {group}")
     BN = bn or tile_rows(N)
     if BN not in (128, 256) or N % BN:
         raise ValueError(f"tile of {BN} weight rows: 128 or 256, dividing the {N} rows")

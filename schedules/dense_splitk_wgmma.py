@@ -70,26 +70,35 @@ def smem_bytes(stages: int = STAGES) -> int:
     return (256 + stages * (BM + BN) * 32 + 4 * stages) * 4
 
 
-def dense_splitk_macro(N: int, K: int, splits: int | None = None, stages: int = STAGES):
+def dense_splitk_macro(N: int, K: int, splits: int | None = None, stages: int = STAGES,
+                       token_range: tuple[int, int] | None = None):
     """The kernels as a TVMScript macro ``body(x, w, y, n, store)`` (the signature of
     :func:`schedules.dense_decode_tc.dense_tc_macro`; ``n >= 1``). ``splits``: a fixed number
     of K splits; by default :func:`choose_splits` for :data:`TARGET_BLOCKS` blocks up to
     :data:`FEW_TOKENS` tokens and for half as many above (chosen at run time from ``n``).
+    ``token_range = (lo, hi)``: the function branches to the kernels only for ``lo <= n <= hi``
+    (k3_compile.build); TVM allocates the workspace at the function's entry whatever branch
+    runs, so outside that range it is sized for one token (the kernels must not run there).
 
     Raises:
-        ValueError: ``N`` not a multiple of 128, ``K`` not a multiple of 64, ``splits`` not
-            dividing the K steps, ``stages < 2``, shared memory over the limit.
+        ValueError: ``N`` not a multiple of 128, ``K`` not a multiple of 64, ``splits`` below 1
+            or not dividing the K steps, ``stages < 2``, a bad ``token_range``, shared memory
+            over the limit.
     """
     if not fits(N, K):
         raise ValueError(f"W [{N}, {K}]: rows must be a multiple of {BN} and the input width a "
                          f"multiple of {BK} (and under 2^31 elements)")
     NK = K // BK
-    S1, S2 = (splits, splits) if splits else (choose_splits(N, K), choose_splits(N, K, TARGET_BLOCKS // 2))
+    S1, S2 = (splits, splits) if splits is not None else (choose_splits(N, K), choose_splits(N, K, TARGET_BLOCKS // 2))
     if NK % S1:
         raise ValueError(f"{S1} splits do not divide the {NK} K steps of {BK} inputs")
     SMAX = max(S1, S2)
+    if splits is not None and splits < 1:
+        raise ValueError(f"splits must be at least 1, got {splits}")
     if stages < 2:
         raise ValueError(f"stages must be at least 2, got {stages}")
+    if token_range is not None and not 1 <= token_range[0] <= token_range[1]:
+        raise ValueError(f"token_range must be (lo, hi) with 1 <= lo <= hi, got {token_range}")
     if 2 * smem_bytes(stages) > SMEM_LIMIT:
         raise ValueError(f"{stages} stages need {smem_bytes(stages)} bytes of shared memory per block "
                          f"(two blocks per SM: limit {SMEM_LIMIT // 2})")
@@ -106,11 +115,18 @@ def dense_splitk_macro(N: int, K: int, splits: int | None = None, stages: int = 
     def n_splits(n):
         return T.if_then_else(n <= FEW_TOKENS, T.int64(S1), T.int64(S2)) if S1 != S2 else T.int64(S1)
 
+    def ws_tokens(n):
+        if token_range is None:
+            return n
+        return T.if_then_else(T.And(n >= token_range[0], n <= token_range[1]), n, T.int64(1))
+
     @T.macro
     def body(x, w, y, n, store):
         xq = T.decl_buffer((n * XW,), "uint32", data=x.data)
         wq = T.decl_buffer((N * XW,), "uint32", data=w.data)
-        ws = T.alloc_buffer((SMAX * n * N,), "float32", scope="global")
+        # fp32 partial sums [split, n, N] in a device workspace (allocated at the function's
+        # entry for every call: sized by ws_tokens)
+        ws = T.decl_buffer((SMAX * ws_tokens(n) * N,), "float32", scope="global")
         # SMAX splits per token tile in the grid; the blocks past the run-time splits exit (a
         # grid extent that depends on n through a select gets its kernel duplicated by TVM's
         # passes with one thread variable in both copies, which its bound analysis rejects)

@@ -5,7 +5,7 @@ step 4): ``y[t, l] = bf16(Σ_j w[t, j] · o[t, j, l])``, products and sums in fp
 Why: the Relax form (``sum(astype(o, f32) * w[..., None], axis=1)``) is scheduled by dlight's
 reduction rules with the 16-long reduction in the middle axis; on the H200 it took 3.2 ms for
 8192 tokens (940 MB of bf16 outputs, 0.23 ms of HBM time) and 28.7 µs at 64 tokens
-(benchmarks/results/moe_layer_h200_2026-11-30.json, the kernel
+(benchmarks/results/moe_layer_dense_wgmma_h200_2026-11-30.json, the kernel
 ``fused_cast_cast1_cast3_expand_dims_multiply_sum``). Here one thread owns 8 consecutive
 outputs of a token: it reads the token's ``top_k`` rows of 16 bytes each (independent loads)
 and its ``top_k`` weights, and writes 16 bytes.
@@ -15,6 +15,8 @@ variant on odd sizes, benchmarks/moe_layer.py the GPU one inside the K3 MoE laye
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 from tvm.script import tirx as T
@@ -33,6 +35,7 @@ def moe_combine_reference(o: np.ndarray, w: np.ndarray) -> np.ndarray:
     return y
 
 
+@functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def moe_combine_kernel(top_k: int, width: int, gpu: bool = True, threads: int = 128):
     """PrimFunc ``(o [n, top_k, width] bf16, w [n, top_k] fp32, y [n, width] bf16)``, ``n``
     symbolic: ``y`` = the combine (module doc). ``gpu``: thread-bound (``threads`` per block);

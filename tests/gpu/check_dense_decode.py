@@ -1,5 +1,5 @@
 """The dense bf16 kernels on a CUDA GPU — the decode kernel (schedules/dense_decode_tc.py) and the
-Hopper prefill kernel (schedules/dense_prefill_wgmma.py): correctness against torch on odd sizes
+Hopper split-K and prefill kernels (schedules/dense_splitk_wgmma.py, dense_prefill_wgmma.py): correctness against torch on odd sizes
 and token counts, and their speed against cuBLAS (and the HBM roofline, the bf16 peak) at the
 K3 MoE layer's dense shapes.
 
@@ -30,7 +30,7 @@ CHECK_N = (1, 3, 8, 13, 64, 65, 200)
 CHECK_N_WGMMA = (1, 127, 128, 129, 300, 1000)
 TIME_N = (1, 8, 64, 2048, 8192)
 TIME_N_WGMMA = (64, 256, 512, 1024, 2048, 8192)
-CHECK_N_SPLITK = (1, 3, 17, 64, 65, 130)
+CHECK_N_SPLITK = (1, 3, 17, 32, 33, 64, 65, 130, 255)
 TIME_N_SPLITK = (16, 24, 32, 48, 64, 128, 192, 256, 384, 512)
 ROTATE = 8
 

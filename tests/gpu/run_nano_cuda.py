@@ -48,8 +48,8 @@ PROMPTS = [  # tests/test_model.py PROMPTS
     ".. function:: open(file, mode='r')\n\n   Open *file* and return a",
     "The :mod:`json` module provides",
 ]
-# a prompt of over 128 tokens: its prefill runs the dense projections on the prefill kernel
-# (schedules/dense_prefill_wgmma.py from k3_compile.build.WGMMA_FROM tokens, bf16 build)
+# a prompt of at least k3_compile.build.WGMMA_FROM (256) tokens: its prefill runs the dense
+# projections on the prefill kernel (schedules/dense_prefill_wgmma.py, bf16 build)
 LONG_PROMPT = """import json
 from pathlib import Path
 
@@ -252,8 +252,10 @@ def prepare(out: Path) -> None:
     for i, p in enumerate(ids):
         ref[f"ids{i}"] = np.array(p, np.int32)
     long_ids = tok.encode(LONG_PROMPT)
-    if len(long_ids) <= 128:
-        raise RuntimeError(f"LONG_PROMPT has {len(long_ids)} tokens; it must have over 128")
+    from k3_compile.build import WGMMA_FROM
+
+    if len(long_ids) < WGMMA_FROM:
+        raise RuntimeError(f"LONG_PROMPT has {len(long_ids)} tokens; the prefill kernel needs {WGMMA_FROM}")
     ref["ids_long"] = np.array(long_ids, np.int32)
     np.savez_compressed(out / "reference.npz", **ref)
     (out / "meta.json").write_text(json.dumps(meta))
