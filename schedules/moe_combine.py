@@ -70,28 +70,27 @@ def moe_combine_kernel(top_k: int, width: int, gpu: bool = True, threads: int = 
             for v in T.vectorized(VEC):
                 y[idx // CH, idx % CH * VEC + v] = T.Cast("bfloat16", acc[v])
 
-    if gpu:
-        @T.prim_func(private=True)
-        def moe_combine(o_h: T.handle, w_h: T.handle, y_h: T.handle):
-            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-            n = T.int64()
-            o = T.match_buffer(o_h, (n, K, width), "bfloat16")
-            w = T.match_buffer(w_h, (n, K), "float32")
-            y = T.match_buffer(y_h, (n, width), "bfloat16")
-            oq = T.decl_buffer((n * K * W2,), "uint32", data=o.data)
-            for bx in T.thread_binding((n * CH + threads - 1) // threads, thread="blockIdx.x"):
-                for tx in T.thread_binding(threads, thread="threadIdx.x"):
-                    one(oq, w, y, bx * threads + tx, n)
-    else:
-        @T.prim_func(private=True)
-        def moe_combine(o_h: T.handle, w_h: T.handle, y_h: T.handle):
-            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-            n = T.int64()
-            o = T.match_buffer(o_h, (n, K, width), "bfloat16")
-            w = T.match_buffer(w_h, (n, K), "float32")
-            y = T.match_buffer(y_h, (n, width), "bfloat16")
-            oq = T.decl_buffer((n * K * W2,), "uint32", data=o.data)
-            for idx in range(n * CH):
-                one(oq, w, y, idx, n)
+    @T.macro
+    def gpu_loops(oq, w, y, n):
+        for bx in T.thread_binding((n * CH + threads - 1) // threads, thread="blockIdx.x"):
+            for tx in T.thread_binding(threads, thread="threadIdx.x"):
+                one(oq, w, y, bx * threads + tx, n)
+
+    @T.macro
+    def cpu_loops(oq, w, y, n):
+        for idx in range(n * CH):
+            one(oq, w, y, idx, n)
+
+    loops = gpu_loops if gpu else cpu_loops
+
+    @T.prim_func(private=True)
+    def moe_combine(o_h: T.handle, w_h: T.handle, y_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        n = T.int64()
+        o = T.match_buffer(o_h, (n, K, width), "bfloat16")
+        w = T.match_buffer(w_h, (n, K), "float32")
+        y = T.match_buffer(y_h, (n, width), "bfloat16")
+        oq = T.decl_buffer((n * K * W2,), "uint32", data=o.data)
+        loops(oq, w, y, n)
 
     return moe_combine
