@@ -211,13 +211,16 @@ def _in_target(target, passes):
     return _pass
 
 
-def gpu_relax_pipeline(target, cuda_graph: bool = False, low_batch=LOW_BATCH, wgmma: bool = False):
+def gpu_relax_pipeline(target, cuda_graph: bool = False, low_batch=LOW_BATCH, wgmma: bool = False,
+                       tensor_cores: bool = True):
     """The Relax pipeline for GPU targets (see the module docstring).
 
     ``low_batch``: the ``(limit, bucket)`` pairs of :func:`low_batch_specialize` (empty: one
     dlight schedule per function; ignored on Metal, where its tiled branch would crash).
 
     ``wgmma``: the target has Hopper's warpgroup MMA (:func:`low_batch_specialize`).
+    ``tensor_cores``: the dense projections may take the hand-written kernels
+    (:func:`low_batch_specialize`; False: dlight's schedules alone, ``k3 compile --generic-kernels``).
 
     ``cuda_graph``: on CUDA, ``RewriteCUDAGraph`` lifts the regions of each function whose
     inputs are only the weights and static allocations into graphs captured on first run and
@@ -256,7 +259,8 @@ def gpu_relax_pipeline(target, cuda_graph: bool = False, low_batch=LOW_BATCH, wg
             relax.transform.FuseOps(),
             relax.transform.FuseTIR(),
             relax.transform.DeadCodeElimination(),
-            _in_target(sched, [*([low_batch_specialize(sched, low_batch, wgmma=wgmma)] if low_batch else []),
+            _in_target(sched, [*([low_batch_specialize(sched, low_batch, tensor_cores=tensor_cores,
+                                                                          wgmma=wgmma and tensor_cores)] if low_batch else []),
                                dl.ApplyDefaultSchedule(*rules)]),
             relax.transform.RewriteDataflowReshape(),
             relax.transform.ToNonDataflow(),
@@ -290,7 +294,7 @@ def unscheduled_gpu_functions(mod) -> list[str]:
 
 
 def build_module(mod, target_spec: TargetSpec, *, keep_dir=None, cuda_graph: bool = False,
-                 low_batch=LOW_BATCH):
+                 low_batch=LOW_BATCH, hand_kernels: bool = True):
     """Compile ``mod`` (from :func:`k3_compile.pipeline.export_model`) for ``target_spec``.
 
     Args:
@@ -299,6 +303,8 @@ def build_module(mod, target_spec: TargetSpec, *, keep_dir=None, cuda_graph: boo
         keep_dir: CUDA targets: keep the generated ``.cu`` sources and fatbins there.
         cuda_graph: CUDA targets: capture launch sequences as CUDA graphs
             (see :func:`gpu_relax_pipeline`).
+        hand_kernels: CUDA targets: the dense projections take the hand-written tensor-core
+            kernels (False with ``k3 compile --generic-kernels``: dlight's schedules).
         low_batch: GPU targets: ``(limit, bucket)`` pairs of :func:`low_batch_specialize`
             (empty: one dlight schedule per matmul).
 
@@ -321,4 +327,5 @@ def build_module(mod, target_spec: TargetSpec, *, keep_dir=None, cuda_graph: boo
         return build_cuda(mod, target_spec, keep_dir=keep_dir,
                           relax_pipeline=gpu_relax_pipeline(target, cuda_graph=cuda_graph,
                                                             low_batch=low_batch,
-                                                            wgmma=target_spec.features.wgmma))
+                                                            wgmma=target_spec.features.wgmma,
+                                                            tensor_cores=hand_kernels))

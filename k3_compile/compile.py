@@ -224,7 +224,7 @@ def compile_model(model: str | Path, target: str, out: str | Path, *, dtype: str
     phases["export"] = time.time() - ts
     say(f"building for {spec.name} ({spec.description})")
     ts = time.time()
-    ex = build_module(mod, spec, cuda_graph=cuda_graph)
+    ex = build_module(mod, spec, cuda_graph=cuda_graph, hand_kernels=tuned)
     phases["build"] = time.time() - ts
     say(f"writing {out}")
     ts = time.time()

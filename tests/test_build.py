@@ -204,3 +204,36 @@ def test_gpu_pipeline_dense_matmuls_read_weights_as_stored_and_branch_on_tokens(
     readers = {n for n, f in out.items() for p in f.params
                if p.name.endswith("block_sparse_moe.gate.weight")}
     assert readers and all(n in dense for n in readers), readers
+
+
+def test_generic_kernels_build_keeps_dlight_for_dense_projections():
+    """``k3 compile --generic-kernels`` (build_module(hand_kernels=False)) gives the dense
+    projections dlight's schedules alone: no hand-written tensor-core kernel in them; the
+    default build splices the decode, split-K and prefill kernels (cuda-sm90a)."""
+    import tvm
+    from tvm.relax.frontend import nn
+    from tvm.relax.frontend.nn import op
+
+    from k3_compile.build import gpu_relax_pipeline
+    from targets import get_target
+
+    class Proj(nn.Module):
+        def __init__(self):
+            self.w = nn.Parameter((256, 128), "bfloat16")
+
+        def forward(self, x):
+            return op.astype(op.matmul(x, op.permute_dims(self.w, [1, 0]), out_dtype="float32"), "bfloat16")
+
+    mod, _ = Proj().export_tvm(spec={"forward": {"x": nn.spec.Tensor(["n", 128], "bfloat16")}})
+    target = get_target("cuda-sm90a").tvm_target()
+
+    def dense_src(**kw):
+        out = gpu_relax_pipeline(target, wgmma=True, **kw)(mod)
+        return "\n".join(f.script() for gv, f in out.functions_items()
+                         if isinstance(f, tvm.tirx.PrimFunc) and "matmul" in gv.name_hint)
+
+    hand = dense_src()
+    assert all(k in hand for k in ("k3_mma_bf16", "k3_wgmma_m64n128k16_bf16_ss", "k3_wgmma_m64n256k16_bf16_ss"))
+    generic = dense_src(tensor_cores=False)
+    assert 'thread="threadIdx.x"' in generic  # scheduled (by dlight)
+    assert "k3_mma_bf16" not in generic and "k3_wgmma" not in generic
