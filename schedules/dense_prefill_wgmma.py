@@ -98,6 +98,27 @@ def smem_bytes(n_rows: int, stages: int = STAGES, bn: int | None = None) -> int:
     return (256 + stages * (BM + bn) * 32 + 4 * stages) * 4
 
 
+def stage_word(stage, row, chunk, a_rows: int, b_rows: int, weights: bool):
+    """uint32 word offset, from the pipeline's aligned base, of 16-byte chunk ``chunk`` of row
+    ``row`` of a stage's token tile (``weights`` False) or weight tile (True): stages of
+    ``a_rows`` token rows then ``b_rows`` weight rows of 128 bytes, each tile under the 128-byte
+    swizzle (:func:`schedules.wgmma_ptx.swizzle128_word`). Python ints or TIR expressions; the
+    producers' copies (:func:`stage_pipeline`) write here."""
+    off = stage * (a_rows + b_rows) * 32
+    if weights:
+        off = off + a_rows * 32
+    return off + swizzle128_word(row, chunk)
+
+
+def stage_desc(stage, s, a_rows: int, b_rows: int, weights: bool, a_row0=0):
+    """Offset, in 16-byte descriptor units from stage 0's tile, of the matrix descriptor of k16
+    slice ``s`` (0..3) of a stage: the token rows from ``a_row0`` (the wgmma's A, 64 rows) or the
+    weight tile (its B). The consumers' wgmmas (:func:`stage_pipeline`) read there."""
+    off = stage * ((a_rows + b_rows) * 32 // 4)
+    off = off + (a_rows if weights else a_row0) * (128 // 16)
+    return off + 2 * s
+
+
 def stage_pipeline(stages: int, a_rows: int, b_rows: int, K: int, consumers: int, base: int = 256):
     """TVMScript macros of the shared-memory pipeline both Hopper dense kernels run (this module
     and :mod:`schedules.dense_splitk_wgmma`): ``stages`` stages of ``a_rows`` token rows then
@@ -109,15 +130,14 @@ def stage_pipeline(stages: int, a_rows: int, b_rows: int, K: int, consumers: int
     - ``produce(sm, sb, ga, p, steps)``: producer thread ``p`` (0..127) copies ``steps`` K steps,
       its token rows from ``ga[j]`` and weight rows from ``ga[a_rows / 16]`` (uint64 global
       addresses of step 0, :func:`copy_chunk`'s rows), to the stage at shared address ``sb[0]``;
-    - ``consume(sm, desc, acc, a_off, steps)``: per K step four ``wgmma.m64n{b_rows}k16`` into
-      ``acc`` from the token rows ``a_off`` descriptor units into the stage (``desc[0]``: stage
+    - ``consume(sm, desc, acc, a_row0, steps)``: per K step four ``wgmma.m64n{b_rows}k16`` into
+      ``acc`` from the 64 token rows from ``a_row0`` (``desc[0]``: stage
       0's descriptor), each stage released once its wgmmas are done.
     """
     NS = stages
     SW = (a_rows + b_rows) * 32
     OB = base + NS * SW
     AJ, WJ = a_rows // 16, b_rows // 16
-    ROW_DESC = 128 // 16
 
     @T.macro
     def init(sm, tx):
@@ -133,17 +153,17 @@ def stage_pipeline(stages: int, a_rows: int, b_rows: int, K: int, consumers: int
                 T.evaluate(mbar_wait(T.address_of(sm[OB + 2 * (NS + ks % NS)]), T.Cast("uint32", (ks // NS + 1) % 2)))
             for j in T.unroll(AJ):
                 T.evaluate(cp_async16_raw(
-                    sb[0] + T.Cast("uint32", (ks % NS * SW + swizzle128_word(*copy_chunk(p, j))) * 4),
+                    sb[0] + T.Cast("uint32", stage_word(ks % NS, *copy_chunk(p, j), a_rows, b_rows, False) * 4),
                     ga[j] + T.Cast("uint64", ks * BK * 2)))
             for j in T.unroll(WJ):
                 T.evaluate(cp_async16_raw(
-                    sb[0] + T.Cast("uint32", (ks % NS * SW + a_rows * 32 + swizzle128_word(*copy_chunk(p, j))) * 4),
+                    sb[0] + T.Cast("uint32", stage_word(ks % NS, *copy_chunk(p, j), a_rows, b_rows, True) * 4),
                     ga[AJ] + T.Cast("uint64", j * 16 * K * 2 + ks * BK * 2)))
             T.evaluate(cp_async_mbar_arrive(T.address_of(sm[OB + 2 * (ks % NS)])))
         T.evaluate(wait(0))
 
     @T.macro
-    def consume(sm, desc, acc, a_off, steps):
+    def consume(sm, desc, acc, a_row0, steps):
         for ks in range(steps):
             T.evaluate(mbar_wait(T.address_of(sm[OB + 2 * (ks % NS)]), T.Cast("uint32", ks // NS % 2)))
             T.evaluate(fence_proxy_async())
@@ -151,8 +171,8 @@ def stage_pipeline(stages: int, a_rows: int, b_rows: int, K: int, consumers: int
             for s in T.unroll(4):
                 T.evaluate(wgmma_bf16_ss(
                     b_rows, T.address_of(acc[0]),
-                    desc[0] + T.Cast("uint64", ks % NS * (SW // 4) + a_off + 2 * s),
-                    desc[0] + T.Cast("uint64", ks % NS * (SW // 4) + a_rows * ROW_DESC + 2 * s),
+                    desc[0] + T.Cast("uint64", stage_desc(ks % NS, s, a_rows, b_rows, False, a_row0)),
+                    desc[0] + T.Cast("uint64", stage_desc(ks % NS, s, a_rows, b_rows, True)),
                     T.Cast("int32", ks + s > 0)))
             T.evaluate(wgmma_commit())
             T.evaluate(wgmma_wait(1))
@@ -194,8 +214,7 @@ def dense_wgmma_macro(N: int, K: int, stages: int = STAGES, group: int = GROUP_M
     SM_WORDS = OB + 4 * NS
     ND = BN // 2                 # fp32 accumulators per consumer thread
     TN = N // BN                 # row tiles
-    AJ, WJ = BM // 16, BN // 16  # copies per producer thread per step: token rows, weight rows
-    ROW_DESC = 128 // 16         # descriptor units (16 bytes) per 128-byte row
+    AJ = BM // 16                # token-row copies per producer thread per step
     init, produce, consume = stage_pipeline(NS, BM, BN, K, NC)
     if NP * REGS[0] + NC * REGS[1] > (NP + NC) * (65536 // (NP + NC) // 8 * 8):
         raise ValueError("setmaxnreg totals exceed the block's registers")
@@ -236,7 +255,7 @@ def dense_wgmma_macro(N: int, K: int, stages: int = STAGES, group: int = GROUP_M
                         # ---- consumers: warpgroup tx / 128 takes token rows 64·(tx / 128) .. of the tile
                         T.evaluate(setmaxnreg("inc", REGS[1]))
                         desc[0] = sw128_desc(smem_address(T.address_of(sm[rr[0]])))
-                        consume(sm, desc, acc, tx // 128 * 64 * ROW_DESC, NK)
+                        consume(sm, desc, acc, tx // 128 * 64, NK)
                         for a in T.unroll(ND):
                             if rr[2] * BM + tx // 128 * 64 + acc_position(tx % 128, a)[0] < rr[1]:
                                 store(y, T.Cast("int64", rr[2] * BM + tx // 128 * 64 + acc_position(tx % 128, a)[0]),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 from helpers_tvm import needs_nvcc, ptxas_report, sm90a_cuda_source
 
@@ -156,3 +157,67 @@ def test_splitk_cuda_two_kernels_two_blocks_per_sm_no_spills(tmp_path):
     assert "__launch_bounds__(256, 2) dense_kernel(" in src and "dense_kernel_1(" in src
     assert len(re.findall(r"k3_wgmma_m64n128k16_bf16_ss\(\(&", src)) == 4
     assert ptxas_report(src, tmp_path).count("0 bytes spill stores") == 2
+
+
+# ------------------------------------------------------------------ byte-level emulation
+def _descriptor_rows(smem: np.ndarray, start_unit: int, rows: int) -> np.ndarray:
+    """``rows`` × 16 bf16 elements that a K-major, 128-byte-swizzle matrix descriptor whose
+    start address is ``start_unit`` 16-byte units reads from ``smem`` (a flat array of bf16
+    slots), as PTX ISA 9.7.15.5.1 defines it, independently of the kernels' helpers: rows of
+    128 bytes, groups of 8 rows 1024 bytes apart (the stride byte offset), and in each 1024-byte
+    atom the 16-byte chunk index XOR-ed with address bits 7-9 (the row within the atom)."""
+    r = np.arange(rows)[:, None]
+    k = np.arange(16)[None, :]
+    addr = start_unit * 16 + (r // 8) * 1024 + (r % 8) * 128 + k * 2
+    addr = addr ^ (((addr >> 7) & 7) << 4)
+    return smem[addr // 2]
+
+
+def _emulate_stage(x_rows: np.ndarray, w_rows: np.ndarray, a_rows: int, b_rows: int, stage: int,
+                   stages: int) -> np.ndarray:
+    """One K step of 64 inputs through the pipeline as the kernels address it: the producer
+    threads' copies (``copy_chunk``, ``stage_word``) into a stage of a NaN-filled shared memory,
+    then the consumers' descriptors (``stage_desc``) read back through the hardware's rule
+    (:func:`_descriptor_rows`); returns the product tokens × weight rows (a_rows × b_rows)."""
+    sw = (a_rows + b_rows) * 32
+    smem = np.full(stages * sw * 2, np.nan)
+    for p in range(dpw.NP):
+        for weights, src, nrows in ((False, x_rows, a_rows), (True, w_rows, b_rows)):
+            for j in range(nrows // 16):
+                r, c = dpw.copy_chunk(p, j)
+                word = dpw.stage_word(stage, r, c, a_rows, b_rows, weights)
+                smem[word * 2 + np.arange(8)] = src[r, c * 8 + np.arange(8)]
+    out = np.zeros((a_rows, b_rows))
+    for a_row0 in range(0, a_rows, 64):  # one 64-row wgmma A per warpgroup
+        for s in range(4):
+            a = _descriptor_rows(smem, dpw.stage_desc(stage, s, a_rows, b_rows, False, a_row0), 64)
+            b = _descriptor_rows(smem, dpw.stage_desc(stage, s, a_rows, b_rows, True), b_rows)
+            assert not np.isnan(a).any() and not np.isnan(b).any()
+            out[a_row0:a_row0 + 64] += a @ b.T
+    return out
+
+
+@pytest.mark.parametrize("a_rows,b_rows,stage", [(128, 256, 0), (128, 256, 3), (128, 128, 2), (64, 128, 1)])
+def test_copies_and_descriptors_meet_in_shared_memory(a_rows, b_rows, stage):
+    """The producers' copy addresses and the consumers' descriptor offsets (the helpers the
+    pipeline macros use) put every token and weight element where the hardware's 128-byte
+    swizzle reads it: a K step through emulated shared memory equals x @ wᵀ for the step's 64
+    inputs, at any stage (prefill kernel: 128 × 256 and 128 × 128 tiles; split-K: 64 × 128)."""
+    rng = np.random.default_rng(stage + a_rows + b_rows)
+    x = rng.integers(-4, 5, (a_rows, 64)).astype(np.float64)
+    w = rng.integers(-4, 5, (b_rows, 64)).astype(np.float64)
+    got = _emulate_stage(x, w, a_rows, b_rows, stage, 4)
+    np.testing.assert_array_equal(got, x @ w.T)
+
+
+def test_swizzle_helper_is_the_descriptor_rule():
+    """swizzle128_word (the copies' layout) against the independent address rule of
+    _descriptor_rows: chunk c of row r (inputs 8c .. 8c + 7) is what the descriptor of k16
+    slice c // 2 reads as that row's k = 8·(c % 2) .. + 7, for all 16 rows of two atoms."""
+    from schedules.wgmma_ptx import swizzle128_word
+
+    smem = np.arange(16 * 64, dtype=np.float64)  # each bf16 slot tagged with its index
+    for r in range(16):
+        for c in range(8):
+            got = _descriptor_rows(smem, 2 * (c // 2), 16)[r, c % 2 * 8:c % 2 * 8 + 8]
+            np.testing.assert_array_equal(got, swizzle128_word(r, c) * 2 + np.arange(8))
