@@ -41,7 +41,8 @@ from schedules.dense_decode_tc import standalone_kernel
 from schedules.mxfp4_ptx import wait
 from schedules.wgmma_ptx import (cp_async16_raw, cp_async_mbar_arrive, fence_proxy_async, global_address,
                                  mbar_arrive, mbar_init, mbar_wait, setmaxnreg, smem_address, sw128_desc,
-                                 swizzle128_word, wgmma_bf16_ss, wgmma_commit, wgmma_fence, wgmma_wait)
+                                 swizzle128_word, wgmma_bf16_ss, wgmma_commit, wgmma_fence, wgmma_wait,
+                                 words_to_1024)
 
 BM = 128          # tokens per tile (two consumer warpgroups of 64)
 BK = 64           # inputs per K step (one 128-byte row of bf16)
@@ -91,11 +92,17 @@ def tile_of(bid, tiles_m, tiles_n, group: int = GROUP_M):
     return first + r % size, r // size
 
 
+def pipeline_words(stages: int, a_rows: int, b_rows: int, base: int = 256) -> int:
+    """uint32 words of the shared buffer of :func:`stage_pipeline`: ``base`` words of alignment
+    slack (1 KiB), ``stages`` × (``a_rows`` + ``b_rows``) rows of 128 bytes, the mbarriers
+    (two uint64 per stage)."""
+    return base + stages * (a_rows + b_rows) * 32 + 4 * stages
+
+
 def smem_bytes(n_rows: int, stages: int = STAGES, bn: int | None = None) -> int:
     """Dynamic shared memory of a block: ``stages`` × (128 + BN) rows of 128 bytes, 1 KiB of
     alignment slack, the mbarriers (BN = ``bn`` or :func:`tile_rows`)."""
-    bn = bn or tile_rows(n_rows) or 128
-    return (256 + stages * (BM + bn) * 32 + 4 * stages) * 4
+    return pipeline_words(stages, BM, bn or tile_rows(n_rows) or 128) * 4
 
 
 def stage_word(stage, row, chunk, a_rows: int, b_rows: int, weights: bool):
@@ -124,9 +131,14 @@ def stage_pipeline(stages: int, a_rows: int, b_rows: int, K: int, consumers: int
     and :mod:`schedules.dense_splitk_wgmma`): ``stages`` stages of ``a_rows`` token rows then
     ``b_rows`` weight rows (128 bytes each, 128-byte swizzle) from word ``base`` of the aligned
     buffer, then ``full[stages]`` / ``empty[stages]`` mbarriers; inputs of width ``K``; one
-    producer warpgroup and ``consumers`` consumer threads. Returns ``(init, produce, consume)``:
+    producer warpgroup and ``consumers`` consumer threads. Returns
+    ``(init, addresses, produce, consume)``:
 
     - ``init(sm, tx)``: thread 0 initialises the mbarriers (the caller barriers the block);
+    - ``addresses(ga, xq, wq, p, tok0, n, row0, k0)``: producer thread ``p``'s step-0 global
+      addresses into ``ga`` — its token rows ``tok0 + copy_chunk(p, j)`` (clamped to the last
+      of ``n``) of ``xq`` and its weight rows from ``row0`` of ``wq`` (uint32 views of rows of
+      ``K / 2`` words), from word ``k0`` of each row (None: 0);
     - ``produce(sm, sb, ga, p, steps)``: producer thread ``p`` (0..127) copies ``steps`` K steps,
       its token rows from ``ga[j]`` and weight rows from ``ga[a_rows / 16]`` (uint64 global
       addresses of step 0, :func:`copy_chunk`'s rows), to the stage at shared address ``sb[0]``;
@@ -145,6 +157,18 @@ def stage_pipeline(stages: int, a_rows: int, b_rows: int, K: int, consumers: int
             for i in range(NS):
                 T.evaluate(mbar_init(T.address_of(sm[OB + 2 * i]), NP))                # full: producer threads
                 T.evaluate(mbar_init(T.address_of(sm[OB + 2 * (NS + i)]), consumers))  # empty: consumer threads
+
+    def from_k0(word, k0):
+        return word if k0 is None else word + k0
+
+    @T.macro
+    def addresses(ga, xq, wq, p, tok0, n, row0, k0):
+        for j in T.unroll(AJ):
+            ga[j] = global_address(T.address_of(xq[
+                from_k0(T.Cast("int64", T.min(tok0 + copy_chunk(p, j)[0], n - 1)) * (K // 2), k0)
+                + copy_chunk(p, j)[1] * 4]))
+        ga[AJ] = global_address(T.address_of(wq[
+            from_k0(T.Cast("int64", row0 + copy_chunk(p, 0)[0]) * (K // 2), k0) + copy_chunk(p, 0)[1] * 4]))
 
     @T.macro
     def produce(sm, sb, ga, p, steps):
@@ -180,7 +204,7 @@ def stage_pipeline(stages: int, a_rows: int, b_rows: int, K: int, consumers: int
                 T.evaluate(mbar_arrive(T.address_of(sm[OB + 2 * (NS + (ks + NS - 1) % NS)])))
         T.evaluate(wgmma_wait(0))
 
-    return init, produce, consume
+    return init, addresses, produce, consume
 
 
 def dense_wgmma_macro(N: int, K: int, stages: int = STAGES, group: int = GROUP_M, bn: int | None = None):
@@ -209,13 +233,11 @@ def dense_wgmma_macro(N: int, K: int, stages: int = STAGES, group: int = GROUP_M
     NS = stages
     NK = K // BK
     XW = K // 2                  # uint32 words per row of x and W
-    SW = (BM + BN) * 32          # uint32 words per stage: the token tile, then the weight tile
-    OB = 256 + NS * SW           # words from sm[0] to the mbarriers (full[NS], empty[NS])
-    SM_WORDS = OB + 4 * NS
+    SM_WORDS = pipeline_words(NS, BM, BN)
     ND = BN // 2                 # fp32 accumulators per consumer thread
     TN = N // BN                 # row tiles
     AJ = BM // 16                # token-row copies per producer thread per step
-    init, produce, consume = stage_pipeline(NS, BM, BN, K, NC)
+    init, addresses, produce, consume = stage_pipeline(NS, BM, BN, K, NC)
     if NP * REGS[0] + NC * REGS[1] > (NP + NC) * (65536 // (NP + NC) // 8 * 8):
         raise ValueError("setmaxnreg totals exceed the block's registers")
 
@@ -233,8 +255,7 @@ def dense_wgmma_macro(N: int, K: int, stages: int = STAGES, group: int = GROUP_M
                     desc = T.alloc_buffer((1,), "uint64", scope="local")
                     # [0] words from sm to its first 1024-byte boundary, [1] n, [2] token tile, [3] row tile
                     rr = T.alloc_buffer((4,), "int32", scope="local")
-                    rr[0] = T.Cast("int32", (T.uint32(1024) - smem_address(T.address_of(sm[0])) % T.uint32(1024))
-                                   % T.uint32(1024) // T.uint32(4))
+                    rr[0] = words_to_1024(sm)
                     rr[1] = T.Cast("int32", n)
                     rr[2] = tile_of(T.Cast("int32", bid), (rr[1] + BM - 1) // BM, TN, group)[0]
                     rr[3] = tile_of(T.Cast("int32", bid), (rr[1] + BM - 1) // BM, TN, group)[1]
@@ -243,12 +264,7 @@ def dense_wgmma_macro(N: int, K: int, stages: int = STAGES, group: int = GROUP_M
                     if tx >= NC:
                         # ---- producers
                         T.evaluate(setmaxnreg("dec", REGS[0]))
-                        for j in T.unroll(AJ):
-                            ga[j] = global_address(T.address_of(xq[
-                                T.Cast("int64", T.min(rr[2] * BM + copy_chunk(tx - NC, j)[0], rr[1] - 1)) * XW
-                                + copy_chunk(tx - NC, j)[1] * 4]))
-                        ga[AJ] = global_address(T.address_of(wq[
-                            T.Cast("int64", rr[3] * BN + copy_chunk(tx - NC, 0)[0]) * XW + copy_chunk(tx - NC, 0)[1] * 4]))
+                        addresses(ga, xq, wq, tx - NC, rr[2] * BM, rr[1], rr[3] * BN, None)
                         sb[0] = smem_address(T.address_of(sm[rr[0]]))
                         produce(sm, sb, ga, tx - NC, NK)
                     else:

@@ -30,8 +30,8 @@ from tvm.script import tirx as T
 
 from schedules.dense_decode_tc import standalone_kernel
 
-from schedules.dense_prefill_wgmma import BK, SMEM_LIMIT, acc_position, copy_chunk, stage_pipeline
-from schedules.wgmma_ptx import global_address, smem_address, sw128_desc
+from schedules.dense_prefill_wgmma import BK, SMEM_LIMIT, acc_position, pipeline_words, stage_pipeline
+from schedules.wgmma_ptx import smem_address, sw128_desc, words_to_1024
 
 BM = 64           # tokens per tile (one wgmma M)
 BN = 128          # weight rows per tile (the wgmma's N)
@@ -67,7 +67,7 @@ def choose_splits(n_rows: int, in_width: int, target: int = TARGET_BLOCKS) -> in
 
 def smem_bytes(stages: int = STAGES) -> int:
     """Dynamic shared memory per block: the stages, 1 KiB of alignment slack, the mbarriers."""
-    return (256 + stages * (BM + BN) * 32 + 4 * stages) * 4
+    return pipeline_words(stages, BM, BN) * 4
 
 
 def dense_splitk_macro(N: int, K: int, splits: int | None = None, stages: int = STAGES,
@@ -104,13 +104,11 @@ def dense_splitk_macro(N: int, K: int, splits: int | None = None, stages: int = 
                          f"(two blocks per SM: limit {SMEM_LIMIT // 2})")
     NS = stages
     XW = K // 2                  # uint32 words per row of x and W
-    SW = (BM + BN) * 32          # uint32 words per stage: the token tile, then the weight tile
-    OB = 256 + NS * SW           # words from sm[0] to the mbarriers (full[NS], empty[NS])
-    SM_WORDS = OB + 4 * NS
+    SM_WORDS = pipeline_words(NS, BM, BN)
     ND = BN // 2                 # fp32 accumulators per consumer thread
     TN = N // BN
     AJ = BM // 16                # token-row copies per producer thread per step
-    init, produce, consume = stage_pipeline(NS, BM, BN, K, NC)
+    init, addresses, produce, consume = stage_pipeline(NS, BM, BN, K, NC)
 
     def n_splits(n):
         return T.if_then_else(n <= FEW_TOKENS, T.int64(S1), T.int64(S2)) if S1 != S2 else T.int64(S1)
@@ -142,8 +140,7 @@ def dense_splitk_macro(N: int, K: int, splits: int | None = None, stages: int = 
                         # [0] words from sm to its first 1024-byte boundary, [1] n, [2] token tile,
                         # [3] the split's first K step, [4] splits, [5] K steps per split
                         rr = T.alloc_buffer((6,), "int32", scope="local")
-                        rr[0] = T.Cast("int32", (T.uint32(1024) - smem_address(T.address_of(sm[0])) % T.uint32(1024))
-                                       % T.uint32(1024) // T.uint32(4))
+                        rr[0] = words_to_1024(sm)
                         rr[1] = T.Cast("int32", n)
                         rr[4] = T.Cast("int32", n_splits(n))
                         rr[5] = NK // rr[4]
@@ -154,13 +151,8 @@ def dense_splitk_macro(N: int, K: int, splits: int | None = None, stages: int = 
                             T.tvm_storage_sync("shared.dyn")
                             if tx >= NC:
                                 # ---- producers
-                                for j in T.unroll(AJ):
-                                    ga[j] = global_address(T.address_of(xq[
-                                        T.Cast("int64", T.min(rr[2] * BM + copy_chunk(tx - NC, j)[0], rr[1] - 1)) * XW
-                                        + rr[3] * (BK // 2) + copy_chunk(tx - NC, j)[1] * 4]))
-                                ga[AJ] = global_address(T.address_of(wq[
-                                    T.Cast("int64", T.Cast("int32", bx) * BN + copy_chunk(tx - NC, 0)[0]) * XW
-                                    + rr[3] * (BK // 2) + copy_chunk(tx - NC, 0)[1] * 4]))
+                                addresses(ga, xq, wq, tx - NC, rr[2] * BM, rr[1], T.Cast("int32", bx) * BN,
+                                          rr[3] * (BK // 2))
                                 sb[0] = smem_address(T.address_of(sm[rr[0]]))
                                 produce(sm, sb, ga, tx - NC, rr[5])
                             else:

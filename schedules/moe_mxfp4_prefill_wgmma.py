@@ -87,7 +87,8 @@ from schedules.moe_plan import (BM, BM_SMALL, BM_WS, SMALL_MAX_PAIRS_PER_EXPERT,
 from schedules.mxfp4_ptx import commit, cp_async16, dequant8, factor_bf16x2, wait
 from schedules.wgmma_ptx import (cp_async16_raw, cp_async_mbar_arrive, fence_proxy_async, global_address, mbar_arrive,
                                  mbar_init, mbar_wait, named_barrier, setmaxnreg, smem_address, sw128_desc,
-                                 swizzle128_word, wgmma_bf16_rs, wgmma_commit, wgmma_fence, wgmma_wait)
+                                 swizzle128_word, wgmma_bf16_rs, wgmma_commit, wgmma_fence, wgmma_wait,
+                                 words_to_1024)
 
 NT = 256          # threads per block: two warpgroups
 STAGES = 4        # shared-memory stages: loads run STAGES - 2 K steps ahead, one step of wgmmas in flight
@@ -124,8 +125,7 @@ def tile_prologue(tiles, sorted_pair, sq0, sq1, sm, al, ncols, row_s, dst_s, sc_
     the tile, ``dst_s`` (down, when given) = its row of o (t·k + j) or -1, ``sc_s`` = the E8M0
     words of the block's weight rows (:func:`schedules.moe_mxfp4_prefill_cuda.block_scale_word`)."""
     ncols[0] = (T.min(tiles[blk // NTN, 2] - tiles[blk // NTN, 1], rows) + 31) // 32
-    al[0] = T.Cast("int32", (T.uint32(1024) - smem_address(T.address_of(sm[0])) % T.uint32(1024))
-                   % T.uint32(1024) // T.uint32(4))
+    al[0] = words_to_1024(sm)
     if tx < rows:
         if gate_up:
             row_s[tx] = T.if_then_else(

@@ -69,10 +69,15 @@ _SRC = {
 }
 
 
+def _acc_operands(n: int):
+    """(fp32 accumulators per thread, their asm operand list ``%0, ..``, their ``"+f"(d[i])``
+    constraints) of a ``wgmma.m64n{n}`` (64 rows x n columns over 128 threads)."""
+    nd = n // 2
+    return nd, ", ".join(f"%{i}" for i in range(nd)), ", ".join(f'"+f"(d[{i}])' for i in range(nd))
+
+
 def _wgmma_src(n: int) -> str:
-    nd = n // 2  # fp32 accumulators per thread (64 rows x n columns over 128 threads)
-    dregs = ", ".join(f"%{i}" for i in range(nd))
-    outs = ", ".join(f'"+f"(d[{i}])' for i in range(nd))
+    nd, dregs, outs = _acc_operands(n)
     return (
         f"__forceinline__ __device__ void k3_wgmma_m64n{n}k16_bf16_rs(float* d, unsigned a0, unsigned a1,\n"
         f"    unsigned a2, unsigned a3, unsigned long long desc, int accumulate) {{\n"
@@ -98,9 +103,7 @@ def wgmma_bf16_rs(n: int, d, a0, a1, a2, a3, desc, accumulate=1):
 
 
 def _wgmma_ss_src(n: int) -> str:
-    nd = n // 2
-    dregs = ", ".join(f"%{i}" for i in range(nd))
-    outs = ", ".join(f'"+f"(d[{i}])' for i in range(nd))
+    nd, dregs, outs = _acc_operands(n)
     return (
         f"__forceinline__ __device__ void k3_wgmma_m64n{n}k16_bf16_ss(float* d, unsigned long long da,\n"
         f"    unsigned long long db, int accumulate) {{\n"
@@ -170,6 +173,15 @@ def fence_proxy_async():
 
 def smem_address(p):
     return cuda_func_call("k3_smem_address", p, source_code=_SRC["k3_smem_address"], return_type="uint32")
+
+
+def words_to_1024(buf):
+    """int32 TIR expression: uint32 words from ``buf[0]`` (a shared buffer) to its first
+    1024-byte-aligned address (the alignment the 128-byte-swizzle tiles need, :func:`sw128_desc`)."""
+    from tvm.script import tirx as T
+
+    return T.Cast("int32", (T.uint32(1024) - smem_address(T.address_of(buf[0])) % T.uint32(1024))
+                  % T.uint32(1024) // T.uint32(4))
 
 
 def swizzle128_word(row, chunk):
