@@ -197,26 +197,20 @@ def run(lib_dir: Path, only: str = "all") -> dict:
         except (AttributeError, tvm.error.TVMError):
             return False
 
+    # (name function, shapes, variant, token counts, label, built for every shape): the decode
+    # kernel is built for all its shapes, the wgmma ones only where their tiles fit
+    suites = []
     if only in ("all", "decode"):
-        for r, k in K3_SHAPES + ODD_SHAPES:
-            res["check"] += _check(lib[_name(r, k)], r, k, CHECK_N, "", dev, g)
-        for v in VARIANTS:
-            for r, k in K3_SHAPES:
-                res["check"] += _check(lib[_name(r, k, v)], r, k, CHECK_N, v, dev, g)
-    for r, k in K3_SHAPES + ODD_SHAPES_WGMMA:
-        if has(_wname(r, k)):
-            res["check"] += _check(lib[_wname(r, k)], r, k, CHECK_N_WGMMA, "wgmma", dev, g)
-    for v in WGMMA_VARIANTS:
-        for r, k in K3_SHAPES:
-            if has(_wname(r, k, v)):
-                res["check"] += _check(lib[_wname(r, k, v)], r, k, (129, 1000), "wgmma_" + v, dev, g)
-    for r, k in K3_SHAPES + ODD_SHAPES_WGMMA:
-        if has(_sname(r, k)):
-            res["check"] += _check(lib[_sname(r, k)], r, k, CHECK_N_SPLITK, "splitk", dev, g)
-    for v in SPLITK_VARIANTS:
-        for r, k in K3_SHAPES:
-            if has(_sname(r, k, v)):
-                res["check"] += _check(lib[_sname(r, k, v)], r, k, (3, 65), "splitk_" + v, dev, g)
+        suites += [(_name, K3_SHAPES + ODD_SHAPES, "", CHECK_N, "", True)]
+        suites += [(_name, K3_SHAPES, v, CHECK_N, v, True) for v in VARIANTS]
+    suites += [(_wname, K3_SHAPES + ODD_SHAPES_WGMMA, "", CHECK_N_WGMMA, "wgmma", False)]
+    suites += [(_wname, K3_SHAPES, v, (129, 1000), "wgmma_" + v, False) for v in WGMMA_VARIANTS]
+    suites += [(_sname, K3_SHAPES + ODD_SHAPES_WGMMA, "", CHECK_N_SPLITK, "splitk", False)]
+    suites += [(_sname, K3_SHAPES, v, (3, 65), "splitk_" + v, False) for v in SPLITK_VARIANTS]
+    for name, shapes, v, ns, label, required in suites:
+        for r, k in shapes:
+            if required or has(name(r, k, v)):
+                res["check"] += _check(lib[name(r, k, v)], r, k, ns, label, dev, g)
     res["timing_splitk"] = []
     for r, k in K3_SHAPES:
         if only in ("all", "splitk") and has(_sname(r, k)):
