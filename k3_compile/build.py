@@ -130,6 +130,7 @@ def low_batch_specialize(target, ranges=LOW_BATCH, tensor_cores: bool = True, wg
     from tvm.s_tir import dlight as dl
 
     from schedules import dense_decode_tc as ddt
+    from schedules import dense_gemv as dg
     from schedules import dense_prefill_wgmma as dpw
     from schedules import dense_splitk_wgmma as dsk
 
@@ -157,10 +158,13 @@ def low_batch_specialize(target, ranges=LOW_BATCH, tensor_cores: bool = True, wg
             sk = (ddt.splice_body(f, functools.partial(dsk.dense_splitk_macro,
                                                        token_range=(SPLITK_FROM, WGMMA_FROM - 1)), dsk.fits)
                   if tc is not None and wgmma else None)
+            gemv = ddt.splice_body(f, dg.dense_gemv_macro, dg.fits) if tc is not None else None
             tiled = _dlight(f, dl.gpu.Matmul(), target) if tc is None else None
             if tc is None and tiled is None:
                 continue
             rs = [(lim, b) for lim, b in ranges if lim < TENSOR_CORE_FROM] if tc is not None else ranges
+            if gemv is not None:  # the hand GEMV replaces dlight's up to its token count
+                rs = [(lim, b) for lim, b in rs if lim > dg.MAX_TOKENS]
             lows = [_dlight(f, dl.gpu.LowBatchGEMV(bucket), target) for _, bucket in rs]
             if any(low is None for low in lows):
                 if tc is None:
@@ -176,6 +180,8 @@ def low_batch_specialize(target, ranges=LOW_BATCH, tensor_cores: bool = True, wg
                 body = tirx.IfThenElse(tirx.op.tvm_thread_invariant(n >= WGMMA_FROM), wg, body)
             for (limit, _), low in reversed(list(zip(rs, lows))):
                 body = tirx.IfThenElse(tirx.op.tvm_thread_invariant(n <= limit), low.body, body)
+            if gemv is not None:
+                body = tirx.IfThenElse(tirx.op.tvm_thread_invariant(n <= dg.MAX_TOKENS), gemv, body)
             body = s_tir.SBlockRealize([], True, s_tir.SBlock([], [], [], "root", body))
             updates[gv] = (f.with_body(body).with_attr("tirx.is_scheduled", True)
                            .with_attr("tirx.HoistIfThenElseExprWithBlock", 1))

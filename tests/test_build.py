@@ -146,6 +146,7 @@ def test_gpu_pipeline_dense_matmuls_read_weights_as_stored_and_branch_on_tokens(
     import tvm
 
     from k3_compile.build import LOW_BATCH, SPLITK_FROM, TENSOR_CORE_FROM, WGMMA_FROM, gpu_relax_pipeline
+    from schedules import dense_gemv as dg
     from schedules import dense_prefill_wgmma as dpw
     from targets import get_target
 
@@ -168,18 +169,22 @@ def test_gpu_pipeline_dense_matmuls_read_weights_as_stored_and_branch_on_tokens(
     # the bf16 projections the tensor-core kernel fits: LowBatchGEMV below TENSOR_CORE_FROM
     # tokens, the kernel (mma.sync, the fused epilogue inside) for every larger count
     tc_limits = [lim for lim in limits if lim < TENSOR_CORE_FROM]
-    n_tc = n_wg = 0
+    n_tc = n_wg = n_gemv = 0
     for name, src in dense.items():
         found = [int(v) for v in re.findall(r"tvm_thread_invariant\(\w+ <= T\.int64\((\d+)\)\)", src)]
         tc = "k3_mma_bf16" in src
         n_tc += tc
-        assert found == (tc_limits if tc else limits), (name, found)
-        # Hopper: the projections the wgmma kernels fit (rows a multiple of 128) take the split-K
-        # one from SPLITK_FROM tokens and the prefill one from WGMMA_FROM (branches before the
-        # decode kernel's n >= 1), the others neither
         f = out[name]
         w = next(p for p in f.params if p.name.endswith("weight") and len(p.ty.shape) == 2)
         rows, width = (int(d) for d in w.ty.shape)
+        # 1-2 tokens: the hand GEMV (its warp shuffles) where it fits, else dlight's LowBatchGEMV
+        gemv = '"__shfl_xor_sync"' in src
+        n_gemv += gemv
+        assert gemv == (tc and dg.fits(rows, width)), (name, rows, width)
+        assert found == ([dg.MAX_TOKENS] if gemv else tc_limits if tc else limits), (name, found)
+        # Hopper: the projections the wgmma kernels fit (rows a multiple of 128) take the split-K
+        # one from SPLITK_FROM tokens and the prefill one from WGMMA_FROM (branches before the
+        # decode kernel's n >= 1), the others neither
         wg = "k3_wgmma_m64n" in src
         n_wg += wg
         assert wg == (tc and dpw.fits(rows, width)), (name, rows, width)
@@ -200,6 +205,7 @@ def test_gpu_pipeline_dense_matmuls_read_weights_as_stored_and_branch_on_tokens(
     assert n_tc >= len(dense) - 2, (n_tc, sorted(dense))
     # and all but b_proj, the 32-row and the 96-row projections fit the prefill kernel
     assert n_wg >= len(dense) - 4, (n_wg, sorted(dense))
+    assert n_gemv >= 1, sorted(dense)
     # the router weight is read by the router's matmul only (no fp32 copy made per call)
     readers = {n for n, f in out.items() for p in f.params
                if p.name.endswith("block_sparse_moe.gate.weight")}
@@ -209,7 +215,7 @@ def test_gpu_pipeline_dense_matmuls_read_weights_as_stored_and_branch_on_tokens(
 def test_generic_kernels_build_keeps_dlight_for_dense_projections():
     """``k3 compile --generic-kernels`` (build_module(hand_kernels=False)) gives the dense
     projections dlight's schedules alone: no hand-written tensor-core kernel in them; the
-    default build splices the decode, split-K and prefill kernels (cuda-sm90a)."""
+    default build splices the GEMV, decode, split-K and prefill kernels (cuda-sm90a)."""
     import tvm
     from tvm.relax.frontend import nn
     from tvm.relax.frontend.nn import op
@@ -219,12 +225,12 @@ def test_generic_kernels_build_keeps_dlight_for_dense_projections():
 
     class Proj(nn.Module):
         def __init__(self):
-            self.w = nn.Parameter((256, 128), "bfloat16")
+            self.w = nn.Parameter((256, 256), "bfloat16")
 
         def forward(self, x):
             return op.astype(op.matmul(x, op.permute_dims(self.w, [1, 0]), out_dtype="float32"), "bfloat16")
 
-    mod, _ = Proj().export_tvm(spec={"forward": {"x": nn.spec.Tensor(["n", 128], "bfloat16")}})
+    mod, _ = Proj().export_tvm(spec={"forward": {"x": nn.spec.Tensor(["n", 256], "bfloat16")}})
     target = get_target("cuda-sm90a").tvm_target()
 
     def dense_src(**kw):
@@ -233,7 +239,8 @@ def test_generic_kernels_build_keeps_dlight_for_dense_projections():
                          if isinstance(f, tvm.tirx.PrimFunc) and "matmul" in gv.name_hint)
 
     hand = dense_src()
-    assert all(k in hand for k in ("k3_mma_bf16", "k3_wgmma_m64n128k16_bf16_ss", "k3_wgmma_m64n256k16_bf16_ss"))
+    assert all(k in hand for k in ("k3_mma_bf16", "k3_wgmma_m64n128k16_bf16_ss", "k3_wgmma_m64n256k16_bf16_ss",
+                                   "__shfl_xor_sync"))
     generic = dense_src(tensor_cores=False)
     assert 'thread="threadIdx.x"' in generic  # scheduled (by dlight)
-    assert "k3_mma_bf16" not in generic and "k3_wgmma" not in generic
+    assert "k3_mma_bf16" not in generic and "k3_wgmma" not in generic and "__shfl_xor_sync" not in generic

@@ -33,6 +33,10 @@ TIME_N_WGMMA = (64, 256, 512, 1024, 2048, 8192)
 CHECK_N_SPLITK = (1, 3, 17, 32, 33, 64, 65, 130, 255)
 TIME_N_SPLITK = (16, 24, 32, 48, 64, 128, 192, 256, 384, 512)
 ROTATE = 8
+# the 1-2 token GEMV (schedules/dense_gemv.py): odd shapes covering each of its layouts
+ODD_SHAPES_GEMV = [(8, 256), (40, 1280), (12, 3584), (14, 7168), (3, 16384)]
+CHECK_N_GEMV = (1, 2)
+TIME_N_GEMV = (1, 2)
 
 
 # schedule variants timed beside the default: name -> dense_nt_tc_kernel kwargs
@@ -45,6 +49,37 @@ SPLITK_VARIANTS = {}
 
 def _sname(n_rows, k, variant=""):
     return f"dense_splitk_{n_rows}x{k}" + (f"_{variant}" if variant else "")
+
+
+def _gname(n_rows, k, variant=""):
+    return f"dense_gemv_{n_rows}x{k}" + (f"_{variant}" if variant else "")
+
+
+def _dlight_gemv(n_rows, k, target):
+    """dlight's LowBatchGEMV(1) schedule of ``y [n, N] f32 = x [n, K] @ w [N, K]ᵀ`` (bf16 in),
+    the schedule the model's projections took at 1-2 tokens before schedules/dense_gemv.py."""
+    import tvm
+    from tvm import relax
+    from tvm.relax.frontend import nn
+    from tvm.relax.frontend.nn import op
+    from tvm.s_tir import dlight as dl
+
+    from k3_compile.build import _dlight
+
+    class M(nn.Module):
+        def __init__(self):
+            self.w = nn.Parameter((n_rows, k), "bfloat16")
+
+        def forward(self, x):
+            return op.matmul(x, op.permute_dims(self.w, [1, 0]), out_dtype="float32")
+
+    mod, _ = M().export_tvm(spec={"forward": {"x": nn.spec.Tensor(["n", k], "bfloat16")}})
+    seq = [relax.transform.FuseTransposeMatmul(), relax.transform.LegalizeOps(),
+           relax.transform.AnnotateTIROpPattern(), relax.transform.FuseOps(), relax.transform.FuseTIR()]
+    mod = tvm.transform.Sequential(seq)(mod)
+    (f,) = [f for _, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
+    # the model's argument order: x, w, y
+    return _dlight(f, dl.gpu.LowBatchGEMV(1), target)
 
 
 def _name(n_rows, k, variant=""):
@@ -88,6 +123,15 @@ def prepare(out: Path) -> None:
             if dk.fits(r, k) and (k // 64) % kw(r, k).get("splits", 1) == 0:
                 fs[_sname(r, k, v)] = dk.dense_splitk_kernel(r, k, "float32", **kw(r, k)).with_attr(
                     "global_symbol", _sname(r, k, v))
+    from schedules import dense_gemv as dg
+
+    for r, k in K3_SHAPES + ODD_SHAPES_GEMV:
+        fs[_gname(r, k)] = dg.dense_gemv_kernel(r, k, "float32").with_attr("global_symbol", _gname(r, k))
+    for r, k in K3_SHAPES:
+        with spec.tvm_target():
+            f = _dlight_gemv(r, k, spec.tvm_target())
+        if f is not None:
+            fs[_gname(r, k, "dlight")] = f.with_attr("global_symbol", _gname(r, k, "dlight"))
     with precompiled_cuda(spec.nvcc_arch), respect_manual_barriers():
         lib = tvm.compile(tvm.IRModule(fs), target=spec.tvm_target())
     out.mkdir(parents=True, exist_ok=True)
@@ -199,7 +243,8 @@ def run(lib_dir: Path, only: str = "all") -> dict:
 
     # (name function, shapes, variant, token counts, label, built for every shape): the decode
     # kernel is built for all its shapes, the wgmma ones only where their tiles fit
-    suites = []
+    suites = [(_gname, K3_SHAPES + ODD_SHAPES_GEMV, "", CHECK_N_GEMV, "gemv", False),
+              (_gname, K3_SHAPES, "dlight", CHECK_N_GEMV, "gemv_dlight", False)]
     if only in ("all", "decode"):
         suites += [(_name, K3_SHAPES + ODD_SHAPES, "", CHECK_N, "", True)]
         suites += [(_name, K3_SHAPES, v, CHECK_N, v, True) for v in VARIANTS]
@@ -211,6 +256,14 @@ def run(lib_dir: Path, only: str = "all") -> dict:
         for r, k in shapes:
             if required or has(name(r, k, v)):
                 res["check"] += _check(lib[name(r, k, v)], r, k, ns, label, dev, g)
+    res["timing_gemv"] = []
+    for r, k in K3_SHAPES:
+        if only in ("all", "gemv") and has(_gname(r, k)):
+            fv = {"gemv": lib[_gname(r, k)], "tc": lib[_name(r, k)]}
+            if has(_gname(r, k, "dlight")):
+                fv["dlight_gemv"] = lib[_gname(r, k, "dlight")]
+            for n in TIME_N_GEMV:
+                res["timing_gemv"].append(_time(fv, r, k, n, dev, g, bw, peak))
     res["timing_splitk"] = []
     for r, k in K3_SHAPES:
         if only in ("all", "splitk") and has(_sname(r, k)):
@@ -220,7 +273,7 @@ def run(lib_dir: Path, only: str = "all") -> dict:
             for n in TIME_N_SPLITK:
                 res["timing_splitk"].append(_time(fv, r, k, n, dev, g, bw, peak))
     for r, k in K3_SHAPES:
-        if only == "splitk":
+        if only in ("splitk", "gemv"):
             continue
         if only in ("all", "decode"):
             fv = {v or "default": lib[_name(r, k, v)] for v in ("", *VARIANTS)}
@@ -239,8 +292,8 @@ def main(argv=None) -> int:
     ap.add_argument("cmd", choices=["prepare", "run"])
     ap.add_argument("lib_dir", type=Path)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    ap.add_argument("--only", choices=["all", "decode", "prefill", "splitk"], default="all",
-                    help="run: time the decode kernel, the prefill kernel, the split-K kernel, or all")
+    ap.add_argument("--only", choices=["all", "decode", "prefill", "splitk", "gemv"], default="all",
+                    help="run: time the decode kernel, the prefill kernel, the split-K kernel, the 1-2 token GEMV, or all")
     args = ap.parse_args(argv)
     if args.cmd == "prepare":
         prepare(args.lib_dir)

@@ -1,0 +1,177 @@
+"""Dense bf16 projections at one or two tokens: ``y[i, j] = epilogue(Σ_k x[i, k] · W[j, k])``
+for ``n <= MAX_TOKENS`` tokens (``x [n, K]`` bf16, ``W [N, K]`` bf16 as the checkpoint stores
+it, fp32 sums), on CUDA cores.
+
+Why: at one token a projection is a pure weight stream, and its speed is the number of weight
+bytes in flight. dlight's LowBatchGEMV, which the model's projections took at 1-2 tokens, keeps
+few in flight on the projections with few rows: the MoE router (896 x 7168, 12.8 MB) took
+15.5 µs against 3.0 µs of HBM time, the latent down projection (3584 x 7168) 18.8 against 12.1
+(benchmarks/results/moe_layer_final_h200_2026-11-30.json).
+
+Mapping (:func:`gemv_layout`): a block of :data:`THREADS` threads owns ``rows`` weight rows;
+``tpr = THREADS / rows`` threads share a row. A row's ``K / 8`` 16-byte chunks go to its
+threads round-robin (thread ``t`` of the row takes chunks ``t, t + tpr, ...``: each
+instruction of a warp reads 512 contiguous bytes), ``group`` of them at a time: a thread issues
+all ``group`` weight loads before the first multiply, so a block has ``THREADS · group · 16``
+bytes in flight (28 KB at K3's 7168 inputs) and every block of the grid is resident at once.
+The token rows (the same for every block) come from L1/L2. Each thread's fp32 partial sums
+meet across the warp (shuffles), then across the row's warps in shared memory; thread
+``(row, token)`` applies the epilogue and stores.
+
+Reference: :func:`schedules.dense_decode_tc.dense_reference` (NumPy) and :func:`emulate` (the
+kernel's partition of the sums, tests/test_dense_gemv.py); on the H200
+tests/gpu/check_dense_decode.py (odd sizes, against torch) and benchmarks/moe_layer.py (the
+K3 MoE layer against a torch reference).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from tvm.script import tirx as T
+
+THREADS = 256     # threads per block
+MAX_TOKENS = 2    # tokens a call handles (the model's branch for n <= 2)
+CHUNK = 8         # bf16 inputs per 16-byte chunk
+MIN_GROUP = 4     # fewest chunks in flight per thread that a layout aims for
+MAX_GROUP = 8     # most chunks a thread holds in registers at once
+
+
+def gemv_layout(in_width: int) -> tuple[int, int, int]:
+    """``(tpr, group, passes)`` for ``in_width`` (K) inputs: ``tpr`` threads per row (a
+    multiple of 32 dividing :data:`THREADS`; the most that leave each thread at least
+    :data:`MIN_GROUP` chunks, else 32), ``group`` chunks a thread loads before its multiplies
+    (the largest divisor of its chunk count up to :data:`MAX_GROUP`) and ``passes`` such groups.
+
+    Raises:
+        ValueError: ``in_width`` not a multiple of 256 (32 threads x 8 inputs).
+    """
+    if in_width <= 0 or in_width % (32 * CHUNK):
+        raise ValueError(f"the input width must be a positive multiple of {32 * CHUNK}, got {in_width}")
+    chunks = in_width // CHUNK
+    options = [t for t in (256, 128, 64, 32) if t <= THREADS and chunks % t == 0]
+    tpr = next((t for t in options if chunks // t >= MIN_GROUP), options[-1])
+    per_thread = chunks // tpr
+    group = max(g for g in range(1, MAX_GROUP + 1) if per_thread % g == 0)
+    return tpr, group, per_thread // group
+
+
+def rows_per_block(in_width: int) -> int:
+    """Weight rows a block owns: ``THREADS / tpr`` (:func:`gemv_layout`)."""
+    return THREADS // gemv_layout(in_width)[0]
+
+
+def fits(n_rows: int, in_width: int) -> bool:
+    """Whether ``W [n_rows, in_width]`` fits: the input width a multiple of 256, the rows a
+    multiple of :func:`rows_per_block`, fewer than 2^31 elements (int32 indices)."""
+    if in_width <= 0 or in_width % (32 * CHUNK):
+        return False
+    return n_rows % rows_per_block(in_width) == 0 and n_rows * in_width < 2 ** 31
+
+
+def chunk_index(p, u, t, tpr: int, group: int):
+    """Chunk (of :data:`CHUNK` inputs, within a row) that thread ``t`` (0..tpr-1) of a row
+    reads in pass ``p``, group slot ``u``: ``(p · group + u) · tpr + t`` (the kernel's loads use
+    it; ints or TIR expressions)."""
+    return (p * group + u) * tpr + t
+
+
+def thread_chunks(in_width: int, t: int) -> list[int]:
+    """The chunk indices that thread ``t`` of a row reads, in the kernel's order."""
+    tpr, group, passes = gemv_layout(in_width)
+    return [chunk_index(p, u, t, tpr, group) for p in range(passes) for u in range(group)]
+
+
+def emulate(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """The kernel's sums formed as it forms them: per row, each thread's partial over its
+    :func:`thread_chunks`, then the sum over the row's threads (fp64 here)."""
+    n, K = x.shape
+    tpr = gemv_layout(K)[0]
+    y = np.zeros((n, w.shape[0]), np.float64)
+    for t in range(tpr):
+        cols = [c * CHUNK + v for c in thread_chunks(K, t) for v in range(CHUNK)]
+        y += x[:, cols].astype(np.float64) @ w[:, cols].astype(np.float64).T
+    return y
+
+
+def _bf(word, h):
+    """fp32 of bf16 half ``h`` (0 low, 1 high; an unrolled loop variable) of the uint32 ``word``."""
+    return T.reinterpret("float32", (word << T.Cast("uint32", 16 - 16 * h)) & T.uint32(0xFFFF0000))
+
+
+def dense_gemv_macro(N: int, K: int):
+    """The kernel as a TVMScript macro ``body(x, w, y, n, store)`` (the interface of
+    :func:`schedules.dense_decode_tc.dense_tc_macro`): ``x`` bf16 ``[n, K]`` with
+    ``1 <= n <= MAX_TOKENS`` (the caller's branch guarantees it; tokens past
+    :data:`MAX_TOKENS` are not computed), ``w`` bf16 ``[N, K]``, ``store(y, i, j, acc)`` the
+    store of the fp32 sum ``acc`` of token ``i``, row ``j`` (int64 indices).
+
+    Raises:
+        ValueError: a shape that does not :func:`fits`.
+    """
+    if not fits(N, K):
+        raise ValueError(f"W [{N}, {K}]: the input width must be a multiple of {32 * CHUNK} and "
+                         f"the rows a multiple of the rows per block (under 2^31 elements)")
+    tpr, G, P = gemv_layout(K)
+    R = THREADS // tpr
+    WPR = tpr // 32           # warps per row
+    XW = K // 2               # uint32 words per row
+    MT = MAX_TOKENS
+
+    @T.macro
+    def body(x, w, y, n, store):
+        xq = T.decl_buffer((n * XW,), "uint32", data=x.data)
+        wq = T.decl_buffer((N * XW,), "uint32", data=w.data)
+        for blk in T.thread_binding(N // R, thread="blockIdx.x"):
+            for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
+                red = T.alloc_buffer((THREADS // 32 * MT,), "float32", scope="shared")
+                wr = T.alloc_buffer((G * 4,), "uint32", scope="local")
+                xr = T.alloc_buffer((4,), "uint32", scope="local")
+                acc = T.alloc_buffer((MT,), "float32", scope="local")
+                nt = T.alloc_buffer((1,), "int32", scope="local")  # tokens, as int32
+                nt[0] = T.Cast("int32", n)
+                for i in T.unroll(MT):
+                    acc[i] = T.float32(0)
+                for p in range(P):
+                    # the group's weight chunks, all in flight before the first multiply
+                    for u in T.unroll(G):
+                        for v in T.vectorized(4):
+                            wr[u * 4 + v] = wq[(blk * R + tx // tpr) * XW
+                                               + chunk_index(p, u, tx % tpr, tpr, G) * 4 + v]
+                    for u in T.unroll(G):
+                        for i in T.unroll(MT):
+                            if i < nt[0]:
+                                for v in T.vectorized(4):
+                                    xr[v] = xq[i * XW + chunk_index(p, u, tx % tpr, tpr, G) * 4 + v]
+                                for v in T.unroll(4):
+                                    for h in T.unroll(2):
+                                        acc[i] = acc[i] + _bf(wr[u * 4 + v], h) * _bf(xr[v], h)
+                # the row's partial sums: across the warp, then across the row's warps
+                for i in T.unroll(MT):
+                    for o in T.unroll(5):
+                        acc[i] = acc[i] + T.call_extern("float32", "__shfl_xor_sync",
+                                                        T.uint32(0xFFFFFFFF), acc[i], 16 >> o, 32)
+                    if tx % 32 == 0:
+                        red[tx // 32 * MT + i] = acc[i]
+                T.tvm_storage_sync("shared")
+                if tx < R * MT:
+                    if tx % MT < nt[0]:
+                        acc[0] = T.float32(0)
+                        for wi in T.unroll(WPR):
+                            acc[0] = acc[0] + red[(tx // MT * WPR + wi) * MT + tx % MT]
+                        store(y, T.Cast("int64", tx % MT), T.Cast("int64", blk * R + tx // MT), acc[0])
+
+    return body
+
+
+def dense_gemv_kernel(N: int, K: int, out_dtype: str = "float32"):
+    """Standalone PrimFunc ``(x [n, K] bf16, w [N, K] bf16, y [n, N] out_dtype)``, ``1 <= n <=
+    MAX_TOKENS``, of the kernel (``y = x @ wᵀ`` rounded to ``out_dtype``), for tests and
+    benchmarks; the compile pipeline splices :func:`dense_gemv_macro` into the model's fused
+    functions instead.
+
+    Raises:
+        ValueError: as :func:`dense_gemv_macro`.
+    """
+    from schedules.dense_decode_tc import standalone_kernel
+
+    return standalone_kernel(dense_gemv_macro(N, K), N, K, out_dtype)
