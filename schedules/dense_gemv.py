@@ -27,6 +27,7 @@ K3 MoE layer against a torch reference).
 from __future__ import annotations
 
 import numpy as np
+from tvm.backend.cuda.op import cuda_func_call
 from tvm.script import tirx as T
 
 THREADS = 256     # threads per block
@@ -93,17 +94,33 @@ def emulate(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return y
 
 
+_LD_STREAM = r"""
+__forceinline__ __device__ void k3_ld_stream16(unsigned* dst, const void* src) {
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(dst[0]), "=r"(dst[1]), "=r"(dst[2]), "=r"(dst[3]) : "l"(src));
+}
+"""
+
+
+def ld_stream16(dst, src):
+    """16-byte read-only global load into 4 registers (``dst``: the address of the first)
+    that leaves no copy in L1 (``ld.global.nc.L1::no_allocate``): the weights stream past,
+    the token rows that every block re-reads stay in L1."""
+    return cuda_func_call("k3_ld_stream16", dst, src, source_code=_LD_STREAM)
+
+
 def _bf(word, h):
     """fp32 of bf16 half ``h`` (0 low, 1 high; an unrolled loop variable) of the uint32 ``word``."""
     return T.reinterpret("float32", (word << T.Cast("uint32", 16 - 16 * h)) & T.uint32(0xFFFF0000))
 
 
-def dense_gemv_macro(N: int, K: int):
+def dense_gemv_macro(N: int, K: int, stream: bool = True):
     """The kernel as a TVMScript macro ``body(x, w, y, n, store)`` (the interface of
     :func:`schedules.dense_decode_tc.dense_tc_macro`): ``x`` bf16 ``[n, K]`` with
     ``1 <= n <= MAX_TOKENS`` (the caller's branch guarantees it; tokens past
     :data:`MAX_TOKENS` are not computed), ``w`` bf16 ``[N, K]``, ``store(y, i, j, acc)`` the
-    store of the fp32 sum ``acc`` of token ``i``, row ``j`` (int64 indices).
+    store of the fp32 sum ``acc`` of token ``i``, row ``j`` (int64 indices). ``stream``: the
+    weights are read past L1 (:func:`ld_stream16`; False: plain cached 16-byte loads).
 
     Raises:
         ValueError: a shape that does not :func:`fits`.
@@ -134,9 +151,13 @@ def dense_gemv_macro(N: int, K: int):
                 for p in range(P):
                     # the group's weight chunks, all in flight before the first multiply
                     for u in T.unroll(G):
-                        for v in T.vectorized(4):
-                            wr[u * 4 + v] = wq[(blk * R + tx // tpr) * XW
-                                               + chunk_index(p, u, tx % tpr, tpr, G) * 4 + v]
+                        if stream:
+                            T.evaluate(ld_stream16(T.address_of(wr[u * 4]), T.address_of(
+                                wq[(blk * R + tx // tpr) * XW + chunk_index(p, u, tx % tpr, tpr, G) * 4])))
+                        else:
+                            for v in T.vectorized(4):
+                                wr[u * 4 + v] = wq[(blk * R + tx // tpr) * XW
+                                                   + chunk_index(p, u, tx % tpr, tpr, G) * 4 + v]
                     for u in T.unroll(G):
                         for i in T.unroll(MT):
                             if i < nt[0]:
@@ -163,7 +184,7 @@ def dense_gemv_macro(N: int, K: int):
     return body
 
 
-def dense_gemv_kernel(N: int, K: int, out_dtype: str = "float32"):
+def dense_gemv_kernel(N: int, K: int, out_dtype: str = "float32", stream: bool = True):
     """Standalone PrimFunc ``(x [n, K] bf16, w [N, K] bf16, y [n, N] out_dtype)``, ``1 <= n <=
     MAX_TOKENS``, of the kernel (``y = x @ wᵀ`` rounded to ``out_dtype``), for tests and
     benchmarks; the compile pipeline splices :func:`dense_gemv_macro` into the model's fused
@@ -174,4 +195,4 @@ def dense_gemv_kernel(N: int, K: int, out_dtype: str = "float32"):
     """
     from schedules.dense_decode_tc import standalone_kernel
 
-    return standalone_kernel(dense_gemv_macro(N, K), N, K, out_dtype)
+    return standalone_kernel(dense_gemv_macro(N, K, stream), N, K, out_dtype)

@@ -269,9 +269,19 @@ def _moe_route_gpu(E: int, K: int, rsf: float, do_norm: bool) -> tir.PrimFunc:
     registers; each of the ``top_k`` rounds takes every lane's best (strict ``>`` in index
     order) and reduces the 32 candidates with ``__shfl_xor_sync`` on (score, index) — larger
     score, then lower index wins, as :func:`moe_route_reference` — and the owner lane retires
-    the winner. ~top_k·(E/32 + 10) instructions per lane instead of top_k·E per thread (the
-    earlier one-thread-per-token loop kept the E scores in local memory: ~50 µs per MoE layer
-    at one token, E = 896)."""
+    the winner; lane ``r`` keeps round ``r``'s winner. After the rounds, lane ``r`` reads its
+    winner's logit (the ``top_k`` reads at once, not one dependent read per round: 7.0 µs per
+    call at one token on the H200 with them, benchmarks/results/moe_layer_gemv_h200_2026-11-30.json)
+    and the sum of the weights is taken in round order (``__shfl_sync`` from lanes 0, 1, ...),
+    as the reference adds them. ~top_k·(E/32 + 10) instructions per lane instead of top_k·E
+    per thread (the earlier one-thread-per-token loop kept the E scores in local memory: ~50 µs
+    per MoE layer at one token, E = 896).
+
+    Raises:
+        ValueError: ``top_k`` over 32 (one winner per lane).
+    """
+    if K > 32:
+        raise ValueError(f"the GPU router keeps one winner per lane: top_k must be at most 32, got {K}")
     TX = 128
     W = TX // 32                  # tokens per block
     EPL = (E + 31) // 32          # experts per lane
@@ -291,8 +301,8 @@ def _moe_route_gpu(E: int, K: int, rsf: float, do_norm: bool) -> tir.PrimFunc:
         for bx in T.thread_binding((num_tokens + W - 1) // W, thread="blockIdx.x"):
             for tx in T.thread_binding(TX, thread="threadIdx.x"):
                 sel = T.alloc_buffer((EPL,), "float32", scope="local")
-                bv = T.alloc_buffer((2,), "float32", scope="local")   # best, candidate
-                bi = T.alloc_buffer((2,), "int32", scope="local")
+                bv = T.alloc_buffer((3,), "float32", scope="local")   # best, candidate, own weight
+                bi = T.alloc_buffer((3,), "int32", scope="local")     # best, candidate, own winner
                 total = T.alloc_buffer((1,), "float32", scope="local")
                 if bx * W + tx // 32 < num_tokens:
                     for j in T.unroll(EPL):
@@ -301,7 +311,7 @@ def _moe_route_gpu(E: int, K: int, rsf: float, do_norm: bool) -> tir.PrimFunc:
                             T.sigmoid(logits[bx * W + tx // 32, T.min(tx % 32 + 32 * j, E - 1)])
                             + bias[T.min(tx % 32 + 32 * j, E - 1)],
                             T.float32(neg_inf))
-                    total[0] = T.float32(0)
+                    bi[2] = 0
                     for r in range(K):
                         bv[0] = T.float32(neg_inf)
                         bi[0] = E
@@ -318,21 +328,22 @@ def _moe_route_gpu(E: int, K: int, rsf: float, do_norm: bool) -> tir.PrimFunc:
                         for j in T.unroll(EPL):
                             if tx % 32 + 32 * j == bi[0]:
                                 sel[j] = T.float32(neg_inf)
-                        # all lanes hold the winner; lane 0 writes it. No finite score left
+                        # all lanes hold the winner; lane r keeps it. No finite score left
                         # (NaN logits): expert 0, as the CPU kernel's scan, never an id E.
-                        if bi[0] >= E:
-                            bi[0] = 0
-                        total[0] = total[0] + T.sigmoid(logits[bx * W + tx // 32, bi[0]])
-                        if tx % 32 == 0:
-                            ids[bx * W + tx // 32, r] = bi[0]
-                            w[bx * W + tx // 32, r] = T.sigmoid(logits[bx * W + tx // 32, bi[0]])
-                    if tx % 32 == 0:
-                        for r in range(K):
-                            if do_norm:
-                                w[bx * W + tx // 32, r] = w[bx * W + tx // 32, r] / (total[0] + T.float32(1e-20)) \
-                                    * T.float32(rsf)
-                            else:
-                                w[bx * W + tx // 32, r] = w[bx * W + tx // 32, r] * T.float32(rsf)
+                        if tx % 32 == r:
+                            bi[2] = T.if_then_else(bi[0] >= E, 0, bi[0])
+                    # the K winners' weights at once, their sum in round order
+                    bv[2] = T.sigmoid(logits[bx * W + tx // 32, bi[2]])
+                    total[0] = T.float32(0)
+                    for r in range(K):
+                        total[0] = total[0] + T.call_extern("float32", "__shfl_sync", T.uint32(0xFFFFFFFF),
+                                                            bv[2], r, 32)
+                    if tx % 32 < K:
+                        ids[bx * W + tx // 32, tx % 32] = bi[2]
+                        if do_norm:
+                            w[bx * W + tx // 32, tx % 32] = bv[2] / (total[0] + T.float32(1e-20)) * T.float32(rsf)
+                        else:
+                            w[bx * W + tx // 32, tx % 32] = bv[2] * T.float32(rsf)
 
     return moe_route_gpu
 

@@ -20,7 +20,8 @@ Three kernels (all CUDA-only, ``tirx.is_scheduled``):
 
 - :func:`moe_expert_chain_kernel` — from ``expert_ids [T, k]`` builds ``chain [T, k, 2]``:
   ``chain[i, 0]`` = 1 if entry ``i`` is the first to pick its expert, ``chain[i, 1]`` = the
-  next entry with the same expert (or -1). O((T·k)²) over threads: meant for decode (T ≤ 256).
+  next entry with the same expert (or -1). O((T·k)²) work (a warp per entry, 32 ids a step):
+  meant for decode (T ≤ 256).
 - :func:`moe_mxfp4_gate_up_kernel` — one block per (entry, tile of 16 rows). Blocks of
   entries that are not the first of their expert exit; the first one walks the chain, so
   each distinct expert is read from HBM once (later tokens of the chain re-read it from L2;
@@ -66,7 +67,6 @@ import numpy as np
 from tvm.script import tirx as T
 
 from schedules import moe_generic as mg
-from schedules.barriers import mark
 
 LANES = 16           # lanes per output row
 CHUNK_BYTES = 16     # packed bytes per lane load (= 32 codes = one scale group)
@@ -79,21 +79,26 @@ def _check(k_in: int) -> int:
 
 
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
-def moe_expert_chain_kernel(top_k: int, threads: int = 128, tile: int = 1024):
+def moe_expert_chain_kernel(top_k: int, warps: int = 4):
     """``expert_ids [T, top_k]`` int32 -> ``chain [T, top_k, 2]`` int32 (see module doc).
 
-    One thread per entry; the block stages the ids in shared memory ``tile`` entries at a
-    time and every thread scans each tile (O((T·k)²) comparisons, from shared memory: 25 µs
-    at T = 64 on the H200, where reading every id from L1 took 50 µs). It places its own
-    barriers (:func:`schedules.barriers.mark`): compile it inside
-    ``schedules.barriers.respect_manual_barriers()``, as k3_compile/build.py does.
+    One warp per entry ``i``: the warp's lanes compare 32 ids at a time with entry ``i``'s
+    expert, and two ``__ballot_sync`` masks (matches before ``i``, matches after ``i``) give
+    "first of its expert" and, from the lowest set bit, the next entry with it: T·k/32 steps per
+    warp. (The earlier one-thread-per-entry scan of the ids in shared memory took 25 µs at T = 64
+    on the H200, a serial loop of T·k steps per thread; benchmarks/results/
+    moe_layer_gemv_h200_2026-11-30.json.) ``warps`` entries per block.
 
     Raises:
-        ValueError: ``tile`` not a multiple of ``threads``.
+        ValueError: ``warps`` not in 1..32.
     """
     K = top_k
-    if tile % threads:
-        raise ValueError(f"tile {tile} must be a multiple of threads {threads}")
+    if not 1 <= warps <= 32:
+        raise ValueError(f"warps must be in 1..32, got {warps}")
+    TX = 32 * warps
+
+    def ballot(cond):
+        return T.call_extern("uint32", "__ballot_sync", T.uint32(0xFFFFFFFF), T.Cast("int32", cond))
 
     @T.prim_func(private=True)
     def moe_expert_chain(ids_h: T.handle, chain_h: T.handle):
@@ -102,34 +107,32 @@ def moe_expert_chain_kernel(top_k: int, threads: int = 128, tile: int = 1024):
         ids = T.match_buffer(ids_h, (nt, K), "int32")
         chain = T.match_buffer(chain_h, (nt, K, 2), "int32")
         idf = T.decl_buffer((nt * K,), "int32", data=ids.data)
-        for bx in T.thread_binding((nt * K + threads - 1) // threads, thread="blockIdx.x"):
-            for tx in T.thread_binding(threads, thread="threadIdx.x"):
-                ids_s = T.alloc_buffer((tile,), "int32", scope="shared")
+        for bx in T.thread_binding((nt * K + warps - 1) // warps, thread="blockIdx.x"):
+            for tx in T.thread_binding(TX, thread="threadIdx.x"):
                 # [0] first to pick its expert, [1] next entry with it, [2] the entry, [3] its
-                # expert, [4] the number of entries
-                st = T.alloc_buffer((5,), "int32", scope="local")
+                # expert, [4] the number of entries, [5] the lane's entry of the step
+                st = T.alloc_buffer((6,), "int32", scope="local")
+                mk = T.alloc_buffer((2,), "uint32", scope="local")  # matches before / after
                 st[0] = 1
                 st[1] = -1
-                st[2] = T.Cast("int32", bx) * threads + tx
+                st[2] = T.Cast("int32", bx) * warps + tx // 32
                 st[4] = T.Cast("int32", nt * K)
-                st[3] = idf[T.min(st[2], st[4] - 1)]
-                for t0 in range((st[4] + tile - 1) // tile):
-                    for r in T.unroll(tile // threads):
-                        if t0 * tile + r * threads + tx < st[4]:
-                            ids_s[r * threads + tx] = idf[t0 * tile + r * threads + tx]
-                    T.tvm_storage_sync("shared")
-                    for j in range(T.min(tile, st[4] - t0 * tile)):
-                        if ids_s[j] == st[3]:
-                            if t0 * tile + j < st[2]:
-                                st[0] = 0
-                            elif t0 * tile + j > st[2] and st[1] < 0:
-                                st[1] = t0 * tile + j
-                    T.tvm_storage_sync("shared")
-                if st[2] < st[4]:
-                    chain[st[2] // K, st[2] % K, 0] = st[0]
-                    chain[st[2] // K, st[2] % K, 1] = st[1]
+                if st[2] < st[4]:  # warp-uniform
+                    st[3] = idf[st[2]]
+                    for c in range((st[4] + 31) // 32):
+                        st[5] = c * 32 + tx % 32
+                        mk[0] = ballot(T.And(st[5] < st[2], idf[T.min(st[5], st[4] - 1)] == st[3]))
+                        mk[1] = ballot(T.And(T.And(st[5] > st[2], st[5] < st[4]),
+                                             idf[T.min(st[5], st[4] - 1)] == st[3]))
+                        if mk[0] != T.uint32(0):
+                            st[0] = 0
+                        if st[1] < 0 and mk[1] != T.uint32(0):
+                            st[1] = c * 32 + T.call_extern("int32", "__ffs", mk[1]) - 1
+                    if tx % 32 == 0:
+                        chain[st[2] // K, st[2] % K, 0] = st[0]
+                        chain[st[2] // K, st[2] % K, 1] = st[1]
 
-    return mark(moe_expert_chain)
+    return moe_expert_chain
 
 
 def _code_f32(w, j: int):

@@ -60,8 +60,8 @@ def test_fits_and_errors():
 def test_cuda_loads_a_group_before_multiplying_and_does_not_spill(tmp_path):
     src = sm90a_cuda_source(dg.dense_gemv_kernel(896, 7168, "bfloat16"))
     body = src[src.index('extern "C" __global__'):]
-    # the 7 weight chunks of the group (16-byte loads) come before the first token load
-    loads = [m.start() for m in re.finditer(r"\*\(uint4\*\)\(wr_ptr \+ \d+\) = ", body)]
+    # the 7 weight chunks of the group (16-byte loads past L1) come before the first token load
+    loads = [m.start() for m in re.finditer(r"k3_ld_stream16\(\(&\(wr_ptr\[\d+\]\)\)", body)]
     first_x = body.index("*(uint4*)(xr_ptr + 0) = ")
     assert len(loads) == 7 and max(loads) < first_x, loads
     assert body.count("__shfl_xor_sync") == 5 * dg.MAX_TOKENS

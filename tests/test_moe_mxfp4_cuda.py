@@ -87,5 +87,5 @@ def test_kernels_compile_to_fatbin_for_sm90a(tmp_path):
         "fs = {'c': mc.moe_expert_chain_kernel(3), 'gu': mc.moe_mxfp4_gate_up_kernel(5, 1024, 96, 3, 4.0, 25.0),\n"
         "      'd': mc.moe_mxfp4_down_kernel(5, 1024, 512, 3)}\n"
         "mod = tvm.IRModule({k: f.with_attr('global_symbol', k) for k, f in fs.items()})", tmp_path,
-        contexts="respect_manual_barriers()")  # the chain kernel places its own barriers
+        contexts="respect_manual_barriers()")  # as the model build
     assert "fatbin" in out

@@ -127,6 +127,9 @@ def prepare(out: Path) -> None:
 
     for r, k in K3_SHAPES + ODD_SHAPES_GEMV:
         fs[_gname(r, k)] = dg.dense_gemv_kernel(r, k, "float32").with_attr("global_symbol", _gname(r, k))
+    for r, k in K3_SHAPES:  # weights through L1 (plain loads)
+        fs[_gname(r, k, "cached")] = dg.dense_gemv_kernel(r, k, "float32", stream=False).with_attr(
+            "global_symbol", _gname(r, k, "cached"))
     for r, k in K3_SHAPES:
         with spec.tvm_target():
             f = _dlight_gemv(r, k, spec.tvm_target())
@@ -244,7 +247,8 @@ def run(lib_dir: Path, only: str = "all") -> dict:
     # (name function, shapes, variant, token counts, label, built for every shape): the decode
     # kernel is built for all its shapes, the wgmma ones only where their tiles fit
     suites = [(_gname, K3_SHAPES + ODD_SHAPES_GEMV, "", CHECK_N_GEMV, "gemv", False),
-              (_gname, K3_SHAPES, "dlight", CHECK_N_GEMV, "gemv_dlight", False)]
+              (_gname, K3_SHAPES, "dlight", CHECK_N_GEMV, "gemv_dlight", False),
+              (_gname, K3_SHAPES, "cached", CHECK_N_GEMV, "gemv_cached", False)]
     if only in ("all", "decode"):
         suites += [(_name, K3_SHAPES + ODD_SHAPES, "", CHECK_N, "", True)]
         suites += [(_name, K3_SHAPES, v, CHECK_N, v, True) for v in VARIANTS]
@@ -260,8 +264,9 @@ def run(lib_dir: Path, only: str = "all") -> dict:
     for r, k in K3_SHAPES:
         if only in ("all", "gemv") and has(_gname(r, k)):
             fv = {"gemv": lib[_gname(r, k)], "tc": lib[_name(r, k)]}
-            if has(_gname(r, k, "dlight")):
-                fv["dlight_gemv"] = lib[_gname(r, k, "dlight")]
+            for v in ("cached", "dlight"):
+                if has(_gname(r, k, v)):
+                    fv[f"gemv_{v}"] = lib[_gname(r, k, v)]
             for n in TIME_N_GEMV:
                 res["timing_gemv"].append(_time(fv, r, k, n, dev, g, bw, peak))
     res["timing_splitk"] = []

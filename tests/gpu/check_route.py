@@ -1,11 +1,12 @@
 """The GPU MoE router (schedules/moe_generic.py ``moe_route_kernel(gpu=True)``: one warp per
-token) against an independent NumPy top-k, and timed against the earlier one-thread-per-token
-loop, on the H200.
+token) against an independent NumPy top-k, and the expert chain kernel
+(schedules/moe_mxfp4_cuda.py ``moe_expert_chain_kernel``) against NumPy, each timed against its
+earlier versions (built from the git history), on the H200.
 
 Here: ``python tests/gpu/check_route.py build dist/route`` (K3: 896 experts top-16 with
 routed_scaling_factor 2.5; odd sizes 32/top-4 and 37/top-5 without renormalization). There:
-``python3 tests/gpu/check_route.py run dist/route``. Scores are rounded to a coarse grid so
-that many ties occur: the lowest expert index must win them.
+``python3 tests/gpu/check_route.py run dist/route [out.json]``. Scores are rounded to a coarse
+grid so that many ties occur: the lowest expert index must win them.
 """
 
 import json
@@ -18,6 +19,11 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 CASES = {"route896": (896, 16, 2.5, True), "route32": (32, 4, 1.0, True), "route37": (37, 5, 1.5, False)}
+OLD = {  # name -> (commit, schedules module, its kernel)
+    "route896_thread": ("d993f4c", "moe_generic", lambda m: m.moe_route_kernel(896, 16, 2.5, True, gpu=True)),
+    "route896_warp_v1": ("1b06953", "moe_generic", lambda m: m.moe_route_kernel(896, 16, 2.5, True, gpu=True)),
+    "chain16_thread": ("1b06953", "moe_mxfp4_cuda", lambda m: m.moe_expert_chain_kernel(16)),
+}
 
 
 def build(out: Path) -> None:
@@ -27,29 +33,35 @@ def build(out: Path) -> None:
     import tvm
 
     from k3_compile.device_code import PTXAS_OPTIONS, precompiled_cuda
+    from schedules.barriers import respect_manual_barriers
     from schedules import moe_generic as mg
     from targets import get_target
 
+    from schedules import moe_mxfp4_cuda as mc
+
     fs = {n: mg.moe_route_kernel(e, k, rsf, norm, gpu=True) for n, (e, k, rsf, norm) in CASES.items()}
-    # the previous GPU router (one thread per token, commit d993f4c), for the timing comparison
-    try:
-        old_src = subprocess.check_output(["git", "show", "d993f4c:schedules/moe_generic.py"], cwd=ROOT,
+    fs["chain16"] = mc.moe_expert_chain_kernel(16)
+    fs["chain3"] = mc.moe_expert_chain_kernel(3)
+    # earlier versions, for the timing comparison: name -> (commit, module, builder)
+    for name, (commit, module, make) in OLD.items():
+        try:
+            src = subprocess.check_output(["git", "show", f"{commit}:schedules/{module}.py"], cwd=ROOT,
                                           text=True, stderr=subprocess.DEVNULL)
-    except (subprocess.CalledProcessError, OSError):
-        raise SystemExit("check_route build: needs the git history (commit d993f4c) for the old router")
-    old_path = out / "moe_generic_d993f4c.py"
-    out.mkdir(parents=True, exist_ok=True)
-    old_path.write_text(old_src)
-    spec = importlib.util.spec_from_file_location("moe_generic_d993f4c", old_path)
-    old = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(old)
-    fs["route896_thread"] = old.moe_route_kernel(896, 16, 2.5, True, gpu=True)
+        except (subprocess.CalledProcessError, OSError):
+            raise SystemExit(f"check_route build: needs the git history (commit {commit}) for {name}")
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / f"{module}_{commit}.py"
+        path.write_text(src)
+        spec = importlib.util.spec_from_file_location(f"{module}_{commit}", path)
+        old = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(old)
+        fs[name] = make(old)
+        path.unlink()
     mod = tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in fs.items()})
     target = get_target("cuda-sm90a")
-    with precompiled_cuda(target.nvcc_arch, options=PTXAS_OPTIONS):  # as the model build
+    with precompiled_cuda(target.nvcc_arch, options=PTXAS_OPTIONS), respect_manual_barriers():  # as the model build
         lib = tvm.compile(mod, target=target.tvm_target())
     lib.export_library(str(out / "route.so"))
-    old_path.unlink()
 
 
 def reference(logits, bias, k, rsf, norm):
@@ -68,7 +80,7 @@ def run(out: Path) -> dict:
     import torch
     import tvm
 
-    from cuda_timing import time_cuda
+    from cuda_timing import time_cuda_graph
     from k3_compile.device_code import load_cuda_runtime
 
     load_cuda_runtime()
@@ -90,6 +102,19 @@ def run(out: Path) -> dict:
                    "max_w_err": float(np.abs(w.cpu().numpy() - rw).max())}
             res["check"].append(row)
             print(json.dumps(row), flush=True)
+    from schedules.moe_mxfp4_cuda import expert_chain_reference
+
+    for k, name in ((16, "chain16"), (3, "chain3")):
+        for T in (1, 7, 64, 300):
+            e = 5 if k == 3 else 896
+            ids = rng.integers(0, e, (T, k)).astype(np.int32)
+            chain = torch.full((T, k, 2), 7, dtype=torch.int32, device="cuda")
+            lib[name](tvm.runtime.from_dlpack(torch.from_numpy(ids).cuda()), tvm.runtime.from_dlpack(chain))
+            torch.cuda.synchronize()
+            row = {"kernel": name, "T": T, "same_chain": bool((chain.cpu().numpy()
+                                                               == expert_chain_reference(ids)).all())}
+            res["check"].append(row)
+            print(json.dumps(row), flush=True)
     for T in (1, 64, 8192):
         logits = torch.randn(T, 896, device="cuda")
         bias = torch.randn(896, device="cuda") * 0.1
@@ -97,9 +122,16 @@ def run(out: Path) -> dict:
         w = torch.empty(T, 16, dtype=torch.float32, device="cuda")
         args = [tvm.runtime.from_dlpack(t) for t in (logits, bias, ids, w)]
         row = {"T": T}
-        for name in ("route896", "route896_thread"):
-            row[f"{name}_ms"] = time_cuda(lambda: lib[name](*args), iters=10, per_sample=5)
+        for name in ("route896", "route896_warp_v1", "route896_thread"):
+            row[f"{name}_ms"] = time_cuda_graph(lambda: lib[name](*args))
+        row["speedup_vs_warp_v1"] = row["route896_warp_v1_ms"] / row["route896_ms"]
         row["speedup"] = row["route896_thread_ms"] / row["route896_ms"]
+        if T <= 256:  # the chain kernel serves decode sizes
+            lib["route896"](*args)
+            cargs = [tvm.runtime.from_dlpack(ids), tvm.runtime.from_dlpack(
+                torch.empty(T, 16, 2, dtype=torch.int32, device="cuda"))]
+            for name in ("chain16", "chain16_thread"):
+                row[f"{name}_ms"] = time_cuda_graph(lambda: lib[name](*cargs))
         res["timing"].append(row)
         print(json.dumps(row), flush=True)
     return res
@@ -113,7 +145,8 @@ if __name__ == "__main__":
         r = run(out)
         if len(sys.argv) > 3:
             Path(sys.argv[3]).write_text(json.dumps(r, indent=1))
-        bad = [c for c in r["check"] if not (c["same_ids"] and c["max_w_err"] <= 1e-6)]
+        bad = [c for c in r["check"] if not (c.get("same_chain", True) and c.get("same_ids", True)
+                                             and c.get("max_w_err", 0.0) <= 1e-6)]
         for c in bad:
             print(f"FAILED: {c}")
         sys.exit(1 if bad else 0)
