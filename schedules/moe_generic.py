@@ -264,31 +264,64 @@ def moe_route_kernel(
     return moe_route
 
 
+def _order_key(f):
+    """uint32 whose unsigned order is the order of the fp32 ``f`` (sign flipped for positives,
+    all bits for negatives; -inf lowest of the non-NaN values)."""
+    b = T.reinterpret("uint32", f)
+    return T.if_then_else(b >> T.uint32(31) == T.uint32(1), ~b, b | T.uint32(0x80000000))
+
+
 def _moe_route_gpu(E: int, K: int, rsf: float, do_norm: bool) -> tir.PrimFunc:
     """GPU router: one warp per token. Lane ``l`` keeps the scores of experts ``l + 32j`` in
-    registers; each of the ``top_k`` rounds takes every lane's best (strict ``>`` in index
-    order) and reduces the 32 candidates with ``__shfl_xor_sync`` on (score, index) — larger
-    score, then lower index wins, as :func:`moe_route_reference` — and the owner lane retires
-    the winner; lane ``r`` keeps round ``r``'s winner. After the rounds, lane ``r`` reads its
-    winner's logit (the ``top_k`` reads at once, not one dependent read per round: 7.0 µs per
-    call at one token on the H200 with them, benchmarks/results/moe_layer_gemv_h200_2026-11-30.json)
-    and the sum of the weights is taken in round order (``__shfl_sync`` from lanes 0, 1, ...),
-    as the reference adds them. ~top_k·(E/32 + 10) instructions per lane instead of top_k·E
-    per thread (the earlier one-thread-per-token loop kept the E scores in local memory: ~50 µs
-    per MoE layer at one token, E = 896).
+    registers (a NaN score as -inf: never chosen). Each of the ``top_k`` rounds:
+
+    - the lane's best by a pairwise tree over its scores (the right one of a pair, i.e. the
+      higher expert index, only if strictly larger: the lower index wins ties), none (index
+      ``E``) if all are -inf;
+    - the warp's winner by two ``__reduce_*_sync`` (sm_80+): the largest score as an
+      order-preserving uint32 key, then the smallest index among the lanes holding it —
+      larger score, then lower index wins, as :func:`moe_route_reference`;
+    - the owner lane retires the winner, lane ``r`` keeps round ``r``'s winner (no finite score
+      left: expert 0, as the CPU kernel's scan, never an id ``E``).
+
+    After the rounds lane ``r`` reads its winner's logit (the ``top_k`` reads at once) and the
+    weights' sum is taken in round order (``__shfl_sync`` from lanes 0, 1, ...), as the
+    reference adds them. Before (a sequential scan and five shuffle steps on (score, index) per
+    round, and one dependent logit read per round) one call took 7.0 µs at one token on the
+    H200 (benchmarks/results/moe_layer_gemv_h200_2026-11-30.json).
 
     Raises:
-        ValueError: ``top_k`` over 32 (one winner per lane).
+        ValueError: ``top_k`` over 32 (one winner per lane), more than 8192 experts.
     """
     if K > 32:
         raise ValueError(f"the GPU router keeps one winner per lane: top_k must be at most 32, got {K}")
+    if E > 32 * 256:
+        raise ValueError(f"the GPU router handles up to 8192 experts, got {E}")
     TX = 128
     W = TX // 32                  # tokens per block
     EPL = (E + 31) // 32          # experts per lane
+    LEVELS = []                   # the tree's sizes: EPL, ceil(EPL / 2), ..., 2 (8 levels)
+    m = EPL
+    while m > 1:
+        LEVELS.append(m)
+        m = (m + 1) // 2
+    LEVELS += [1] * (8 - len(LEVELS))
     neg_inf = float("-inf")
+    full = T.uint32(0xFFFFFFFF)
 
-    def shfl(v, off, dtype):
-        return T.call_extern(dtype, "__shfl_xor_sync", T.uint32(0xFFFFFFFF), v, off, 32)
+    @T.macro
+    def level(tv, ti, m):
+        # pairs (2i, 2i + 1) -> i; an odd last one carried
+        for i in T.unroll(m // 2):
+            if tv[2 * i + 1] > tv[2 * i]:
+                tv[i] = tv[2 * i + 1]
+                ti[i] = ti[2 * i + 1]
+            else:
+                tv[i] = tv[2 * i]
+                ti[i] = ti[2 * i]
+        if m % 2 == 1 and m > 1:
+            tv[m // 2] = tv[m - 1]
+            ti[m // 2] = ti[m - 1]
 
     @T.prim_func
     def moe_route_gpu(logits_h: T.handle, bias: T.Buffer((E,), "float32"), ids_h: T.handle,
@@ -301,8 +334,11 @@ def _moe_route_gpu(E: int, K: int, rsf: float, do_norm: bool) -> tir.PrimFunc:
         for bx in T.thread_binding((num_tokens + W - 1) // W, thread="blockIdx.x"):
             for tx in T.thread_binding(TX, thread="threadIdx.x"):
                 sel = T.alloc_buffer((EPL,), "float32", scope="local")
-                bv = T.alloc_buffer((3,), "float32", scope="local")   # best, candidate, own weight
-                bi = T.alloc_buffer((3,), "int32", scope="local")     # best, candidate, own winner
+                tv = T.alloc_buffer((EPL,), "float32", scope="local")   # the tree's scores
+                ti = T.alloc_buffer((EPL,), "int32", scope="local")     # and indices
+                bk = T.alloc_buffer((2,), "uint32", scope="local")      # lane key, warp best key
+                bi = T.alloc_buffer((3,), "int32", scope="local")     # lane best, winner, own winner
+                bv = T.alloc_buffer((1,), "float32", scope="local")   # own winner's weight
                 total = T.alloc_buffer((1,), "float32", scope="local")
                 if bx * W + tx // 32 < num_tokens:
                     for j in T.unroll(EPL):
@@ -311,39 +347,43 @@ def _moe_route_gpu(E: int, K: int, rsf: float, do_norm: bool) -> tir.PrimFunc:
                             T.sigmoid(logits[bx * W + tx // 32, T.min(tx % 32 + 32 * j, E - 1)])
                             + bias[T.min(tx % 32 + 32 * j, E - 1)],
                             T.float32(neg_inf))
+                        if T.isnan(sel[j]):
+                            sel[j] = T.float32(neg_inf)
                     bi[2] = 0
                     for r in range(K):
-                        bv[0] = T.float32(neg_inf)
-                        bi[0] = E
                         for j in T.unroll(EPL):
-                            if sel[j] > bv[0]:
-                                bv[0] = sel[j]
-                                bi[0] = tx % 32 + 32 * j
-                        for o in T.unroll(5):
-                            bv[1] = shfl(bv[0], 16 >> o, "float32")
-                            bi[1] = shfl(bi[0], 16 >> o, "int32")
-                            if T.Or(bv[1] > bv[0], T.And(bv[1] == bv[0], bi[1] < bi[0])):
-                                bv[0] = bv[1]
-                                bi[0] = bi[1]
+                            tv[j] = sel[j]
+                            ti[j] = tx % 32 + 32 * j
+                        level(tv, ti, LEVELS[0])
+                        level(tv, ti, LEVELS[1])
+                        level(tv, ti, LEVELS[2])
+                        level(tv, ti, LEVELS[3])
+                        level(tv, ti, LEVELS[4])
+                        level(tv, ti, LEVELS[5])
+                        level(tv, ti, LEVELS[6])
+                        level(tv, ti, LEVELS[7])
+                        bk[0] = _order_key(tv[0])
+                        bi[0] = T.if_then_else(tv[0] == T.float32(neg_inf), E, ti[0])
+                        bk[1] = T.call_extern("uint32", "__reduce_max_sync", full, bk[0])
+                        bi[1] = T.Cast("int32", T.call_extern(
+                            "uint32", "__reduce_min_sync", full,
+                            T.if_then_else(bk[0] == bk[1], T.Cast("uint32", bi[0]), T.uint32(0xFFFFFFFF))))
                         for j in T.unroll(EPL):
-                            if tx % 32 + 32 * j == bi[0]:
+                            if tx % 32 + 32 * j == bi[1]:
                                 sel[j] = T.float32(neg_inf)
-                        # all lanes hold the winner; lane r keeps it. No finite score left
-                        # (NaN logits): expert 0, as the CPU kernel's scan, never an id E.
                         if tx % 32 == r:
-                            bi[2] = T.if_then_else(bi[0] >= E, 0, bi[0])
+                            bi[2] = T.if_then_else(bi[1] >= E, 0, bi[1])
                     # the K winners' weights at once, their sum in round order
-                    bv[2] = T.sigmoid(logits[bx * W + tx // 32, bi[2]])
+                    bv[0] = T.sigmoid(logits[bx * W + tx // 32, bi[2]])
                     total[0] = T.float32(0)
                     for r in range(K):
-                        total[0] = total[0] + T.call_extern("float32", "__shfl_sync", T.uint32(0xFFFFFFFF),
-                                                            bv[2], r, 32)
+                        total[0] = total[0] + T.call_extern("float32", "__shfl_sync", full, bv[0], r, 32)
                     if tx % 32 < K:
                         ids[bx * W + tx // 32, tx % 32] = bi[2]
                         if do_norm:
-                            w[bx * W + tx // 32, tx % 32] = bv[2] / (total[0] + T.float32(1e-20)) * T.float32(rsf)
+                            w[bx * W + tx // 32, tx % 32] = bv[0] / (total[0] + T.float32(1e-20)) * T.float32(rsf)
                         else:
-                            w[bx * W + tx // 32, tx % 32] = bv[2] * T.float32(rsf)
+                            w[bx * W + tx // 32, tx % 32] = bv[0] * T.float32(rsf)
 
     return moe_route_gpu
 
