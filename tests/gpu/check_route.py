@@ -160,6 +160,14 @@ if __name__ == "__main__":
         build(out)
     else:
         r = run(out)
+        import time
+
+        import torch
+
+        from cuda_timing import git_commit
+
+        r.update({"machine": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
+                  "commit": git_commit()})
         if len(sys.argv) > 3:
             Path(sys.argv[3]).write_text(json.dumps(r, indent=1))
         bad = [c for c in r["check"] if not (c.get("same_chain", True) and c.get("same_ids", True)
