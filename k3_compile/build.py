@@ -123,9 +123,35 @@ def low_batch_specialize(target, ranges=LOW_BATCH, tensor_cores: bool = True, wg
     Raises:
         ValueError: ``ranges`` whose limits do not increase.
     """
+    import tvm
+    from tvm import tirx
+
+    limits = [lim for lim, _ in ranges]
+    if limits != sorted(set(limits)):
+        raise ValueError(f"low-batch limits must increase, got {limits}")
+
+    @tvm.transform.module_pass(opt_level=0, name="K3LowBatchSpecialize")
+    def _pass(mod, _ctx):
+        updates = {}
+        for gv, f in mod.functions_items():
+            if not isinstance(f, tirx.PrimFunc) or (f.attrs and f.attrs.get("tirx.is_scheduled")):
+                continue
+            out = specialize_one(f, target, ranges, tensor_cores, wgmma)
+            if out is not None:
+                updates[gv] = out
+        for gv, f in updates.items():
+            mod[gv] = f
+        return mod
+
+    return _pass
+
+
+def specialize_one(f, target, ranges=LOW_BATCH, tensor_cores: bool = True, wgmma: bool = False):
+    """:func:`low_batch_specialize` for one unscheduled PrimFunc ``f``: the scheduled PrimFunc
+    (its body branching on the token count), or None where ``f`` is not a matmul with one
+    symbolic size that a branch applies to (left to the default rules)."""
     import functools
 
-    import tvm
     from tvm import s_tir, tirx
     from tvm.s_tir import dlight as dl
 
@@ -134,62 +160,47 @@ def low_batch_specialize(target, ranges=LOW_BATCH, tensor_cores: bool = True, wg
     from schedules import dense_prefill_wgmma as dpw
     from schedules import dense_splitk_wgmma as dsk
 
-    limits = [lim for lim, _ in ranges]
-    if limits != sorted(set(limits)):
-        raise ValueError(f"low-batch limits must increase, got {limits}")
     use_tc = tensor_cores and target.kind.name == "cuda"
-
-    @tvm.transform.module_pass(opt_level=0, name="K3LowBatchSpecialize")
-    def _pass(mod, _ctx):
-        updates = {}
-        for gv, f in mod.functions_items():
-            if not isinstance(f, tirx.PrimFunc) or (f.attrs and f.attrs.get("tirx.is_scheduled")):
-                continue
-            dims = [d for p in f.params if hasattr(p.ty, "shape") for d in p.ty.shape]
-            sizes = {d for d in dims if isinstance(d, tirx.Var)}
-            # one symbolic size, used as is (a shape like ``n * 4`` is left to the default rules)
-            if len(sizes) != 1 or not all(isinstance(d, (tirx.Var, tirx.IntImm)) for d in dims):
-                continue
-            (n,) = sizes
-            tc = ddt.splice_body(f) if use_tc else None
-            wg = (ddt.splice_body(f, dpw.dense_wgmma_macro, dpw.fits)
-                  if tc is not None and wgmma else None)
-            # its workspace sized for the token counts it runs at (else for one token)
-            sk = (ddt.splice_body(f, functools.partial(dsk.dense_splitk_macro,
-                                                       token_range=(SPLITK_FROM, WGMMA_FROM - 1)), dsk.fits)
-                  if tc is not None and wgmma else None)
-            gemv = ddt.splice_body(f, dg.dense_gemv_macro, dg.fits) if tc is not None else None
-            tiled = _dlight(f, dl.gpu.Matmul(), target) if tc is None else None
-            if tc is None and tiled is None:
-                continue
-            rs = [(lim, b) for lim, b in ranges if lim < TENSOR_CORE_FROM] if tc is not None else ranges
-            if gemv is not None:  # the hand GEMV replaces dlight's up to its token count
-                rs = [(lim, b) for lim, b in rs if lim > dg.MAX_TOKENS]
-            lows = [_dlight(f, dl.gpu.LowBatchGEMV(bucket), target) for _, bucket in rs]
-            if any(low is None for low in lows):
-                if tc is None:
-                    continue
-                rs, lows = [], []  # the tensor-core kernel alone
-            # the tensor-core kernel covers every token count from 1 (tiles of 64 tokens over
-            # blockIdx.y); 0 tokens have nothing to compute (and would launch an empty grid)
-            body = (tirx.IfThenElse(tirx.op.tvm_thread_invariant(n >= 1), tc, None)
-                    if tc is not None else tiled.body)
-            if sk is not None:
-                body = tirx.IfThenElse(tirx.op.tvm_thread_invariant(n >= SPLITK_FROM), sk, body)
-            if wg is not None:
-                body = tirx.IfThenElse(tirx.op.tvm_thread_invariant(n >= WGMMA_FROM), wg, body)
-            for (limit, _), low in reversed(list(zip(rs, lows))):
-                body = tirx.IfThenElse(tirx.op.tvm_thread_invariant(n <= limit), low.body, body)
-            if gemv is not None:
-                body = tirx.IfThenElse(tirx.op.tvm_thread_invariant(n <= dg.MAX_TOKENS), gemv, body)
-            body = s_tir.SBlockRealize([], True, s_tir.SBlock([], [], [], "root", body))
-            updates[gv] = (f.with_body(body).with_attr("tirx.is_scheduled", True)
-                           .with_attr("tirx.HoistIfThenElseExprWithBlock", 1))
-        for gv, f in updates.items():
-            mod[gv] = f
-        return mod
-
-    return _pass
+    dims = [d for p in f.params if hasattr(p.ty, "shape") for d in p.ty.shape]
+    sizes = {d for d in dims if isinstance(d, tirx.Var)}
+    # one symbolic size, used as is (a shape like ``n * 4`` is left to the default rules)
+    if len(sizes) != 1 or not all(isinstance(d, (tirx.Var, tirx.IntImm)) for d in dims):
+        return None
+    (n,) = sizes
+    tc = ddt.splice_body(f) if use_tc else None
+    wg = (ddt.splice_body(f, dpw.dense_wgmma_macro, dpw.fits)
+          if tc is not None and wgmma else None)
+    # its workspace sized for the token counts it runs at (else for one token)
+    sk = (ddt.splice_body(f, functools.partial(dsk.dense_splitk_macro,
+                                               token_range=(SPLITK_FROM, WGMMA_FROM - 1)), dsk.fits)
+          if tc is not None and wgmma else None)
+    gemv = ddt.splice_body(f, dg.dense_gemv_macro, dg.fits) if tc is not None else None
+    tiled = _dlight(f, dl.gpu.Matmul(), target) if tc is None else None
+    if tc is None and tiled is None:
+        return None
+    rs = [(lim, b) for lim, b in ranges if lim < TENSOR_CORE_FROM] if tc is not None else ranges
+    if gemv is not None:  # the hand GEMV replaces dlight's up to its token count
+        rs = [(lim, b) for lim, b in rs if lim > dg.MAX_TOKENS]
+    lows = [_dlight(f, dl.gpu.LowBatchGEMV(bucket), target) for _, bucket in rs]
+    if any(low is None for low in lows):
+        if tc is None:
+            return None
+        rs, lows = [], []  # the tensor-core kernel alone
+    # the tensor-core kernel covers every token count from 1 (tiles of 64 tokens over
+    # blockIdx.y); 0 tokens have nothing to compute (and would launch an empty grid)
+    body = (tirx.IfThenElse(tirx.op.tvm_thread_invariant(n >= 1), tc, None)
+            if tc is not None else tiled.body)
+    if sk is not None:
+        body = tirx.IfThenElse(tirx.op.tvm_thread_invariant(n >= SPLITK_FROM), sk, body)
+    if wg is not None:
+        body = tirx.IfThenElse(tirx.op.tvm_thread_invariant(n >= WGMMA_FROM), wg, body)
+    for (limit, _), low in reversed(list(zip(rs, lows))):
+        body = tirx.IfThenElse(tirx.op.tvm_thread_invariant(n <= limit), low.body, body)
+    if gemv is not None:
+        body = tirx.IfThenElse(tirx.op.tvm_thread_invariant(n <= dg.MAX_TOKENS), gemv, body)
+    body = s_tir.SBlockRealize([], True, s_tir.SBlock([], [], [], "root", body))
+    return (f.with_body(body).with_attr("tirx.is_scheduled", True)
+            .with_attr("tirx.HoistIfThenElseExprWithBlock", 1))
 
 
 def _schedule_target(target):
@@ -235,9 +246,13 @@ def gpu_relax_pipeline(target, cuda_graph: bool = False, low_batch=LOW_BATCH, wg
     not captured (their addresses change between calls). Off by default: on the H200 k3-nano
     gave the same tokens with and without it and no decode speed-up (242 vs 243 tokens/s at
     batch 1), since the host side of each step and the uncaptured regions dominate."""
+    import functools
+
     import tvm
     from tvm import relax
     from tvm.s_tir import dlight as dl
+
+    from .sibling_gemvs import fuse_sibling_gemvs
 
     rules = [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(),
              dl.gpu.Fallback()]
@@ -265,6 +280,11 @@ def gpu_relax_pipeline(target, cuda_graph: bool = False, low_batch=LOW_BATCH, wg
             relax.transform.FuseOps(),
             relax.transform.FuseTIR(),
             relax.transform.DeadCodeElimination(),
+            # 1-2 tokens: sibling projections of one activation as one GEMV launch
+            *([_in_target(sched, [fuse_sibling_gemvs(functools.partial(
+                specialize_one, target=sched, ranges=low_batch, tensor_cores=True,
+                wgmma=wgmma))]), relax.transform.DeadCodeElimination()]
+              if low_batch and tensor_cores and target.kind.name == "cuda" else []),
             _in_target(sched, [*([low_batch_specialize(sched, low_batch, tensor_cores=tensor_cores,
                                                                           wgmma=wgmma and tensor_cores)] if low_batch else []),
                                dl.ApplyDefaultSchedule(*rules)]),

@@ -114,6 +114,68 @@ def _bf(word, h):
     return T.reinterpret("float32", (word << T.Cast("uint32", 16 - 16 * h)) & T.uint32(0xFFFF0000))
 
 
+def _check_fits(N: int, K: int):
+    if not fits(N, K):
+        raise ValueError(f"W [{N}, {K}]: the input width must be a multiple of {32 * CHUNK} and "
+                         f"the rows a multiple of the rows per block (under 2^31 elements)")
+
+
+def _block_macro(N: int, K: int, stream: bool):
+    """Macro ``one(xq, w, y, n, blk, tx, store)``: block ``blk`` (0 .. N / rows - 1) of the
+    GEMV of ``w [N, K]`` on the tokens ``xq`` (``x`` as uint32 words), thread ``tx``."""
+    tpr, G, P = gemv_layout(K)
+    R = THREADS // tpr
+    WPR = tpr // 32           # warps per row
+    XW = K // 2               # uint32 words per row
+    MT = MAX_TOKENS
+
+    @T.macro
+    def one(xq, w, y, n, blk, tx, store):
+        wq = T.decl_buffer((N * XW,), "uint32", data=w.data)
+        red = T.alloc_buffer((THREADS // 32 * MT,), "float32", scope="shared")
+        wr = T.alloc_buffer((G * 4,), "uint32", scope="local")
+        xr = T.alloc_buffer((4,), "uint32", scope="local")
+        acc = T.alloc_buffer((MT,), "float32", scope="local")
+        nt = T.alloc_buffer((1,), "int32", scope="local")  # tokens, as int32
+        nt[0] = T.Cast("int32", n)
+        for i in T.unroll(MT):
+            acc[i] = T.float32(0)
+        for p in range(P):
+            # the group's weight chunks, all in flight before the first multiply
+            for u in T.unroll(G):
+                if stream:
+                    T.evaluate(ld_stream16(T.address_of(wr[u * 4]), T.address_of(
+                        wq[(blk * R + tx // tpr) * XW + chunk_index(p, u, tx % tpr, tpr, G) * 4])))
+                else:
+                    for v in T.vectorized(4):
+                        wr[u * 4 + v] = wq[(blk * R + tx // tpr) * XW
+                                           + chunk_index(p, u, tx % tpr, tpr, G) * 4 + v]
+            for u in T.unroll(G):
+                for i in T.unroll(MT):
+                    if i < nt[0]:
+                        for v in T.vectorized(4):
+                            xr[v] = xq[i * XW + chunk_index(p, u, tx % tpr, tpr, G) * 4 + v]
+                        for v in T.unroll(4):
+                            for h in T.unroll(2):
+                                acc[i] = acc[i] + _bf(wr[u * 4 + v], h) * _bf(xr[v], h)
+        # the row's partial sums: across the warp, then across the row's warps
+        for i in T.unroll(MT):
+            for o in T.unroll(5):
+                acc[i] = acc[i] + T.call_extern("float32", "__shfl_xor_sync",
+                                                T.uint32(0xFFFFFFFF), acc[i], 16 >> o, 32)
+            if tx % 32 == 0:
+                red[tx // 32 * MT + i] = acc[i]
+        T.tvm_storage_sync("shared")
+        if tx < R * MT:
+            if tx % MT < nt[0]:
+                acc[0] = T.float32(0)
+                for wi in T.unroll(WPR):
+                    acc[0] = acc[0] + red[(tx // MT * WPR + wi) * MT + tx % MT]
+                store(y, T.Cast("int64", tx % MT), T.Cast("int64", blk * R + tx // MT), acc[0])
+
+    return one
+
+
 def dense_gemv_macro(N: int, K: int, stream: bool = True):
     """The kernel as a TVMScript macro ``body(x, w, y, n, store)`` (the interface of
     :func:`schedules.dense_decode_tc.dense_tc_macro`): ``x`` bf16 ``[n, K]`` with
@@ -125,61 +187,69 @@ def dense_gemv_macro(N: int, K: int, stream: bool = True):
     Raises:
         ValueError: a shape that does not :func:`fits`.
     """
-    if not fits(N, K):
-        raise ValueError(f"W [{N}, {K}]: the input width must be a multiple of {32 * CHUNK} and "
-                         f"the rows a multiple of the rows per block (under 2^31 elements)")
-    tpr, G, P = gemv_layout(K)
-    R = THREADS // tpr
-    WPR = tpr // 32           # warps per row
-    XW = K // 2               # uint32 words per row
-    MT = MAX_TOKENS
+    _check_fits(N, K)
+    one = _block_macro(N, K, stream)
+    R = rows_per_block(K)
 
     @T.macro
     def body(x, w, y, n, store):
-        xq = T.decl_buffer((n * XW,), "uint32", data=x.data)
-        wq = T.decl_buffer((N * XW,), "uint32", data=w.data)
+        xq = T.decl_buffer((n * (K // 2),), "uint32", data=x.data)
         for blk in T.thread_binding(N // R, thread="blockIdx.x"):
             for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
-                red = T.alloc_buffer((THREADS // 32 * MT,), "float32", scope="shared")
-                wr = T.alloc_buffer((G * 4,), "uint32", scope="local")
-                xr = T.alloc_buffer((4,), "uint32", scope="local")
-                acc = T.alloc_buffer((MT,), "float32", scope="local")
-                nt = T.alloc_buffer((1,), "int32", scope="local")  # tokens, as int32
-                nt[0] = T.Cast("int32", n)
-                for i in T.unroll(MT):
-                    acc[i] = T.float32(0)
-                for p in range(P):
-                    # the group's weight chunks, all in flight before the first multiply
-                    for u in T.unroll(G):
-                        if stream:
-                            T.evaluate(ld_stream16(T.address_of(wr[u * 4]), T.address_of(
-                                wq[(blk * R + tx // tpr) * XW + chunk_index(p, u, tx % tpr, tpr, G) * 4])))
-                        else:
-                            for v in T.vectorized(4):
-                                wr[u * 4 + v] = wq[(blk * R + tx // tpr) * XW
-                                                   + chunk_index(p, u, tx % tpr, tpr, G) * 4 + v]
-                    for u in T.unroll(G):
-                        for i in T.unroll(MT):
-                            if i < nt[0]:
-                                for v in T.vectorized(4):
-                                    xr[v] = xq[i * XW + chunk_index(p, u, tx % tpr, tpr, G) * 4 + v]
-                                for v in T.unroll(4):
-                                    for h in T.unroll(2):
-                                        acc[i] = acc[i] + _bf(wr[u * 4 + v], h) * _bf(xr[v], h)
-                # the row's partial sums: across the warp, then across the row's warps
-                for i in T.unroll(MT):
-                    for o in T.unroll(5):
-                        acc[i] = acc[i] + T.call_extern("float32", "__shfl_xor_sync",
-                                                        T.uint32(0xFFFFFFFF), acc[i], 16 >> o, 32)
-                    if tx % 32 == 0:
-                        red[tx // 32 * MT + i] = acc[i]
-                T.tvm_storage_sync("shared")
-                if tx < R * MT:
-                    if tx % MT < nt[0]:
-                        acc[0] = T.float32(0)
-                        for wi in T.unroll(WPR):
-                            acc[0] = acc[0] + red[(tx // MT * WPR + wi) * MT + tx % MT]
-                        store(y, T.Cast("int64", tx % MT), T.Cast("int64", blk * R + tx // MT), acc[0])
+                one(xq, w, y, n, blk, tx, store)
+
+    return body
+
+
+def multi_gemv_macro(Ns, K: int, stream: bool = True):
+    """Several projections of the same tokens in one launch: a TVMScript macro
+    ``body(x, ws, ys, n, stores)`` with ``ws``, ``ys``, ``stores`` sequences (one per
+    ``Ns[i]``-row weight ``ws[i] [Ns[i], K]``, its output and its store macro, as
+    :func:`dense_gemv_macro`). The grid is the concatenation of the projections' blocks
+    (projection ``i`` owns blocks ``offsets[i] .. offsets[i + 1] - 1``); each block runs the
+    single kernel's work for its projection. One launch instead of one per projection: each
+    launch of a weight stream pays its start and its tail (~3 µs per call on the H200 beside
+    its HBM time, benchmarks/results/dense_gemv_h200_2026-11-30.json).
+
+    Raises:
+        ValueError: no projection, or one that does not :func:`fits`.
+    """
+    Ns = [int(v) for v in Ns]
+    if not Ns:
+        raise ValueError("multi_gemv_macro needs at least one projection")
+    for N in Ns:
+        _check_fits(N, K)
+    R = rows_per_block(K)
+    offs = [0]
+    for N in Ns:
+        offs.append(offs[-1] + N // R)
+    ones = [_block_macro(N, K, stream) for N in Ns]
+
+    def segment(i):
+        """Macro for the blocks of projections i, i + 1, ...: an if-chain on the block index."""
+        if i == len(Ns) - 1:
+            @T.macro
+            def last(xq, ws, ys, n, stores, blk, tx):
+                ones[i](xq, ws[i], ys[i], n, blk - offs[i], tx, stores[i])
+            return last
+        rest = segment(i + 1)
+
+        @T.macro
+        def seg(xq, ws, ys, n, stores, blk, tx):
+            if blk < offs[i + 1]:
+                ones[i](xq, ws[i], ys[i], n, blk - offs[i], tx, stores[i])
+            else:
+                rest(xq, ws, ys, n, stores, blk, tx)
+        return seg
+
+    first = segment(0)
+
+    @T.macro
+    def body(x, ws, ys, n, stores):
+        xq = T.decl_buffer((n * (K // 2),), "uint32", data=x.data)
+        for blk in T.thread_binding(offs[-1], thread="blockIdx.x"):
+            for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
+                first(xq, ws, ys, n, stores, blk, tx)
 
     return body
 

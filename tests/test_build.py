@@ -162,9 +162,19 @@ def test_gpu_pipeline_dense_matmuls_read_weights_as_stored_and_branch_on_tokens(
     assert not static, static
     # projections by a weight parameter [out, in] (q/kv/o, KDA, shared experts, router, lm_head
     # ...; not MLA's per-head absorbed products, batched over heads)
-    dense = {n: f.script() for n, f in out.items() if "NT_matmul" in n
+    dense = {n: f.script() for n, f in out.items() if "NT_matmul" in n and not n.startswith("sibling_gemv")
              and any(p.name.endswith("weight") and len(p.ty.shape) == 2 for p in f.params)}
     assert len(dense) >= 10, sorted(out)
+    # sibling projections of one activation merged (k3_compile/sibling_gemvs.py): a KDA layer's
+    # q, k, v, f_a, g; the MoE block's router, latent down and shared up projections; MLA's
+    # q_a and kv_a. Each merged function branches once on n <= MAX_TOKENS (one launch for all)
+    merged = {n: f for n, f in out.items() if n.startswith("sibling_gemv")}
+    sizes = sorted(sum(1 for p in f.params if p.name.endswith("weight")) for f in merged.values())
+    assert sizes == [2, 3, 5], sorted(merged)
+    for n, f in merged.items():
+        src = f.script()
+        found = [int(v) for v in re.findall(r"tvm_thread_invariant\(\w+ <= T\.int64\((\d+)\)\)", src)]
+        assert found == [dg.MAX_TOKENS] and '"__shfl_xor_sync"' in src, (n, found)
     limits = [lim for lim, _ in LOW_BATCH]
     # the bf16 projections the tensor-core kernel fits: LowBatchGEMV below TENSOR_CORE_FROM
     # tokens, the kernel (mma.sync, the fused epilogue inside) for every larger count
@@ -209,7 +219,7 @@ def test_gpu_pipeline_dense_matmuls_read_weights_as_stored_and_branch_on_tokens(
     # the router weight is read by the router's matmul only (no fp32 copy made per call)
     readers = {n for n, f in out.items() for p in f.params
                if p.name.endswith("block_sparse_moe.gate.weight")}
-    assert readers and all(n in dense for n in readers), readers
+    assert readers and all(n in dense or n in merged for n in readers), readers
 
 
 def test_generic_kernels_build_keeps_dlight_for_dense_projections():
