@@ -12,15 +12,19 @@ written out so that the schedule step is ours):
 1. library dispatch (sampling, sort/scan);
 2. ``FuseTransposeMatmul`` (``x @ Wᵀ`` as one ``NT_matmul`` on the stored weight) →
    ``LegalizeOps`` → ``AnnotateTIROpPattern`` → ``FoldConstant`` → ``FuseOps`` → ``FuseTIR``;
-3. :func:`low_batch_specialize` (dense matmuls branch on the token count: GEMV schedules
-   at 1-2 tokens, then on CUDA the tensor-core kernel of schedules/dense_decode_tc.py for
+3. on CUDA, :func:`k3_compile.sibling_gemvs.fuse_sibling_gemvs` (the projections of one
+   activation — a KDA layer's q/k/v/f_a/g, MLA's q_a/kv_a, the MoE router, latent down and
+   shared up projections — merged into one function: one GEMV launch for all at 1-2 tokens);
+4. :func:`low_batch_specialize` (dense matmuls branch on the token count: at 1-2 tokens
+   schedules/dense_gemv.py's GEMV on CUDA for the bf16 projections it fits, else dlight's
+   LowBatchGEMV; then on CUDA the tensor-core kernel of schedules/dense_decode_tc.py for
    the bf16 projections it fits — on sm_90a the split-K and prefill ``wgmma`` kernels of
    schedules/dense_splitk_wgmma.py and dense_prefill_wgmma.py from 17 and 256 tokens —, else
    dlight's tiled one), then dlight
    ``ApplyDefaultSchedule(Matmul, GEMV, Reduction, GeneralReduction, Fallback)`` on
    every PrimFunc that is not already scheduled: the hand-written kernels' GPU variants
    (``export_model(..., gpu=True)``) carry ``tirx.is_scheduled`` and are left alone;
-4. dataflow lowering and finalization (memory planning, VM shape lowering).
+5. dataflow lowering and finalization (memory planning, VM shape lowering).
 
 The module must have been exported with ``gpu=True`` (:func:`k3_compile.pipeline.export_model`)
 for a GPU target: the CPU variants of the hand-written kernels have no thread bindings and
@@ -98,7 +102,10 @@ def low_batch_specialize(target, ranges=LOW_BATCH, tensor_cores: bool = True, wg
     """Pass: give each unscheduled PrimFunc with one symbolic size (the token count ``n`` of a
     dense matmul, e.g. ``NT_matmul [n, K] x [N, K]``) a body that branches on ``n``.
 
-    Branches, in order: dlight's LowBatchGEMV schedule (rows padded to the bucket) for
+    Branches, in order: on CUDA targets (``tensor_cores``) the GEMV of
+    :mod:`schedules.dense_gemv` for ``n <= MAX_TOKENS`` (2) where it fits (it replaces the
+    ranges up to there: 6.1 vs 15.0 µs for the K3 router at one token,
+    dense_gemv_h200_2026-11-30.json); dlight's LowBatchGEMV schedule (rows padded to the bucket) for
     ``n <= limit`` of each ``(limit, bucket)`` of ``ranges``; on CUDA targets (``tensor_cores``)
     where the function is a bf16 projection that :func:`schedules.dense_decode_tc.match_dense`
     accepts, the ranges up to :data:`TENSOR_CORE_FROM` - 1 tokens and then the hand-written
