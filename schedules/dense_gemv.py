@@ -120,14 +120,15 @@ def _check_fits(N: int, K: int):
                          f"the rows a multiple of the rows per block (under 2^31 elements)")
 
 
-def _block_macro(N: int, K: int, stream: bool):
+def _block_macro(N: int, K: int, stream: bool, max_tokens: int = MAX_TOKENS):
     """Macro ``one(xq, w, y, n, blk, tx, store)``: block ``blk`` (0 .. N / rows - 1) of the
-    GEMV of ``w [N, K]`` on the tokens ``xq`` (``x`` as uint32 words), thread ``tx``."""
+    GEMV of ``w [N, K]`` on the tokens ``xq`` (``x`` as uint32 words; the first
+    ``min(n, max_tokens)``), thread ``tx``."""
     tpr, G, P = gemv_layout(K)
     R = THREADS // tpr
     WPR = tpr // 32           # warps per row
     XW = K // 2               # uint32 words per row
-    MT = MAX_TOKENS
+    MT = max_tokens
 
     @T.macro
     def one(xq, w, y, n, blk, tx, store):
@@ -176,19 +177,23 @@ def _block_macro(N: int, K: int, stream: bool):
     return one
 
 
-def dense_gemv_macro(N: int, K: int, stream: bool = True):
+def dense_gemv_macro(N: int, K: int, stream: bool = True, max_tokens: int = MAX_TOKENS):
     """The kernel as a TVMScript macro ``body(x, w, y, n, store)`` (the interface of
     :func:`schedules.dense_decode_tc.dense_tc_macro`): ``x`` bf16 ``[n, K]`` with
     ``1 <= n <= MAX_TOKENS`` (the caller's branch guarantees it; tokens past
     :data:`MAX_TOKENS` are not computed), ``w`` bf16 ``[N, K]``, ``store(y, i, j, acc)`` the
     store of the fp32 sum ``acc`` of token ``i``, row ``j`` (int64 indices). ``stream``: the
     weights are read past L1 (:func:`ld_stream16`; False: plain cached 16-byte loads).
+    ``max_tokens``: the most tokens it computes (the caller's branch bound; default
+    :data:`MAX_TOKENS`).
 
     Raises:
-        ValueError: a shape that does not :func:`fits`.
+        ValueError: a shape that does not :func:`fits`; ``max_tokens`` not in 1..8.
     """
     _check_fits(N, K)
-    one = _block_macro(N, K, stream)
+    if not 1 <= max_tokens <= 8:
+        raise ValueError(f"max_tokens must be in 1..8, got {max_tokens}")
+    one = _block_macro(N, K, stream, max_tokens)
     R = rows_per_block(K)
 
     @T.macro
@@ -254,7 +259,8 @@ def multi_gemv_macro(Ns, K: int, stream: bool = True):
     return body
 
 
-def dense_gemv_kernel(N: int, K: int, out_dtype: str = "float32", stream: bool = True):
+def dense_gemv_kernel(N: int, K: int, out_dtype: str = "float32", stream: bool = True,
+                      max_tokens: int = MAX_TOKENS):
     """Standalone PrimFunc ``(x [n, K] bf16, w [N, K] bf16, y [n, N] out_dtype)``, ``1 <= n <=
     MAX_TOKENS``, of the kernel (``y = x @ wᵀ`` rounded to ``out_dtype``), for tests and
     benchmarks; the compile pipeline splices :func:`dense_gemv_macro` into the model's fused
@@ -265,4 +271,4 @@ def dense_gemv_kernel(N: int, K: int, out_dtype: str = "float32", stream: bool =
     """
     from schedules.dense_decode_tc import standalone_kernel
 
-    return standalone_kernel(dense_gemv_macro(N, K, stream), N, K, out_dtype)
+    return standalone_kernel(dense_gemv_macro(N, K, stream, max_tokens), N, K, out_dtype)

@@ -36,7 +36,7 @@ ROTATE = 8
 # the 1-2 token GEMV (schedules/dense_gemv.py): odd shapes covering each of its layouts
 ODD_SHAPES_GEMV = [(8, 256), (40, 1280), (12, 3584), (14, 7168), (3, 16384)]
 CHECK_N_GEMV = (1, 2)
-TIME_N_GEMV = (1, 2)
+TIME_N_GEMV = (1, 2, 3, 4)
 
 
 # schedule variants timed beside the default: name -> dense_nt_tc_kernel kwargs
@@ -127,9 +127,9 @@ def prepare(out: Path) -> None:
 
     for r, k in K3_SHAPES + ODD_SHAPES_GEMV:
         fs[_gname(r, k)] = dg.dense_gemv_kernel(r, k, "float32").with_attr("global_symbol", _gname(r, k))
-    for r, k in K3_SHAPES:  # weights through L1 (plain loads)
-        fs[_gname(r, k, "cached")] = dg.dense_gemv_kernel(r, k, "float32", stream=False).with_attr(
-            "global_symbol", _gname(r, k, "cached"))
+    for r, k in K3_SHAPES:  # up to 4 tokens
+        fs[_gname(r, k, "t4")] = dg.dense_gemv_kernel(r, k, "float32", max_tokens=4).with_attr(
+            "global_symbol", _gname(r, k, "t4"))
     for r, k in K3_SHAPES:
         with spec.tvm_target():
             f = _dlight_gemv(r, k, spec.tvm_target())
@@ -248,7 +248,7 @@ def run(lib_dir: Path, only: str = "all") -> dict:
     # kernel is built for all its shapes, the wgmma ones only where their tiles fit
     suites = [(_gname, K3_SHAPES + ODD_SHAPES_GEMV, "", CHECK_N_GEMV, "gemv", False),
               (_gname, K3_SHAPES, "dlight", CHECK_N_GEMV, "gemv_dlight", False),
-              (_gname, K3_SHAPES, "cached", CHECK_N_GEMV, "gemv_cached", False)]
+              (_gname, K3_SHAPES, "t4", (1, 3, 4), "gemv_t4", False)]
     if only in ("all", "decode"):
         suites += [(_name, K3_SHAPES + ODD_SHAPES, "", CHECK_N, "", True)]
         suites += [(_name, K3_SHAPES, v, CHECK_N, v, True) for v in VARIANTS]
@@ -264,7 +264,7 @@ def run(lib_dir: Path, only: str = "all") -> dict:
     for r, k in K3_SHAPES:
         if only in ("all", "gemv") and has(_gname(r, k)):
             fv = {"gemv": lib[_gname(r, k)], "tc": lib[_name(r, k)]}
-            for v in ("cached", "dlight"):
+            for v in ("t4", "dlight"):
                 if has(_gname(r, k, v)):
                     fv[f"gemv_{v}"] = lib[_gname(r, k, v)]
             for n in TIME_N_GEMV:
