@@ -31,7 +31,11 @@ from tvm.backend.cuda.op import cuda_func_call
 from tvm.script import tirx as T
 
 THREADS = 256     # threads per block
-MAX_TOKENS = 2    # tokens a call handles (the model's branch for n <= 2)
+# tokens a call handles (the model's branch for n <= 2). Built for 4 (dense_gemv_t4_h200_2026-11-30.json)
+# it is as fast as the tensor-core decode kernel at 3 tokens and 6-18% slower at 4 on K3's
+# 3584-7168-row projections (the token rows' L1 reads and conversions grow with the tokens),
+# and 2-4% slower at one token.
+MAX_TOKENS = 2
 CHUNK = 8         # bf16 inputs per 16-byte chunk
 MIN_GROUP = 4     # fewest chunks in flight per thread that a layout aims for
 MAX_GROUP = 8     # most chunks a thread holds in registers at once
