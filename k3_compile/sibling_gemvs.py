@@ -1,7 +1,7 @@
 """Compiler pass: sibling projections of one activation as one GEMV launch at 1-2 tokens.
 
 A decode step multiplies the same activation by several weights side by side: a KDA layer's
-q / k / v / f_a / g projections, an MLA layer's q_a / kv_a / g, the MoE block's router, latent
+q / k / v / f_a / g projections, an MLA layer's q_a / kv_a, the MoE block's router, latent
 down projection and shared experts' up projection. At one token each is a weight stream of its
 own launch, and each launch pays a start and a tail beside its HBM time (~3 µs per call on the
 H200, benchmarks/results/dense_gemv_h200_2026-11-30.json). This pass merges such siblings
@@ -27,8 +27,9 @@ from tvm.script import tirx as T  # the parser resolves T in the module's global
 
 def sibling_groups(func, mod, fits) -> list[list]:
     """The groups (lists of ``relax.VarBinding``, two or more, in program order) of sibling
-    projections in the Relax function ``func`` of ``mod``. ``fits(prim_func)``: whether a
-    callee can join (a dense projection the GEMV fits). Never raises."""
+    projections in the Relax function ``func`` of ``mod``. ``fits(global_var)``: whether the
+    callee ``mod[global_var]`` can join (a dense projection the GEMV fits, its activation the
+    first parameter and its output the last). Never raises."""
     from tvm import relax
 
     groups = []
@@ -44,9 +45,8 @@ def sibling_groups(func, mod, fits) -> list[list]:
                     and isinstance(v.args[0], relax.GlobalVar) and isinstance(v.args[1], relax.Tuple)
                     and isinstance(v.ty, relax.TensorType)):
                 args = list(v.args[1].fields)
-                callee = mod[v.args[0]]
                 x = args[0] if args else None
-                if isinstance(x, relax.Var) and fits(callee):
+                if isinstance(x, relax.Var) and fits(v.args[0]):
                     if x in pending:
                         before, group = pending[x]
                         if all(not isinstance(a, relax.Var) or a in before for a in args):
@@ -56,11 +56,6 @@ def sibling_groups(func, mod, fits) -> list[list]:
             defined.add(b.var)
         groups += [g for _, g in pending.values() if len(g) >= 2]
     return groups
-
-
-def _group_key(prim_funcs) -> str:
-    return "__".join(f.attrs["global_symbol"] if f.attrs and "global_symbol" in f.attrs else "f"
-                     for f in prim_funcs)
 
 
 def _store_macro(epi):
@@ -137,22 +132,30 @@ def fuse_sibling_gemvs(specialize):
 
     def fits(f):
         m = ddt.match_dense(f)
-        return m is not None and dg.fits(*(int(d) for d in m[1].ty.shape))
+        return (m is not None and f.params[0].same_as(m[0]) and f.params[-1].same_as(m[2])
+                and dg.fits(*(int(d) for d in m[1].ty.shape)))
 
     @tvm.transform.module_pass(opt_level=0, name="K3FuseSiblingGEMVs")
     def _pass(mod, _ctx):
-        merged_gv = {}   # key of the callees -> GlobalVar of their merged PrimFunc
+        fit_of = {}      # callee name -> fits (match_dense schedules the function: once each)
+
+        def fits_once(gv):
+            if gv.name_hint not in fit_of:
+                fit_of[gv.name_hint] = fits(mod[gv])
+            return fit_of[gv.name_hint]
+
+        merged_gv = {}   # the callees' names -> GlobalVar of their merged PrimFunc (or None)
         bb = relax.BlockBuilder(mod)
         updates = {}
         for gv, func in list(mod.functions_items()):
             if not isinstance(func, relax.Function):
                 continue
-            groups = sibling_groups(func, mod, fits)
+            groups = sibling_groups(func, mod, fits_once)
             plan = {}    # first binding's var -> (merged call, the group's vars)
             skip = set()
             for group in groups:
                 callees = [b.value.args[0] for b in group]
-                key = _group_key([mod[c] for c in callees])
+                key = tuple(c.name_hint for c in callees)  # unique names in the module
                 if key not in merged_gv:
                     pf = merged_prim_func([mod[c] for c in callees], specialize)
                     if pf is None:

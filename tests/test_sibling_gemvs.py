@@ -66,7 +66,7 @@ def test_groups_take_siblings_of_one_activation_only():
         m = ddt.match_dense(f)
         return m is not None and dg.fits(*(int(d) for d in m[1].ty.shape))
 
-    (group,) = sibling_groups(mod["forward"], mod, fits)
+    (group,) = sibling_groups(mod["forward"], mod, lambda gv: fits(mod[gv]))
     # a, b and d (48 rows: 8 rows per block at 256 inputs); not c (reads a), not e (other input)
     assert [w for b in group for w in _weights_of(b)] == ["wa", "wb", "wd"]
 
@@ -134,3 +134,41 @@ def test_pipeline_compiles_the_merged_function_scheduled():
     # --generic-kernels: no merging (dlight's schedules alone)
     generic = gpu_relax_pipeline(get_target("cuda-sm90a").tvm_target(), tensor_cores=False)(_fused())
     assert not any(gv.name_hint.startswith("sibling_gemv") for gv, _ in generic.functions_items())
+
+
+def test_groups_of_equal_size_get_their_own_merged_functions():
+    """Two pairs of siblings on two activations, with different epilogues and widths: each pair
+    calls its own merged PrimFunc (keyed by its callees), with its own epilogue and shapes."""
+    from tvm import relax
+    from tvm.relax.frontend import nn
+    from tvm.relax.frontend.nn import op
+
+    class M(nn.Module):
+        def __init__(self):
+            self.wa = nn.Parameter((64, 256), "bfloat16")
+            self.wb = nn.Parameter((64, 256), "bfloat16")
+            self.wc = nn.Parameter((64, 512), "bfloat16")
+            self.wd = nn.Parameter((128, 512), "bfloat16")
+
+        def forward(self, x, z):
+            def mm(t, w):
+                return op.astype(op.matmul(t, op.permute_dims(w, [1, 0]), out_dtype="float32"), "bfloat16")
+
+            return mm(x, self.wa), mm(x, self.wb), op.tanh(mm(z, self.wc)), op.tanh(mm(z, self.wd))
+
+    mod, _ = M().export_tvm(spec={"forward": {"x": nn.spec.Tensor(["n", 256], "bfloat16"),
+                                              "z": nn.spec.Tensor(["n", 512], "bfloat16")}})
+    seq = [relax.transform.FuseTransposeMatmul(), relax.transform.LegalizeOps(),
+           relax.transform.AnnotateTIROpPattern(), relax.transform.FuseOps(), relax.transform.FuseTIR(),
+           relax.transform.DeadCodeElimination()]
+    out = _merged(tvm.transform.Sequential(seq)(mod))
+    merged = {gv.name_hint: f for gv, f in out.functions_items() if gv.name_hint.startswith("sibling_gemv")}
+    assert len(merged) == 2, sorted(merged)
+    (blk,) = [b for b in out["forward"].body.blocks if isinstance(b, relax.DataflowBlock)]
+    calls = {str(b.value.args[1].fields[1]): b.value.args[0].name_hint for b in blk.bindings
+             if isinstance(b.value, relax.Call) and b.value.args[0].name_hint.startswith("sibling_gemv")}
+    assert set(calls) == {"wa", "wc"} and calls["wa"] != calls["wc"], calls
+    with_tanh = merged[calls["wc"]].script()
+    assert with_tanh.count("T.tanh") >= 2 and "T.tanh" not in merged[calls["wa"]].script()
+    assert [tuple(int(d) for d in p.ty.shape) for p in merged[calls["wc"]].params if p.name in ("wc", "wd")] \
+        == [(64, 512), (128, 512)]
