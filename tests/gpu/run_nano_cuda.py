@@ -42,6 +42,9 @@ TARGET = "cuda-sm90a"
 DTYPES = ("float32", "bfloat16")
 N_GREEDY = 32
 LOGIT_ATOL = 1e-3
+# a bf16 greedy mismatch counts as a near-tie when the CPU token's logit is this fraction of the
+# largest logit's magnitude or less below the GPU's argmax (seen: 0.33 of 9.6, 3.4%, prompt 0 step 3)
+NEAR_TIE = 0.05
 PROMPTS = [  # tests/test_model.py PROMPTS
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
     "import os\nimport sys\n\n\nclass Path:\n",
@@ -186,6 +189,20 @@ def prepare_kernels(out: Path) -> None:
         for i in outs:
             data[f"{name}/ref{i}"] = res[i]
     np.savez_compressed(out / "kernels_ref.npz", **data)
+
+
+def _bf16_ok(r: dict) -> bool:
+    """The bf16 build's verdict: the top-1 token of every checked prefill position as the fp32
+    CPU build's, and the 32 greedy tokens of each prompt (1-token decode steps: the GEMV and the
+    merged sibling projections) as the bf16 CPU build's, or a first mismatch that is a near-tie
+    — the CPU's token within :data:`NEAR_TIE` of the largest logit's magnitude below this run's
+    argmax, teacher-forced up to there (bf16 sums in another order flip such ties)."""
+    if "error" in r:
+        return False
+    top1 = all(c["top1_agree"] == 1.0 for c in r.get("logits_vs_cpu_f32", [{"top1_agree": 0.0}]))
+    ties = all(m is None or m["gap"] <= NEAR_TIE * m["max_abs_logit"]
+               for m in r.get("greedy_mismatch_margin", [{"gap": 1.0, "max_abs_logit": 0.0}]))
+    return bool(top1 and ties and r.get("greedy_match_cpu"))
 
 
 def _margin(eng, prompt, want, j):
@@ -435,12 +452,10 @@ def run(out: Path, json_path: Path | None, dtypes=DTYPES) -> dict:
         print(dtype, {k: v for k, v in r.items() if k not in ("greedy_tokens", "bench")}, flush=True)
         del eng, params, vm, lib
     report["tvm_relax_imported"] = "tvm.relax" in sys.modules
-    # fp32: logits and greedy tokens as the CPU build; bf16 alone (--dtypes bfloat16): top-1 as
-    # the fp32 CPU build at every checked position
+    # fp32: logits and greedy tokens as the CPU build; bf16: see _bf16_ok
     f32_ok = ("float32" not in dtypes or (report["float32"].get("logits_ok")
                                            and all(report["float32"].get("greedy_match_cpu", [False]))))
-    bf16_ok = ("float32" in dtypes or all(c["top1_agree"] == 1.0 for c in
-                                          report["bfloat16"].get("logits_vs_cpu_f32", [{"top1_agree": 0}])))
+    bf16_ok = ("bfloat16" not in dtypes or _bf16_ok(report["bfloat16"]))
     report["ok"] = bool(all(c.get("ok") for c in report["kernels"].values()) and f32_ok and bf16_ok
                         and not report["tvm_relax_imported"])
     if json_path is not None:
