@@ -104,7 +104,7 @@ def low_batch_specialize(target, ranges=LOW_BATCH, tensor_cores: bool = True, wg
 
     Branches, in order: on CUDA targets (``tensor_cores``) the GEMV of
     :mod:`schedules.dense_gemv` for ``n <= MAX_TOKENS`` (2) where it fits (it replaces the
-    ranges up to there: 6.1 vs 15.0 µs for the K3 router at one token,
+    ranges up to there: 6.1 vs 14.5 µs for the K3 router at one token,
     dense_gemv_h200_2026-11-30.json); dlight's LowBatchGEMV schedule (rows padded to the bucket) for
     ``n <= limit`` of each ``(limit, bucket)`` of ``ranges``; on CUDA targets (``tensor_cores``)
     where the function is a bf16 projection that :func:`schedules.dense_decode_tc.match_dense`

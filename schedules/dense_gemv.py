@@ -13,7 +13,8 @@ Mapping (:func:`gemv_layout`): a block of :data:`THREADS` threads owns ``rows`` 
 threads round-robin (thread ``t`` of the row takes chunks ``t, t + tpr, ...``: each
 instruction of a warp reads 512 contiguous bytes), ``group`` of them at a time: a thread issues
 all ``group`` weight loads before the first multiply, so a block has ``THREADS · group · 16``
-bytes in flight (28 KB at K3's 7168 inputs) and every block of the grid is resident at once.
+bytes in flight (28 KB at K3's 7168 inputs; 32 registers, 8 blocks per SM: 1056 resident on
+the H200, the router's 448 blocks in one wave, the 3584-row projections' 1792 in two).
 The token rows (the same for every block) come from L1/L2. Each thread's fp32 partial sums
 meet across the warp (shuffles), then across the row's warps in shared memory; thread
 ``(row, token)`` applies the epilogue and stores.
@@ -184,8 +185,8 @@ def _block_macro(N: int, K: int, stream: bool, max_tokens: int = MAX_TOKENS):
 def dense_gemv_macro(N: int, K: int, stream: bool = True, max_tokens: int = MAX_TOKENS):
     """The kernel as a TVMScript macro ``body(x, w, y, n, store)`` (the interface of
     :func:`schedules.dense_decode_tc.dense_tc_macro`): ``x`` bf16 ``[n, K]`` with
-    ``1 <= n <= MAX_TOKENS`` (the caller's branch guarantees it; tokens past
-    :data:`MAX_TOKENS` are not computed), ``w`` bf16 ``[N, K]``, ``store(y, i, j, acc)`` the
+    ``n <= max_tokens`` (the caller's branch guarantees it; tokens past it are not computed,
+    ``n = 0`` stores nothing), ``w`` bf16 ``[N, K]``, ``store(y, i, j, acc)`` the
     store of the fp32 sum ``acc`` of token ``i``, row ``j`` (int64 indices). ``stream``: the
     weights are read past L1 (:func:`ld_stream16`; False: plain cached 16-byte loads).
     ``max_tokens``: the most tokens it computes (the caller's branch bound; default

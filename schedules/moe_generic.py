@@ -217,6 +217,11 @@ def moe_route_kernel(
 
     One sequential loop per token (O(top_k · E)): trivially parallel over tokens.
     ``gpu=True``: one warp per token (:func:`_moe_route_gpu`), the same choices and weights.
+    Where fewer than ``top_k`` scores are finite (NaN logits) both kernels fill the remaining
+    slots with expert 0 (the NumPy reference's stable sort takes the NaN experts instead).
+
+    Raises:
+        ValueError: ``gpu=True`` with ``top_k`` over 32 or more than 8192 experts.
     """
     E, K = num_experts, top_k
     rsf = float(routed_scaling_factor)
@@ -265,10 +270,12 @@ def moe_route_kernel(
 
 
 def _order_key(f):
-    """uint32 whose unsigned order is the order of the fp32 ``f`` (sign flipped for positives,
-    all bits for negatives; -inf lowest of the non-NaN values)."""
+    """uint32 whose unsigned order is the order of the non-NaN fp32 ``f`` (sign bit set for
+    positives, all bits flipped for negatives; -0.0 keyed as +0.0, which compare equal; -inf
+    lowest)."""
     b = T.reinterpret("uint32", f)
-    return T.if_then_else(b >> T.uint32(31) == T.uint32(1), ~b, b | T.uint32(0x80000000))
+    return T.if_then_else(b == T.uint32(0x80000000), T.uint32(0x80000000),
+                          T.if_then_else(b >> T.uint32(31) == T.uint32(1), ~b, b | T.uint32(0x80000000)))
 
 
 def _moe_route_gpu(E: int, K: int, rsf: float, do_norm: bool) -> tir.PrimFunc:
@@ -285,8 +292,8 @@ def _moe_route_gpu(E: int, K: int, rsf: float, do_norm: bool) -> tir.PrimFunc:
       left: expert 0, as the CPU kernel's scan, never an id ``E``).
 
     After the rounds lane ``r`` reads its winner's logit (the ``top_k`` reads at once) and the
-    weights' sum is taken in round order (``__shfl_sync`` from lanes 0, 1, ...), as the
-    reference adds them. Before (a sequential scan and five shuffle steps on (score, index) per
+    weights' sum is taken in round order (``__shfl_sync`` from lanes 0, 1, ...), as the CPU
+    kernel adds them. Before (a sequential scan and five shuffle steps on (score, index) per
     round, and one dependent logit read per round) one call took 7.0 µs at one token on the
     H200 (benchmarks/results/moe_layer_gemv_h200_2026-11-30.json).
 

@@ -65,6 +65,27 @@ def build(out: Path) -> None:
     lib.export_library(str(out / "route.so"))
 
 
+def reference_with_nan(logits, bias, k, rsf, norm):
+    """As :func:`reference` for logits with NaNs: NaN scores are never chosen, and where fewer
+    than ``k`` scores are finite the remaining slots take expert 0 (the kernels' documented
+    fallback); selection round by round, larger score first, ties to the lower index."""
+    s = 1.0 / (1.0 + np.exp(-logits.astype(np.float64)))
+    sel = (s.astype(np.float32) + bias).astype(np.float64)
+    T = logits.shape[0]
+    ids = np.zeros((T, k), np.int32)
+    for t in range(T):
+        live = {e for e in range(logits.shape[1]) if np.isfinite(sel[t, e])}
+        for r in range(k):
+            if live:
+                best = max(sorted(live), key=lambda e: (sel[t, e], -e))
+                live.discard(best)
+                ids[t, r] = best
+    w = np.take_along_axis(s, ids, 1)
+    if norm and k > 1:
+        w = w / (w.sum(1, keepdims=True) + 1e-20)
+    return ids, (w * rsf).astype(np.float32)
+
+
 def reference(logits, bias, k, rsf, norm):
     """Top-k of sigmoid(logits) + bias, larger first, ties to the lower index (a stable sort
     of the negated scores); weights sigmoid(logit) renormalized (+1e-20) and scaled."""
@@ -117,6 +138,23 @@ def run(out: Path) -> dict:
             torch.cuda.synchronize()
             rid, rw = reference(logits, bias, k, rsf, norm)
             row = {"kernel": name, "T": T, "same_ids": bool((ids.cpu().numpy() == rid).all()),
+                   "max_w_err": float(np.abs(w.cpu().numpy() - rw).max())}
+            res["check"].append(row)
+            print(json.dumps(row), flush=True)
+    # NaN logits (never chosen; fewer finite scores than top_k: expert 0 fills the rest)
+    for name, (E, k, rsf, norm) in CASES.items():
+        for frac in (0.3, 0.95):
+            logits = (np.round(rng.standard_normal((7, E)) * 4) / 4).astype(np.float32)
+            logits[:, 1:][rng.random((7, E - 1)) < frac] = np.nan  # expert 0 stays finite
+            bias = (np.round(rng.standard_normal(E) * 4) / 8).astype(np.float32)
+            ids = torch.empty(7, k, dtype=torch.int32, device="cuda")
+            w = torch.empty(7, k, dtype=torch.float32, device="cuda")
+            lib[name](*[tvm.runtime.from_dlpack(t) for t in (torch.from_numpy(logits).cuda(),
+                                                             torch.from_numpy(bias).cuda(), ids, w)])
+            torch.cuda.synchronize()
+            rid, rw = reference_with_nan(logits, bias, k, rsf, norm)
+            row = {"kernel": name, "T": 7, "nan_fraction": frac,
+                   "same_ids": bool((ids.cpu().numpy() == rid).all()),
                    "max_w_err": float(np.abs(w.cpu().numpy() - rw).max())}
             res["check"].append(row)
             print(json.dumps(row), flush=True)
