@@ -81,6 +81,38 @@ def chunk_index(p, u, t, tpr: int, group: int):
     return (p * group + u) * tpr + t
 
 
+def weight_word(blk, tx, p, u, K: int):
+    """uint32-word offset in ``W`` of the 16-byte chunk that thread ``tx`` of block ``blk``
+    loads in pass ``p``, group slot ``u`` (its row ``blk · rows + tx // tpr``; the kernel's
+    weight loads use it; ints or TIR expressions)."""
+    tpr, G, _ = gemv_layout(K)
+    return (blk * (THREADS // tpr) + tx // tpr) * (K // 2) + chunk_index(p, u, tx % tpr, tpr, G) * 4
+
+
+def token_word(i, tx, p, u, K: int):
+    """uint32-word offset in ``x`` of token ``i``'s inputs that multiply that weight chunk."""
+    tpr, G, _ = gemv_layout(K)
+    return i * (K // 2) + chunk_index(p, u, tx % tpr, tpr, G) * 4
+
+
+def partial_slot(tx, i, max_tokens: int = MAX_TOKENS):
+    """Shared-memory slot where lane 0 of thread ``tx``'s warp leaves the warp's sum for token ``i``."""
+    return tx // 32 * max_tokens + i
+
+
+def final_slot(tx, wi, K: int, max_tokens: int = MAX_TOKENS):
+    """Slot of the ``wi``-th partial that thread ``tx < rows · max_tokens`` adds for its output
+    (token ``tx % max_tokens`` of the block's row ``tx // max_tokens``): the partial of warp
+    ``wi`` of that row's warps."""
+    wpr = gemv_layout(K)[0] // 32
+    return (tx // max_tokens * wpr + wi) * max_tokens + tx % max_tokens
+
+
+def output_of(blk, tx, K: int, max_tokens: int = MAX_TOKENS):
+    """(token, row) that thread ``tx < rows · max_tokens`` of block ``blk`` stores."""
+    return tx % max_tokens, blk * rows_per_block(K) + tx // max_tokens
+
+
 def thread_chunks(in_width: int, t: int) -> list[int]:
     """The chunk indices that thread ``t`` of a row reads, in the kernel's order."""
     tpr, group, passes = gemv_layout(in_width)
@@ -150,17 +182,16 @@ def _block_macro(N: int, K: int, stream: bool, max_tokens: int = MAX_TOKENS):
             # the group's weight chunks, all in flight before the first multiply
             for u in T.unroll(G):
                 if stream:
-                    T.evaluate(ld_stream16(T.address_of(wr[u * 4]), T.address_of(
-                        wq[(blk * R + tx // tpr) * XW + chunk_index(p, u, tx % tpr, tpr, G) * 4])))
+                    T.evaluate(ld_stream16(T.address_of(wr[u * 4]),
+                                           T.address_of(wq[weight_word(blk, tx, p, u, K)])))
                 else:
                     for v in T.vectorized(4):
-                        wr[u * 4 + v] = wq[(blk * R + tx // tpr) * XW
-                                           + chunk_index(p, u, tx % tpr, tpr, G) * 4 + v]
+                        wr[u * 4 + v] = wq[weight_word(blk, tx, p, u, K) + v]
             for u in T.unroll(G):
                 for i in T.unroll(MT):
                     if i < nt[0]:
                         for v in T.vectorized(4):
-                            xr[v] = xq[i * XW + chunk_index(p, u, tx % tpr, tpr, G) * 4 + v]
+                            xr[v] = xq[token_word(i, tx, p, u, K) + v]
                         for v in T.unroll(4):
                             for h in T.unroll(2):
                                 acc[i] = acc[i] + _bf(wr[u * 4 + v], h) * _bf(xr[v], h)
@@ -170,14 +201,15 @@ def _block_macro(N: int, K: int, stream: bool, max_tokens: int = MAX_TOKENS):
                 acc[i] = acc[i] + T.call_extern("float32", "__shfl_xor_sync",
                                                 T.uint32(0xFFFFFFFF), acc[i], 16 >> o, 32)
             if tx % 32 == 0:
-                red[tx // 32 * MT + i] = acc[i]
+                red[partial_slot(tx, i, MT)] = acc[i]
         T.tvm_storage_sync("shared")
         if tx < R * MT:
             if tx % MT < nt[0]:
                 acc[0] = T.float32(0)
                 for wi in T.unroll(WPR):
-                    acc[0] = acc[0] + red[(tx // MT * WPR + wi) * MT + tx % MT]
-                store(y, T.Cast("int64", tx % MT), T.Cast("int64", blk * R + tx // MT), acc[0])
+                    acc[0] = acc[0] + red[final_slot(tx, wi, K, MT)]
+                store(y, T.Cast("int64", output_of(blk, tx, K, MT)[0]),
+                      T.Cast("int64", output_of(blk, tx, K, MT)[1]), acc[0])
 
     return one
 

@@ -66,3 +66,53 @@ def test_cuda_loads_a_group_before_multiplying_and_does_not_spill(tmp_path):
     assert len(loads) == 7 and max(loads) < first_x, loads
     assert body.count("__shfl_xor_sync") == 5 * dg.MAX_TOKENS
     assert "0 bytes spill stores" in ptxas_report(src, tmp_path)
+
+
+def _emulate_kernel(x, w, max_tokens=dg.MAX_TOKENS):
+    """The kernel's data flow in NumPy through the address helpers its loads, shared-memory
+    slots and stores use (weight_word, token_word, partial_slot, final_slot, output_of): each
+    thread's fp32 sums over its chunks, each warp's sum left by lane 0 in its slot, each output
+    thread adding its row's slots. Words are bf16 pairs (element 2v in the low half)."""
+    n, K = x.shape
+    N = w.shape[0]
+    tpr, G, P = dg.gemv_layout(K)
+    R = dg.THREADS // tpr
+    xq = x.astype(np.uint16).view(np.uint32).reshape(-1)   # x, w given as raw bf16 bits
+    wq = w.astype(np.uint16).view(np.uint32).reshape(-1)
+
+    def bf(words):  # 4 words -> 8 fp32 (low half first)
+        lo = (words << 16).view(np.float32)
+        hi = (words & 0xFFFF0000).view(np.float32)
+        return np.stack([lo, hi], -1).reshape(-1)
+
+    y = np.full((n, N), np.nan, np.float32)
+    for blk in range(N // R):
+        acc = np.zeros((dg.THREADS, max_tokens), np.float32)
+        for tx in range(dg.THREADS):
+            for p in range(P):
+                for u in range(G):
+                    ww = bf(wq[dg.weight_word(blk, tx, p, u, K):][:4])
+                    for i in range(min(n, max_tokens)):
+                        acc[tx, i] += np.float32(ww @ bf(xq[dg.token_word(i, tx, p, u, K):][:4]))
+        red = np.zeros(dg.THREADS // 32 * max_tokens, np.float32)
+        for tx in range(0, dg.THREADS, 32):
+            for i in range(max_tokens):
+                red[dg.partial_slot(tx, i, max_tokens)] = acc[tx:tx + 32, i].sum()
+        for tx in range(R * max_tokens):
+            i, row = dg.output_of(blk, tx, K, max_tokens)
+            if i < n:
+                y[i, row] = sum(red[dg.final_slot(tx, wi, K, max_tokens)] for wi in range(tpr // 32))
+    return y
+
+
+@pytest.mark.parametrize("n,N,K", [(1, 8, 256), (2, 16, 1280), (2, 4, 3584), (1, 2, 7168)])
+def test_kernel_addresses_compute_the_matmul(n, N, K):
+    """The kernel's own address helpers, driven through its data flow (_emulate_kernel), give
+    x @ wᵀ on random bf16 inputs of odd sizes; every output written once."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(n + N + K)
+    x = rng.standard_normal((n, K)).astype(ml_dtypes.bfloat16)
+    w = rng.standard_normal((N, K)).astype(ml_dtypes.bfloat16)
+    got = _emulate_kernel(x.view(np.uint16), w.view(np.uint16))
+    np.testing.assert_allclose(got, dense_reference(x, w), rtol=1e-4, atol=1e-3)
