@@ -153,10 +153,13 @@ def low_batch_specialize(target, ranges=LOW_BATCH, tensor_cores: bool = True, wg
     return _pass
 
 
-def specialize_one(f, target, ranges=LOW_BATCH, tensor_cores: bool = True, wgmma: bool = False):
+def specialize_one(f, target, ranges=LOW_BATCH, tensor_cores: bool = True, wgmma: bool = False,
+                   gemv_elsewhere: bool = False):
     """:func:`low_batch_specialize` for one unscheduled PrimFunc ``f``: the scheduled PrimFunc
     (its body branching on the token count), or None where ``f`` is not a matmul with one
-    symbolic size that a branch applies to (left to the default rules)."""
+    symbolic size that a branch applies to (left to the default rules). ``gemv_elsewhere``:
+    the caller runs ``n <= dense_gemv.MAX_TOKENS`` itself (k3_compile/sibling_gemvs.py's
+    merged launch), so the body has no branch for those counts where the GEMV fits."""
     import functools
 
     from tvm import s_tir, tirx
@@ -188,6 +191,8 @@ def specialize_one(f, target, ranges=LOW_BATCH, tensor_cores: bool = True, wgmma
     rs = [(lim, b) for lim, b in ranges if lim < TENSOR_CORE_FROM] if tc is not None else ranges
     if gemv is not None:  # the hand GEMV replaces dlight's up to its token count
         rs = [(lim, b) for lim, b in rs if lim > dg.MAX_TOKENS]
+        if gemv_elsewhere:
+            gemv = None
     lows = [_dlight(f, dl.gpu.LowBatchGEMV(bucket), target) for _, bucket in rs]
     if any(low is None for low in lows):
         if tc is None:

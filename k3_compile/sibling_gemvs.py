@@ -72,8 +72,8 @@ def merged_prim_func(funcs, specialize):
     ``(x, w, other inputs..., out)`` as :func:`schedules.dense_decode_tc.match_dense` reads
     them, with the same input width): parameters the inputs of each in turn, then the outputs
     of each in turn; body ``n <= MAX_TOKENS``: the multi-GEMV launch, else each projection's
-    body scheduled by ``specialize`` (or None if one cannot be merged). Never raises."""
-    import tvm_ffi
+    body scheduled by ``specialize(f, gemv_elsewhere=True)`` (without a branch for the
+    counts the merged launch covers), or None if one cannot be merged. Never raises."""
     from tvm import s_tir, tirx
 
     from schedules import dense_decode_tc as ddt
@@ -83,7 +83,7 @@ def merged_prim_func(funcs, specialize):
     matches = [ddt.match_dense(f) for f in copies]
     if any(m is None for m in matches):
         return None
-    scheduled = [specialize(f) for f in copies]
+    scheduled = [specialize(f, gemv_elsewhere=True) for f in copies]
     if any(s is None for s in scheduled):
         return None
     shapes = [tuple(int(d) for d in m[1].ty.shape) for m in matches]
@@ -103,14 +103,7 @@ def merged_prim_func(funcs, specialize):
     def spliced():
         body(x, ws, ys, n, tuple(stores))
 
-    # each projection's scheduled body without its own GEMV branch (the merged launch has it)
-    rest = []
-    for s, m in zip(scheduled, matches):
-        inner = s.body.block.body if isinstance(s.body, s_tir.SBlockRealize) else s.body
-        own = tirx.op.tvm_thread_invariant(m[3] <= dg.MAX_TOKENS)
-        if isinstance(inner, tirx.IfThenElse) and tvm_ffi.structural_equal(inner.condition, own):
-            inner = inner.else_case
-        rest.append(inner)
+    rest = [s.body.block.body if isinstance(s.body, s_tir.SBlockRealize) else s.body for s in scheduled]
     stmt = tirx.IfThenElse(tirx.op.tvm_thread_invariant(n <= dg.MAX_TOKENS), spliced.body,
                            tirx.SeqStmt(rest) if len(rest) > 1 else rest[0])
     stmt = s_tir.SBlockRealize([], True, s_tir.SBlock([], [], [], "root", stmt))
@@ -122,8 +115,9 @@ def merged_prim_func(funcs, specialize):
 
 def fuse_sibling_gemvs(specialize):
     """Pass: merge the sibling projections of every Relax function (module doc).
-    ``specialize(prim_func)``: the scheduled PrimFunc of one projection
-    (k3_compile.build.specialize_one with the pipeline's settings)."""
+    ``specialize(prim_func, gemv_elsewhere=True)``: the scheduled PrimFunc of one projection
+    without a branch for the merged launch's token counts (k3_compile.build.specialize_one with
+    the pipeline's settings)."""
     import tvm
     from tvm import relax
 
@@ -161,13 +155,12 @@ def fuse_sibling_gemvs(specialize):
                     if pf is None:
                         merged_gv[key] = None
                     else:
-                        name = "sibling_gemv_" + "_".join(c.name_hint for c in callees)[:180]
+                        name = "sibling_gemv_" + "_".join(key)[:180]
                         merged_gv[key] = bb.add_func(pf, name)
                 if merged_gv[key] is None:
                     continue
                 args = [a for b in group for a in b.value.args[1].fields]
-                sinfo = [b.value.ty for b in group]
-                call = relax.call_tir(merged_gv[key], relax.Tuple(args), sinfo)
+                call = relax.call_tir(merged_gv[key], relax.Tuple(args), [b.value.ty for b in group])
                 plan[group[0].var] = (call, [b.var for b in group])
                 skip.update(b.var for b in group[1:])
             if not plan:

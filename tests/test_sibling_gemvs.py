@@ -9,6 +9,7 @@ on the H200."""
 
 from __future__ import annotations
 
+import functools
 import re
 
 import pytest
@@ -79,7 +80,7 @@ def _merged(mod):
 
     target = get_target("cuda-sm90a").tvm_target()
     with target:
-        return fuse_sibling_gemvs(lambda f: specialize_one(f, target))(mod)
+        return fuse_sibling_gemvs(functools.partial(specialize_one, target=target))(mod)
 
 
 def test_pass_replaces_the_siblings_by_one_call():
