@@ -31,6 +31,8 @@ import numpy as np
 from tvm.backend.cuda.op import cuda_func_call
 from tvm.script import tirx as T
 
+from schedules.moe_mxfp4_cuda import bf16_half
+
 THREADS = 256     # threads per block
 # tokens a call handles (the model's branch for n <= 2). Built for 4 (dense_gemv_t4_h200_2026-11-30.json)
 # it is as fast as the tensor-core decode kernel at 3 tokens and 6-18% slower at 4 on K3's
@@ -67,11 +69,14 @@ def rows_per_block(in_width: int) -> int:
 
 
 def fits(n_rows: int, in_width: int) -> bool:
-    """Whether ``W [n_rows, in_width]`` fits: the input width a multiple of 256, the rows a
-    multiple of :func:`rows_per_block`, fewer than 2^31 elements (int32 indices)."""
-    if in_width <= 0 or in_width % (32 * CHUNK):
+    """Whether ``W [n_rows, in_width]`` fits: the input width a multiple of 256 (a
+    :func:`gemv_layout` exists), the rows a multiple of :func:`rows_per_block`, fewer than 2^31
+    elements (int32 indices)."""
+    try:
+        rows = rows_per_block(in_width)
+    except ValueError:
         return False
-    return n_rows % rows_per_block(in_width) == 0 and n_rows * in_width < 2 ** 31
+    return n_rows % rows == 0 and n_rows * in_width < 2 ** 31
 
 
 def chunk_index(p, u, t, tpr: int, group: int):
@@ -146,11 +151,6 @@ def ld_stream16(dst, src):
     return cuda_func_call("k3_ld_stream16", dst, src, source_code=_LD_STREAM)
 
 
-def _bf(word, h):
-    """fp32 of bf16 half ``h`` (0 low, 1 high; an unrolled loop variable) of the uint32 ``word``."""
-    return T.reinterpret("float32", (word << T.Cast("uint32", 16 - 16 * h)) & T.uint32(0xFFFF0000))
-
-
 def _check_fits(N: int, K: int):
     if not fits(N, K):
         raise ValueError(f"W [{N}, {K}]: the input width must be a multiple of {32 * CHUNK} and "
@@ -194,7 +194,7 @@ def _block_macro(N: int, K: int, stream: bool, max_tokens: int = MAX_TOKENS):
                             xr[v] = xq[token_word(i, tx, p, u, K) + v]
                         for v in T.unroll(4):
                             for h in T.unroll(2):
-                                acc[i] = acc[i] + _bf(wr[u * 4 + v], h) * _bf(xr[v], h)
+                                acc[i] = acc[i] + bf16_half(wr[u * 4 + v], h) * bf16_half(xr[v], h)
         # the row's partial sums: across the warp, then across the row's warps
         for i in T.unroll(MT):
             for o in T.unroll(5):
@@ -222,50 +222,45 @@ def dense_gemv_macro(N: int, K: int, stream: bool = True, max_tokens: int = MAX_
     store of the fp32 sum ``acc`` of token ``i``, row ``j`` (int64 indices). ``stream``: the
     weights are read past L1 (:func:`ld_stream16`; False: plain cached 16-byte loads).
     ``max_tokens``: the most tokens it computes (the caller's branch bound; default
-    :data:`MAX_TOKENS`).
+    :data:`MAX_TOKENS`). The one-projection case of :func:`multi_gemv_macro`.
 
     Raises:
         ValueError: a shape that does not :func:`fits`; ``max_tokens`` not in 1..8.
     """
-    _check_fits(N, K)
-    if not 1 <= max_tokens <= 8:
-        raise ValueError(f"max_tokens must be in 1..8, got {max_tokens}")
-    one = _block_macro(N, K, stream, max_tokens)
-    R = rows_per_block(K)
+    multi = multi_gemv_macro([N], K, stream, max_tokens)
 
     @T.macro
     def body(x, w, y, n, store):
-        xq = T.decl_buffer((n * (K // 2),), "uint32", data=x.data)
-        for blk in T.thread_binding(N // R, thread="blockIdx.x"):
-            for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
-                one(xq, w, y, n, blk, tx, store)
+        multi(x, (w,), (y,), n, (store,))
 
     return body
 
 
-def multi_gemv_macro(Ns, K: int, stream: bool = True):
+def multi_gemv_macro(Ns, K: int, stream: bool = True, max_tokens: int = MAX_TOKENS):
     """Several projections of the same tokens in one launch: a TVMScript macro
     ``body(x, ws, ys, n, stores)`` with ``ws``, ``ys``, ``stores`` sequences (one per
     ``Ns[i]``-row weight ``ws[i] [Ns[i], K]``, its output and its store macro, as
-    :func:`dense_gemv_macro`). The grid is the concatenation of the projections' blocks
+    :func:`dense_gemv_macro`, as are ``stream`` and ``max_tokens``). The grid is the concatenation of the projections' blocks
     (projection ``i`` owns blocks ``offsets[i] .. offsets[i + 1] - 1``); each block runs the
     single kernel's work for its projection. One launch instead of one per projection: each
     launch of a weight stream pays its start and its tail (~3 µs per call on the H200 beside
     its HBM time, benchmarks/results/dense_gemv_h200_2026-11-30.json).
 
     Raises:
-        ValueError: no projection, or one that does not :func:`fits`.
+        ValueError: no projection, one that does not :func:`fits`, ``max_tokens`` not in 1..8.
     """
     Ns = [int(v) for v in Ns]
     if not Ns:
         raise ValueError("multi_gemv_macro needs at least one projection")
     for N in Ns:
         _check_fits(N, K)
+    if not 1 <= max_tokens <= 8:
+        raise ValueError(f"max_tokens must be in 1..8, got {max_tokens}")
     R = rows_per_block(K)
     offs = [0]
     for N in Ns:
         offs.append(offs[-1] + N // R)
-    ones = [_block_macro(N, K, stream) for N in Ns]
+    ones = [_block_macro(N, K, stream, max_tokens) for N in Ns]
 
     def segment(i):
         """Macro for the blocks of projections i, i + 1, ...: an if-chain on the block index."""

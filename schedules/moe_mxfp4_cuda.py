@@ -150,7 +150,7 @@ def _pair_f16x2(w, j):
     return ((t << T.uint32(9)) & T.uint32(0x0E000E00)) | ((t << T.uint32(12)) & T.uint32(0x80008000))
 
 
-def _bf(x, jp):
+def bf16_half(x, jp):
     """fp32 of bf16 half ``jp`` (0 = low, 1 = high; an unrolled loop variable) of ``x``."""
     return T.reinterpret("float32", (x << T.Cast("uint32", 16 - 16 * jp)) & T.uint32(0xFFFF0000))
 
@@ -293,9 +293,9 @@ def moe_mxfp4_gate_up_kernel(num_experts: int, latent: int, inter: int, top_k: i
                                 for m in T.unroll(2):
                                     for j in T.unroll(4):
                                         acc[m * 5 + j % 2 * 2] = acc[m * 5 + j % 2 * 2] + _h_lo(
-                                            _pair_f16x2(rw[(m * S + s) * 4 + q], j)) * _bf(xv[j // 2], j % 2)
+                                            _pair_f16x2(rw[(m * S + s) * 4 + q], j)) * bf16_half(xv[j // 2], j % 2)
                                         acc[m * 5 + j % 2 * 2 + 1] = acc[m * 5 + j % 2 * 2 + 1] + _h_hi(
-                                            _pair_f16x2(rw[(m * S + s) * 4 + q], j)) * _bf(xv[j // 2 + 2], j % 2)
+                                            _pair_f16x2(rw[(m * S + s) * 4 + q], j)) * bf16_half(xv[j // 2 + 2], j % 2)
                             for m in T.unroll(2):
                                 acc[m * 5 + 4] = acc[m * 5 + 4] + ((acc[m * 5] + acc[m * 5 + 1])
                                                                    + (acc[m * 5 + 2] + acc[m * 5 + 3])) * sc[m * S + s]
@@ -397,9 +397,9 @@ def moe_mxfp4_down_kernel(num_experts: int, latent: int, inter: int, top_k: int,
                                 for rr in T.unroll(RT):
                                     for j in T.unroll(4):
                                         acc[rr * 5 + j % 2 * 2] = acc[rr * 5 + j % 2 * 2] + _h_lo(
-                                            _pair_f16x2(rw[(rr * S + s) * 4 + q], j)) * _bf(xv[j // 2], j % 2)
+                                            _pair_f16x2(rw[(rr * S + s) * 4 + q], j)) * bf16_half(xv[j // 2], j % 2)
                                         acc[rr * 5 + j % 2 * 2 + 1] = acc[rr * 5 + j % 2 * 2 + 1] + _h_hi(
-                                            _pair_f16x2(rw[(rr * S + s) * 4 + q], j)) * _bf(xv[j // 2 + 2], j % 2)
+                                            _pair_f16x2(rw[(rr * S + s) * 4 + q], j)) * bf16_half(xv[j // 2 + 2], j % 2)
                             for rr in T.unroll(RT):
                                 acc[rr * 5 + 4] = acc[rr * 5 + 4] + ((acc[rr * 5] + acc[rr * 5 + 1])
                                                                      + (acc[rr * 5 + 2] + acc[rr * 5 + 3])) * sc[rr * S + s]
