@@ -106,6 +106,16 @@ def meta_spec() -> dict:
     }
 
 
+def fused_module(mod: tvm.IRModule) -> tvm.IRModule:
+    """``mod`` through the GPU pipeline's fusion steps (k3_compile/build.py):
+    FuseTransposeMatmul, LegalizeOps, AnnotateTIROpPattern, FuseOps, FuseTIR, then dead-code
+    elimination — the fused PrimFuncs the dense kernels are spliced into."""
+    seq = [relax.transform.FuseTransposeMatmul(), relax.transform.LegalizeOps(),
+           relax.transform.AnnotateTIROpPattern(), relax.transform.FuseOps(), relax.transform.FuseTIR(),
+           relax.transform.DeadCodeElimination()]
+    return tvm.transform.Sequential(seq)(mod)
+
+
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers_tvm import needs_nvcc, ptxas_report, sm90a_cuda_source
+from helpers_tvm import fused_module, needs_nvcc, ptxas_report, sm90a_cuda_source
 
 from schedules import dense_decode_tc as ddt
 
@@ -74,7 +74,6 @@ def test_fits_and_errors():
 def _fused(body):
     """The fused PrimFuncs of a small Relax module (the GPU pipeline's first steps)."""
     import tvm
-    from tvm import relax
     from tvm.relax.frontend import nn
 
     class M(nn.Module):
@@ -87,9 +86,7 @@ def _fused(body):
 
     mod, _ = M().export_tvm(spec={"forward": {"x": nn.spec.Tensor(["n", 128], "bfloat16"),
                                               "r": nn.spec.Tensor(["n", 64], "bfloat16")}})
-    seq = [relax.transform.FuseTransposeMatmul(), relax.transform.LegalizeOps(),
-           relax.transform.AnnotateTIROpPattern(), relax.transform.FuseOps(), relax.transform.FuseTIR()]
-    mod = tvm.transform.Sequential(seq)(mod)
+    mod = fused_module(mod)
     return {gv.name_hint: f for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
 
 

@@ -10,7 +10,7 @@ import re
 
 import numpy as np
 import pytest
-from helpers_tvm import needs_nvcc, ptxas_report, sm90a_cuda_source
+from helpers_tvm import fused_module, needs_nvcc, ptxas_report, sm90a_cuda_source
 
 from schedules import dense_decode_tc as ddt
 from schedules import dense_prefill_wgmma as dpw
@@ -78,7 +78,6 @@ def _fused(body, rows, width):
     """The model pipeline's fused PrimFuncs (FuseTransposeMatmul .. FuseTIR) of ``body(m, x,
     r)`` with a bf16 weight ``m.w [rows, width]``, ``x [n, width]``, ``r [n, rows]``."""
     import tvm
-    from tvm import relax
     from tvm.relax.frontend import nn
 
     class M(nn.Module):
@@ -90,9 +89,7 @@ def _fused(body, rows, width):
 
     mod, _ = M().export_tvm(spec={"forward": {"x": nn.spec.Tensor(["n", width], "bfloat16"),
                                               "r": nn.spec.Tensor(["n", rows], "bfloat16")}})
-    seq = [relax.transform.FuseTransposeMatmul(), relax.transform.LegalizeOps(),
-           relax.transform.AnnotateTIROpPattern(), relax.transform.FuseOps(), relax.transform.FuseTIR()]
-    mod = tvm.transform.Sequential(seq)(mod)
+    mod = fused_module(mod)
     return [f for _, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
 
 

@@ -15,22 +15,22 @@ import re
 import pytest
 
 tvm = pytest.importorskip("tvm")
+from helpers_tvm import fused_module  # noqa: E402 - after the importorskip
 
 
-def _fused(widths=(64, 128, 32, 48)):
+def _fused():
     """A Relax module after FuseTIR: ``x [n, 256]`` times four weights — ``a`` (cast),
     ``b`` (tanh epilogue), ``c`` (its epilogue multiplies by ``a``: reads a sibling's output),
     ``d`` (48 rows) — and ``e`` on another activation."""
-    from tvm import relax
     from tvm.relax.frontend import nn
     from tvm.relax.frontend.nn import op
 
     class M(nn.Module):
         def __init__(self):
-            self.wa = nn.Parameter((widths[0], 256), "bfloat16")
-            self.wb = nn.Parameter((widths[1], 256), "bfloat16")
-            self.wc = nn.Parameter((widths[0], 256), "bfloat16")
-            self.wd = nn.Parameter((widths[3], 256), "bfloat16")
+            self.wa = nn.Parameter((64, 256), "bfloat16")
+            self.wb = nn.Parameter((128, 256), "bfloat16")
+            self.wc = nn.Parameter((64, 256), "bfloat16")
+            self.wd = nn.Parameter((48, 256), "bfloat16")
             self.we = nn.Parameter((64, 256), "bfloat16")
 
         def forward(self, x, z):
@@ -46,10 +46,7 @@ def _fused(widths=(64, 128, 32, 48)):
 
     mod, _ = M().export_tvm(spec={"forward": {"x": nn.spec.Tensor(["n", 256], "bfloat16"),
                                               "z": nn.spec.Tensor(["n", 256], "bfloat16")}})
-    seq = [relax.transform.FuseTransposeMatmul(), relax.transform.LegalizeOps(),
-           relax.transform.AnnotateTIROpPattern(), relax.transform.FuseOps(), relax.transform.FuseTIR(),
-           relax.transform.DeadCodeElimination()]
-    return tvm.transform.Sequential(seq)(mod)
+    return fused_module(mod)
 
 
 def _weights_of(binding):
@@ -159,10 +156,7 @@ def test_groups_of_equal_size_get_their_own_merged_functions():
 
     mod, _ = M().export_tvm(spec={"forward": {"x": nn.spec.Tensor(["n", 256], "bfloat16"),
                                               "z": nn.spec.Tensor(["n", 512], "bfloat16")}})
-    seq = [relax.transform.FuseTransposeMatmul(), relax.transform.LegalizeOps(),
-           relax.transform.AnnotateTIROpPattern(), relax.transform.FuseOps(), relax.transform.FuseTIR(),
-           relax.transform.DeadCodeElimination()]
-    out = _merged(tvm.transform.Sequential(seq)(mod))
+    out = _merged(fused_module(mod))
     merged = {gv.name_hint: f for gv, f in out.functions_items() if gv.name_hint.startswith("sibling_gemv")}
     assert len(merged) == 2, sorted(merged)
     (blk,) = [b for b in out["forward"].body.blocks if isinstance(b, relax.DataflowBlock)]
