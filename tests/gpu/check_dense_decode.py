@@ -59,12 +59,14 @@ def _dlight_gemv(n_rows, k, target):
     """dlight's LowBatchGEMV(1) schedule of ``y [n, N] f32 = x [n, K] @ w [N, K]ᵀ`` (bf16 in),
     the schedule the model's projections took at 1-2 tokens before schedules/dense_gemv.py."""
     import tvm
-    from tvm import relax
     from tvm.relax.frontend import nn
     from tvm.relax.frontend.nn import op
     from tvm.s_tir import dlight as dl
 
     from k3_compile.build import _dlight
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from helpers_tvm import fused_module  # the compiler's side only (prepare)
 
     class M(nn.Module):
         def __init__(self):
@@ -74,10 +76,7 @@ def _dlight_gemv(n_rows, k, target):
             return op.matmul(x, op.permute_dims(self.w, [1, 0]), out_dtype="float32")
 
     mod, _ = M().export_tvm(spec={"forward": {"x": nn.spec.Tensor(["n", k], "bfloat16")}})
-    seq = [relax.transform.FuseTransposeMatmul(), relax.transform.LegalizeOps(),
-           relax.transform.AnnotateTIROpPattern(), relax.transform.FuseOps(), relax.transform.FuseTIR()]
-    mod = tvm.transform.Sequential(seq)(mod)
-    (f,) = [f for _, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
+    (f,) = [f for _, f in fused_module(mod).functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
     # the model's argument order: x, w, y
     return _dlight(f, dl.gpu.LowBatchGEMV(1), target)
 
