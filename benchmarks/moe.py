@@ -37,7 +37,10 @@ CUDA targets), ``dispatched_sm90a_*`` what cuda-sm90a runs (the wgmma build: pla
 warp-specialized from WS_MIN_PAIRS_PER_EXPERT pairs per expert; ``_form`` is that rule's
 prediction), and every wgmma variant's
 time and largest output difference from the ``mma.sync`` output are under ``variants_*``
-(each variant also runs every prefill check). Results: JSON + PNG under ``--out``.
+(each variant also runs every prefill check). The MXFP8-activation decode build
+(``dist/moe/mxfp8/moe_mxfp8.so``, :func:`build_mxfp8`) is checked and timed against the
+dispatched bf16-activation path by :func:`run_mxfp8` (results under ``mxfp8``). Results: JSON +
+PNG under ``--out``.
 """
 
 from __future__ import annotations
@@ -114,7 +117,31 @@ def build(out_dir: Path, decode: bool = True) -> None:
         if kind == "cuda_cores":
             (d / OCP_MARKER).write_text("the kernels here read the checkpoint code layout\n")
     _compile({"repack": tcl.repack_kernel(gpu=True)}, out_dir / "repack.so")
+    if decode:
+        build_mxfp8(out_dir / MXFP8_DIR)
     build_prefill(out_dir)
+
+
+MXFP8_DIR = "mxfp8"   # the W4A8 decode build (its own file name: the variant loop skips it)
+MXFP8_FUNCS = ("moe_expert_chain", "mxfp8_quantize_z", "moe_mxfp4_gate_up", "mxfp8_quantize_a",
+               "moe_mxfp4_down", "repack_fp8")
+
+
+def build_mxfp8(d: Path, gu_kw: dict | None = None, d_kw: dict | None = None) -> None:
+    """The MXFP8-activation decode kernels (``act="mxfp8"`` of schedules/moe_mxfp4_decode_tc.py,
+    with the schedule keywords ``gu_kw`` / ``d_kw``; the quantizers and the fp8-layout repack
+    of schedules/mxfp8_act.py) into ``d / "moe_mxfp8.so"``."""
+    from schedules import moe_mxfp4_cuda as mc
+    from schedules import moe_mxfp4_decode_tc as dt
+    from schedules import mxfp8_act as A8
+
+    _compile({"moe_expert_chain": mc.moe_expert_chain_kernel(TOPK),
+              "mxfp8_quantize_z": A8.quantize_kernel(L),
+              "moe_mxfp4_gate_up": dt.moe_mxfp4_gate_up_tc_kernel(E, L, I, TOPK, BETA, BETA_LIN, act="mxfp8",
+                                                                  **(gu_kw or {})),
+              "mxfp8_quantize_a": A8.quantize_kernel(I),
+              "moe_mxfp4_down": dt.moe_mxfp4_down_tc_kernel(E, L, I, TOPK, act="mxfp8", **(d_kw or {})),
+              "repack_fp8": A8.repack_kernel(gpu=True)}, d / "moe_mxfp8.so")
 
 
 PREFILL_FUNCS = ("moe_sort", "moe_grouped_gate_up", "moe_grouped_down")
@@ -366,6 +393,10 @@ def run(lib_dir: Path, decode: bool = True, prefill: bool = True) -> dict:
     for n, rows in results["variants"].items():
         print(n, json.dumps(rows), flush=True)
 
+    for d in sorted(lib_dir.glob(MXFP8_DIR + "*")) if decode else ():  # the W4A8 build(s)
+        if (d / "moe_mxfp8.so").exists():
+            results[d.name] = run_mxfp8(d, W, (chain_f, gu_f, down_f), tw_tc, bw, expert_bytes, g)
+
     # dequantized bf16 copies of all experts for the torch loop
     Wb = {}
     for n, (p, s) in W.items():
@@ -416,6 +447,136 @@ def run(lib_dir: Path, decode: bool = True, prefill: bool = True) -> dict:
     elif not decode:
         raise SystemExit(f"--prefill-only: no {lib_dir / 'moe_prefill.so'} (build it with `build`)")
     return results
+
+
+def _torch_mxfp8(x):
+    """torch MXFP8 round trip of ``x [..., K]`` (OCP MX v1.0: shared exponent floor(log2 amax)
+    - 8 per 32, biased and clamped to 1..247 as schedules/mxfp8_act.py does; E4M3 nearest-even,
+    saturated at ±448) -> ``(codes uint8, scales uint8, fp32 values)``."""
+    import torch
+
+    g = x.float().reshape(*x.shape[:-1], -1, 32)
+    amax = g.abs().amax(-1)
+    s = (((amax.view(torch.int32) >> 23) & 0xFF) - 8).clamp(1, 247)
+    scaled = (g * torch.exp2(127.0 - s.float())[..., None]).clamp(-448, 448)
+    q = scaled.to(torch.float8_e4m3fn)
+    val = (q.float() * torch.exp2(s.float() - 127)[..., None]).reshape(x.shape)
+    return q.view(torch.uint8).reshape(x.shape), s.to(torch.uint8), val
+
+
+def run_mxfp8(d: Path, W: dict, bf16_fns, tw_tc, bw: float, expert_bytes: int, g) -> dict:
+    """The W4A8 decode path (chain, z quantizer, MXFP8 gate_up, ``a`` quantizer, MXFP8 down):
+
+    - checks at T = 1, 7, 20 (the T = 7 / 20 expert repeats of the bf16 checks' kind are not
+      needed: the chain walk is the same code): the quantizers bit-exact against torch's
+      E4M3 (:func:`_torch_mxfp8`); ``a`` and ``o`` against the torch fp32 math on the MXFP8
+      values the kernels read (the same rounding points as the bf16 checks); and, as the
+      accuracy cost, ``o`` against the bf16-activation reference;
+    - timings at :data:`TIME_T` interleaved with the bf16 tensor-core path on the same tokens
+      and experts (:data:`AB_ROUNDS` rounds, CUDA-graph medians), and each kernel alone.
+    """
+    import torch
+    import tvm
+
+    lib = tvm.runtime.load_module(str(d / "moe_mxfp8.so"))
+    chain_f, qz_f, gu_f, qa_f, dn_f, repack_f = (lib[n] for n in MXFP8_FUNCS)
+    dev = torch.device("cuda")
+    tw = tc_layout(W, repack_f)   # the fp8 code layout (same helper: an in-place repack of copies)
+    torch.cuda.synchronize()
+    out = {"check": [], "timing": []}
+
+    def make(T, z=None, ids=None):
+        if z is None:
+            z = torch.randn(T, L, device=dev, generator=g).to(torch.bfloat16)
+            ids = torch.stack([torch.randperm(E, device=dev, generator=g)[:TOPK] for _ in range(T)]).int()
+        t = {"z": z, "ids": ids, "chain": torch.empty(T, TOPK, 2, dtype=torch.int32, device=dev),
+             "z8": torch.empty(T, L, dtype=torch.uint8, device=dev),
+             "zs": torch.empty(T, L // 32, dtype=torch.uint8, device=dev),
+             "a": torch.empty(T, TOPK, I, dtype=torch.bfloat16, device=dev),
+             "a8": torch.empty(T, TOPK, I, dtype=torch.uint8, device=dev),
+             "as": torch.empty(T, TOPK, I // 32, dtype=torch.uint8, device=dev),
+             "o": torch.empty(T, TOPK, L, dtype=torch.bfloat16, device=dev)}
+        v = {k: tvm.runtime.from_dlpack(x) for k, x in t.items()}
+        a2, a82, as2 = (tvm.runtime.from_dlpack(t[k].view(T * TOPK, -1)) for k in ("a", "a8", "as"))
+        parts = {"chain": lambda: chain_f(v["ids"], v["chain"]),
+                 "quantize_z": lambda: qz_f(v["z"], v["z8"], v["zs"]),
+                 "gate_up": lambda: gu_f(v["z8"], v["zs"], *tw["w1"], *tw["w3"], v["chain"], v["ids"], v["a"]),
+                 "quantize_a": lambda: qa_f(a2, a82, as2),
+                 "down": lambda: dn_f(v["a8"], v["as"], *tw["w2"], v["chain"], v["ids"], v["o"])}
+
+        def step():
+            for f in parts.values():
+                f()
+
+        step.parts, step.t = parts, t
+        return step
+
+    for T in (1, 7, 20):
+        step = make(T)
+        t = step.t
+        if T == 20:  # one expert chosen by every token: a chain of 20 entries (3 passes of 8)
+            e0 = t["ids"][0, 0].clone()
+            first = t["ids"][:, 0].clone()
+            t["ids"][:, 0] = e0
+            t["ids"][:, 1:] = torch.where(t["ids"][:, 1:] == e0, first[:, None], t["ids"][:, 1:])
+        step()
+        torch.cuda.synchronize()
+        zq, zs, zv = _torch_mxfp8(t["z"])
+        aq, as_, av = _torch_mxfp8(t["a"])
+        row = {"T": T, "z_codes_mismatches": int((zq != t["z8"]).sum()) + int((zs != t["zs"]).sum()),
+               "a_codes_mismatches": int((aq != t["a8"]).sum()) + int((as_ != t["as"]).sum())}
+        ea = eo = ma = mo = e16 = 0.0
+        for tt in range(T):
+            for j in range(TOPK):
+                e = int(t["ids"][tt, j])
+                w1, w3, w2 = (dequant_mxfp4(W[n][0][e], W[n][1][e]) for n in ("w1", "w3", "w2"))
+                ar = situ((w1 @ zv[tt]).bfloat16().float(), (w3 @ zv[tt]).bfloat16().float()).bfloat16()
+                orf = (w2 @ av[tt, j]).bfloat16().float()
+                # the bf16-activation reference (what the dispatched W4A16 path computes)
+                a16 = situ((w1 @ t["z"][tt].float()).bfloat16().float(),
+                           (w3 @ t["z"][tt].float()).bfloat16().float()).bfloat16()
+                o16 = (w2 @ a16.float()).bfloat16().float()
+                ea = max(ea, (t["a"][tt, j].float() - ar.float()).abs().max().item())
+                eo = max(eo, (t["o"][tt, j].float() - orf).abs().max().item())
+                e16 = max(e16, (t["o"][tt, j].float() - o16).abs().max().item())
+                ma, mo = max(ma, ar.float().abs().max().item()), max(mo, orf.abs().max().item())
+        row.update({"max_abs_err_a": ea, "rel_err_a": ea / ma, "max_abs_err_o": eo, "rel_err_o": eo / mo,
+                    "rel_diff_o_vs_bf16_activations": e16 / mo})
+        out["check"].append(row)
+        print(d.name, json.dumps(row), flush=True)
+
+    c_b, g_b, d_b = bf16_fns
+    for T in TIME_T:
+        step = make(T)
+        t = step.t
+        vb = {k: tvm.runtime.from_dlpack(t[k]) for k in ("z", "ids", "chain", "a", "o")}
+
+        def bf16_path():
+            c_b(vb["ids"], vb["chain"])
+            g_b(vb["z"], *tw_tc["w1"], *tw_tc["w3"], vb["chain"], vb["ids"], vb["a"])
+            d_b(vb["a"], *tw_tc["w2"], vb["chain"], vb["ids"], vb["o"])
+
+        calls = {"bf16": bf16_path, "mxfp8": step}
+        samples = {n: [] for n in calls}
+        for r in range(AB_ROUNDS):
+            for n in (list(calls) if r % 2 == 0 else list(calls)[::-1]):
+                samples[n].append(time_cuda_graph(calls[n]))
+        med = {n: sorted(v)[len(v) // 2] for n, v in samples.items()}
+        roof = torch.unique(t["ids"]).numel() * expert_bytes / bw * 1e3
+        step()
+        torch.cuda.synchronize()
+        parts = {k: time_cuda_graph(f) for k, f in step.parts.items()}
+        row = {"T": T, "bf16_graph_ms": med["bf16"], "mxfp8_graph_ms": med["mxfp8"],
+               "speed_mxfp8_vs_bf16": med["bf16"] / med["mxfp8"], "roofline_ms": roof,
+               "bf16_pct_roofline": 100 * roof / med["bf16"], "mxfp8_pct_roofline": 100 * roof / med["mxfp8"],
+               "mxfp8_parts_graph_ms": parts,
+               "mxfp8_gate_up_pct_roofline": 100 * roof * 2 / 3 / parts["gate_up"],
+               "mxfp8_down_pct_roofline": 100 * roof / 3 / parts["down"]}
+        out["timing"].append(row)
+        print(d.name, json.dumps(row), flush=True)
+    del tw
+    torch.cuda.empty_cache()
+    return out
 
 
 def _permute_k(x):
@@ -800,6 +961,10 @@ def failures(res: dict) -> list[str]:
     for r in res.get("chain_check", []):
         if r["first_mismatches"] or r["next_mismatches"]:
             out.append(f"chain T={r['T']}: {r['first_mismatches']} first / {r['next_mismatches']} next mismatches")
+    for r in (r for k, v in res.items() if k.startswith(MXFP8_DIR) for r in v.get("check", [])):
+        if r["z_codes_mismatches"] or r["a_codes_mismatches"] or not (r["rel_err_a"] <= REL_TOL
+                                                                       and r["rel_err_o"] <= REL_TOL):
+            out.append(f"mxfp8 T={r['T']}: {r}")
     for what, r in decode_rows:
         if not (r["rel_err_a"] <= REL_TOL and r["rel_err_o"] <= REL_TOL):
             out.append(f"{what} T={r['T']}: rel_err_a {r['rel_err_a']:.3g}, rel_err_o {r['rel_err_o']:.3g}")

@@ -48,6 +48,9 @@ tiles per block through one pipeline (the ramp and the partial last wave are not
 limits), capping W1/W3 at 5 blocks per SM with ``__launch_bounds__`` (spills), a register ring
 instead of cp.async stages, 2 or 8 warps per block, deeper stages.
 
+``act="mxfp8"`` builds the W4A8 form (MXFP8 activations, :mod:`schedules.mxfp8_act`):
+measured at 0.80–0.90× the speed of this W4A16 form, not dispatched.
+
 Reference: ``schedules.moe_mxfp4_cuda.moe_experts_reference``; the fragment mapping is
 checked on the CPU (tests/test_moe_prefill_cuda.py), the kernels on the H200 by
 ``benchmarks/moe.py run`` (every variant at T = 7 and T = 20, a chain of 3 passes).
@@ -61,7 +64,8 @@ from tvm.script import tirx as T
 
 from schedules.barriers import mark
 from schedules.moe_mxfp4_prefill_cuda import situ_expr
-from schedules.mxfp4_ptx import commit, cp_async4, cp_async16, dequant8, factor_bf16x2, mma_bf16, wait
+from schedules import mxfp8_act as A8
+from schedules.mxfp4_ptx import commit, cp_async4, cp_async16, dequant8, factor_bf16x2, mma_bf16, mma_e4m3, wait
 
 KB = 128        # inputs per K block (4 lanes × 32 codes)
 COLS = 8        # mma columns = entries per pass over a chain (the mma's n8)
@@ -86,14 +90,24 @@ def _check(kd: int, n: int, rows_per_block: int, E: int):
 def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
              beta_lin: float | None = None, out_dtype: str = "bfloat16", warps: int = 4,
              stages: int = 4, chains: int = 1, unroll: bool = False, skip_x: bool = False,
-             pair: bool = False):
+             pair: bool = False, act: str = "bf16", min_blocks: int = 0):
     """Builder of both kernels (``kind`` "gate_up": two weight matrices + SiTU; "down": one).
     ``chains``: accumulators per matrix, mma step ``s`` adding into chain ``s % chains`` (shorter
     dependency chains of mmas); ``unroll``: unroll the K loop; ``skip_x``: lanes of columns past
     the pass's entries do not load activations; ``pair`` (down): a block is two row tiles of 16, the
     second taken as the mma's second matrix (as W3 in gate_up), so the activations each lane
-    loads feed twice the rows."""
+    loads feed twice the rows; ``act``: "bf16" activations (m16n8k16 bf16 mmas on the tc
+    layout) or "mxfp8" (E4M3 + E8M0 per 32, :mod:`schedules.mxfp8_act`: one m16n8k32 E4M3 mma per
+    scale group on the fp8 layout, its product scaled into the fp32 accumulators);
+    ``min_blocks``: if nonzero, ``__launch_bounds__(threads, min_blocks)`` (ptxas caps the
+    registers so that many blocks fit on an SM)."""
+    MINB = int(min_blocks)
     K = top_k
+    if act not in ("bf16", "mxfp8"):
+        raise ValueError(f"act must be 'bf16' or 'mxfp8', got {act!r}")
+    fp8 = act == "mxfp8"
+    if fp8:
+        chains = 1   # each E4M3 mma starts from zero: no chain of dependent mmas to split
     if chains not in (1, 2, 4, 8):
         raise ValueError(f"chains must be 1, 2, 4 or 8, got {chains}")
     CH = chains
@@ -118,7 +132,7 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
     NS = stages
     RW = KD // 8                 # uint32 words per packed weight row
     KG = KD // 32                # scale groups per row (a multiple of 4: KD % 128 == 0)
-    XW = KD // 2                 # uint32 words per activation row
+    XW = KD // 4 if fp8 else KD // 2   # uint32 words per activation row
     gate_up = kind == "gate_up"
     NM = 2 if gate_up or pair else 1
     SLOTS = NM * 2               # (matrix, row g / g+8) chunks per thread per stage
@@ -150,14 +164,36 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
 
     @T.macro
     def load_x(dst, kb, xq, xr, q):
-        """Thread's 32 activations (64 bytes: inputs ``kb·128 + 32q ..``) of activation row
-        ``xr`` into ``dst[0:16]``."""
-        for i in T.unroll(4):
-            for v in T.vectorized(4):
-                dst[i * 4 + v] = xq[xr * XW + kb * 64 + q * 16 + i * 4 + v]
+        """Thread's 32 activations of activation row ``xr`` into ``dst``: bf16, ``dst[0:16]`` =
+        inputs ``kb·128 + 32q ..`` (64 bytes); mxfp8, ``dst[2G], dst[2G+1]`` = inputs
+        ``kb·128 + 32G + 8q .. +7`` of each scale group ``G`` (4 × 8 bytes)."""
+        if fp8:
+            for G in T.unroll(4):
+                for v in T.vectorized(2):
+                    dst[G * 2 + v] = xq[xr * XW + kb * 32 + G * 8 + q * 2 + v]
+        else:
+            for i in T.unroll(4):
+                for v in T.vectorized(4):
+                    dst[i * 4 + v] = xq[xr * XW + kb * 64 + q * 16 + i * 4 + v]
 
     @T.macro
-    def kstep(kb, w_s, s_s, wq0, wq1, sw0, sw1, xq, xcur, wcur, s2, bf, acc, rr, tx):
+    def mma_fp8(wcur, s2, sa, c4, xcur, acc):
+        """The K block's 4 scale groups × ``NM`` matrices: an E4M3 mma per (group, matrix) into
+        ``c4``, added to the accumulators times the (row, column) scale product."""
+        for sl in T.unroll(SLOTS):
+            s2[sl] = s2[sl] + T.uint32(A8.WEIGHT_BIAS4)
+        for G in T.unroll(4):
+            for m in T.unroll(NM):
+                T.evaluate(mma_e4m3(T.address_of(c4[0]),
+                                    A8.e4m3_lo(wcur[(m * 2) * 4 + G]), A8.e4m3_lo(wcur[(m * 2 + 1) * 4 + G]),
+                                    A8.e4m3_hi(wcur[(m * 2) * 4 + G]), A8.e4m3_hi(wcur[(m * 2 + 1) * 4 + G]),
+                                    xcur[2 * G], xcur[2 * G + 1]))
+                for i in T.unroll(4):
+                    acc[m * 4 + i] = acc[m * 4 + i] + c4[i] * (
+                        A8.weight_factors(s2[m * 2 + i // 2], G) * A8.act_factor(sa[i % 2], G))
+
+    @T.macro
+    def kstep(kb, w_s, s_s, wq0, wq1, sw0, sw1, xq, xs, xcur, wcur, s2, bf, acc, rr, sa, c4, tx):
         """K block ``kb`` of the warp: refill the stage ``NS - 1`` ahead, then dequantize and
         multiply the one that has landed."""
         if kb + NS - 1 < KPW:
@@ -173,12 +209,20 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
                 load_x(xcur, rr[3] + kb, xq, rr[1], tx % 4)
         else:
             load_x(xcur, rr[3] + kb, xq, rr[1], tx % 4)
+        if fp8:  # the scale words (4 groups) of the activation rows of columns 2q, 2q+1
+            for c in T.unroll(2):
+                sa[c] = xs[rr[5 + c] * (KG // 4) + rr[3] + kb]
         T.evaluate(wait(NS - 1))  # K block kb has landed
         for sl in T.unroll(SLOTS):
             for v in T.vectorized(4):
                 wcur[sl * 4 + v] = w_s[((kb % NS * SLOTS + sl) * NT + tx) * 4 + v]
-            s2[sl] = factor_bf16x2(s_s[(kb % NS * SLOTS + sl) * NT + tx], tx % 4)
-        for s in T.unroll(8):
+            if fp8:
+                s2[sl] = s_s[(kb % NS * SLOTS + sl) * NT + tx]
+            else:
+                s2[sl] = factor_bf16x2(s_s[(kb % NS * SLOTS + sl) * NT + tx], tx % 4)
+        if fp8:
+            mma_fp8(wcur, s2, sa, c4, xcur, acc)
+        for s in T.unroll(0 if fp8 else 8):
             if s % 2 == 0:
                 for sl in T.unroll(SLOTS):
                     T.evaluate(dequant8(T.address_of(bf[sl * 4]), wcur[sl * 4 + s // 2], s2[sl]))
@@ -191,16 +235,17 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
                                     xcur[b_word(s, 0)], xcur[b_word(s, 1)]))
 
     @T.macro
-    def one_pass(w_s, s_s, red_s, wq0, wq1, sw0, sw1, xq, xcur, wcur, s2, bf, acc, rr, ent_s, cnt_s, y, blk, tx):
+    def one_pass(w_s, s_s, red_s, wq0, wq1, sw0, sw1, xq, xs, xcur, wcur, s2, bf, acc, rr, sa, c4, ent_s, cnt_s,
+                 y, blk, tx):
         """The block's rows for the pass's entries: K loop, split-K reduction, outputs."""
         for i in T.unroll(CH * NM * 4):
             acc[i] = T.float32(0)
         if unroll:
             for kb in T.unroll(KPW):
-                kstep(kb, w_s, s_s, wq0, wq1, sw0, sw1, xq, xcur, wcur, s2, bf, acc, rr, tx)
+                kstep(kb, w_s, s_s, wq0, wq1, sw0, sw1, xq, xs, xcur, wcur, s2, bf, acc, rr, sa, c4, tx)
         else:
             for kb in range(KPW):
-                kstep(kb, w_s, s_s, wq0, wq1, sw0, sw1, xq, xcur, wcur, s2, bf, acc, rr, tx)
+                kstep(kb, w_s, s_s, wq0, wq1, sw0, sw1, xq, xs, xcur, wcur, s2, bf, acc, rr, sa, c4, tx)
         # ---- the accumulator chains of each matrix summed into chain 0
         for c in T.unroll(1, CH):
             for i in T.unroll(NM * 4):
@@ -231,55 +276,69 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
         T.tvm_storage_sync("shared")
 
     @T.macro
-    def body(nt, xq, wq0, wq1, sw0, sw1, chain, ids, y):
+    def block(nt, xq, xs, wq0, wq1, sw0, sw1, chain, ids, y, blk, tx):
+        """One block's work (allocations, the chain passes)."""
+        ent_s = T.alloc_buffer((COLS + 1,), "int32", scope="shared")  # entries; [COLS] = next
+        cnt_s = T.alloc_buffer((1,), "int32", scope="shared")
+        w_s = T.alloc_buffer((NS * SLOTS * NT * 4,), "uint32", scope="shared")
+        s_s = T.alloc_buffer((NS * SLOTS * NT,), "uint32", scope="shared")
+        red_s = T.alloc_buffer((NW * NM * 4 * 32,), "float32", scope="shared")  # split-K partials
+        wcur = T.alloc_buffer((SLOTS * 4,), "uint32", scope="local")
+        xcur = T.alloc_buffer((16,), "uint32", scope="local")
+        bf = T.alloc_buffer((SLOTS * 4,), "uint32", scope="local")
+        # chain c of matrix m: acc[(c * NM + m) * 4 ..] (chain 0 = the layout used after the K loop)
+        acc = T.alloc_buffer((CH * NM * 4,), "float32", scope="local")
+        s2 = T.alloc_buffer((SLOTS,), "uint32", scope="local")
+        sa = T.alloc_buffer((2,), "uint32", scope="local")     # mxfp8: columns 2q, 2q+1
+        c4 = T.alloc_buffer((4,), "float32", scope="local")    # mxfp8: one mma's product
+        # [0] weight row g of the block's 16 rows, [1] activation row of column g,
+        # [2] chain cursor, [3] first K block of this warp, [4] column g holds an entry,
+        # [5], [6] activation rows of columns 2q, 2q+1 (their scales, mxfp8)
+        rr = T.alloc_buffer((7,), "int32", scope="local")
+        # (the row is read before the chain test so that both loads are in flight at once)
+        rr[0] = ids[T.Cast("int32", blk // NTILE) // K, T.Cast("int32", blk // NTILE) % K] * N \
+            + T.Cast("int32", blk % NTILE) * BR + tx % 32 // 4
+        rr[3] = tx // 32 * KPW
+        if chain[T.Cast("int32", blk // NTILE) // K, T.Cast("int32", blk // NTILE) % K, 0] == 1:
+            rr[2] = T.Cast("int32", blk // NTILE)
+            while rr[2] >= 0:
+                # the first stages of weights: they do not depend on the chain (a later
+                # pass re-reads them, from L2)
+                for r in T.unroll(NS - 1):
+                    if r < KPW:
+                        issue(rr[3] + r, r, w_s, s_s, wq0, sw0, 0, rr[0], tx)
+                        if NM == 2:
+                            issue(rr[3] + r, r, w_s, s_s, wq1, sw1, 2, rr[0] + ROW1, tx)
+                    T.evaluate(commit())
+                # ---- up to 8 entries of the chain = the mma's columns
+                if tx == 0:
+                    cnt_s[0] = 0
+                    for _i in range(COLS):
+                        if rr[2] >= 0:
+                            ent_s[cnt_s[0]] = rr[2]
+                            cnt_s[0] = cnt_s[0] + 1
+                            rr[2] = chain[rr[2] // K, rr[2] % K, 1]
+                    ent_s[COLS] = rr[2]
+                T.tvm_storage_sync("shared")
+                # column g's activation row; columns past the pass's entries repeat the
+                # last one (B column g only feeds C column g, which is then not stored)
+                rr[1] = xrow(ent_s[T.min(tx % 32 // 4, cnt_s[0] - 1)])
+                rr[4] = T.Cast("int32", tx % 32 // 4 < cnt_s[0])  # column g holds an entry
+                for c in T.unroll(2):
+                    rr[5 + c] = xrow(ent_s[T.min(tx % 4 * 2 + c, cnt_s[0] - 1)])
+                rr[2] = ent_s[COLS]
+                one_pass(w_s, s_s, red_s, wq0, wq1, sw0, sw1, xq, xs, xcur, wcur, s2, bf, acc, rr,
+                         sa, c4, ent_s, cnt_s, y, blk, tx)
+
+    @T.macro
+    def body(nt, xq, xs, wq0, wq1, sw0, sw1, chain, ids, y):
         for blk in T.thread_binding(nt * K * NTILE, thread="blockIdx.x"):
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                ent_s = T.alloc_buffer((COLS + 1,), "int32", scope="shared")  # entries; [COLS] = next
-                cnt_s = T.alloc_buffer((1,), "int32", scope="shared")
-                w_s = T.alloc_buffer((NS * SLOTS * NT * 4,), "uint32", scope="shared")
-                s_s = T.alloc_buffer((NS * SLOTS * NT,), "uint32", scope="shared")
-                red_s = T.alloc_buffer((NW * NM * 4 * 32,), "float32", scope="shared")  # split-K partials
-                wcur = T.alloc_buffer((SLOTS * 4,), "uint32", scope="local")
-                xcur = T.alloc_buffer((16,), "uint32", scope="local")
-                bf = T.alloc_buffer((SLOTS * 4,), "uint32", scope="local")
-                # chain c of matrix m: acc[(c * NM + m) * 4 ..] (chain 0 = the layout used after the K loop)
-                acc = T.alloc_buffer((CH * NM * 4,), "float32", scope="local")
-                s2 = T.alloc_buffer((SLOTS,), "uint32", scope="local")
-                # [0] weight row g of the block's 16 rows, [1] activation row of column g,
-                # [2] chain cursor, [3] first K block of this warp, [4] column g holds an entry
-                rr = T.alloc_buffer((5,), "int32", scope="local")
-                # (the row is read before the chain test so that both loads are in flight at once)
-                rr[0] = ids[T.Cast("int32", blk // NTILE) // K, T.Cast("int32", blk // NTILE) % K] * N \
-                    + T.Cast("int32", blk % NTILE) * BR + tx % 32 // 4
-                rr[3] = tx // 32 * KPW
-                if chain[T.Cast("int32", blk // NTILE) // K, T.Cast("int32", blk // NTILE) % K, 0] == 1:
-                    rr[2] = T.Cast("int32", blk // NTILE)
-                    while rr[2] >= 0:
-                        # the first stages of weights: they do not depend on the chain (a later
-                        # pass re-reads them, from L2)
-                        for r in T.unroll(NS - 1):
-                            if r < KPW:
-                                issue(rr[3] + r, r, w_s, s_s, wq0, sw0, 0, rr[0], tx)
-                                if NM == 2:
-                                    issue(rr[3] + r, r, w_s, s_s, wq1, sw1, 2, rr[0] + ROW1, tx)
-                            T.evaluate(commit())
-                        # ---- up to 8 entries of the chain = the mma's columns
-                        if tx == 0:
-                            cnt_s[0] = 0
-                            for _i in range(COLS):
-                                if rr[2] >= 0:
-                                    ent_s[cnt_s[0]] = rr[2]
-                                    cnt_s[0] = cnt_s[0] + 1
-                                    rr[2] = chain[rr[2] // K, rr[2] % K, 1]
-                            ent_s[COLS] = rr[2]
-                        T.tvm_storage_sync("shared")
-                        # column g's activation row; columns past the pass's entries repeat the
-                        # last one (B column g only feeds C column g, which is then not stored)
-                        rr[1] = xrow(ent_s[T.min(tx % 32 // 4, cnt_s[0] - 1)])
-                        rr[4] = T.Cast("int32", tx % 32 // 4 < cnt_s[0])  # column g holds an entry
-                        rr[2] = ent_s[COLS]
-                        one_pass(w_s, s_s, red_s, wq0, wq1, sw0, sw1, xq, xcur, wcur, s2, bf, acc, rr,
-                                 ent_s, cnt_s, y, blk, tx)
+                if MINB > 0:  # __launch_bounds__(NT, MINB): registers capped for MINB blocks per SM
+                    with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", MINB):
+                        block(nt, xq, xs, wq0, wq1, sw0, sw1, chain, ids, y, blk, tx)
+                else:
+                    block(nt, xq, xs, wq0, wq1, sw0, sw1, chain, ids, y, blk, tx)
 
     if gate_up:
         @T.prim_func(private=True)
@@ -300,9 +359,32 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
             w3q = T.decl_buffer((E * N * RW,), "uint32", data=w3p.data)
             w1b = T.decl_buffer((E * N * KG // 4,), "uint32", data=w1s.data)
             w3b = T.decl_buffer((E * N * KG // 4,), "uint32", data=w3s.data)
-            body(nt, zq, w1q, w3q, w1b, w3b, chain, ids, a)
+            body(nt, zq, zq, w1q, w3q, w1b, w3b, chain, ids, a)
 
-        func = moe_mxfp4_gate_up_tc
+        @T.prim_func(private=True)
+        def moe_mxfp4_gate_up_tc_mxfp8(z_h: T.handle, zs_h: T.handle, w1p_h: T.handle, w1s_h: T.handle,
+                                       w3p_h: T.handle, w3s_h: T.handle, chain_h: T.handle, ids_h: T.handle,
+                                       a_h: T.handle):
+            T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
+            nt = T.int64()
+            z = T.match_buffer(z_h, (nt, KD), "uint8")
+            zs = T.match_buffer(zs_h, (nt, KG), "uint8")
+            w1p = T.match_buffer(w1p_h, (E, N, KD // 2), "uint8")
+            w1s = T.match_buffer(w1s_h, (E, N, KG), "uint8")
+            w3p = T.match_buffer(w3p_h, (E, N, KD // 2), "uint8")
+            w3s = T.match_buffer(w3s_h, (E, N, KG), "uint8")
+            chain = T.match_buffer(chain_h, (nt, K, 2), "int32")
+            ids = T.match_buffer(ids_h, (nt, K), "int32")
+            a = T.match_buffer(a_h, (nt, K, N), out_dtype)
+            zq = T.decl_buffer((nt * XW,), "uint32", data=z.data)
+            zsq = T.decl_buffer((nt * KG // 4,), "uint32", data=zs.data)
+            w1q = T.decl_buffer((E * N * RW,), "uint32", data=w1p.data)
+            w3q = T.decl_buffer((E * N * RW,), "uint32", data=w3p.data)
+            w1b = T.decl_buffer((E * N * KG // 4,), "uint32", data=w1s.data)
+            w3b = T.decl_buffer((E * N * KG // 4,), "uint32", data=w3s.data)
+            body(nt, zq, zsq, w1q, w3q, w1b, w3b, chain, ids, a)
+
+        func = moe_mxfp4_gate_up_tc_mxfp8 if fp8 else moe_mxfp4_gate_up_tc
     else:
         @T.prim_func(private=True)
         def moe_mxfp4_down_tc(a_h: T.handle, w2p_h: T.handle, w2s_h: T.handle, chain_h: T.handle,
@@ -318,9 +400,27 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
             aq = T.decl_buffer((nt * K * XW,), "uint32", data=a.data)
             w2q = T.decl_buffer((E * N * RW,), "uint32", data=w2p.data)
             w2b = T.decl_buffer((E * N * KG // 4,), "uint32", data=w2s.data)
-            body(nt, aq, w2q, w2q, w2b, w2b, chain, ids, o)
+            body(nt, aq, aq, w2q, w2q, w2b, w2b, chain, ids, o)
 
-        func = moe_mxfp4_down_tc
+        @T.prim_func(private=True)
+        def moe_mxfp4_down_tc_mxfp8(a_h: T.handle, as_h: T.handle, w2p_h: T.handle, w2s_h: T.handle,
+                                    chain_h: T.handle, ids_h: T.handle, o_h: T.handle):
+            T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
+            nt = T.int64()
+            a = T.match_buffer(a_h, (nt, K, KD), "uint8")
+            a_s = T.match_buffer(as_h, (nt, K, KG), "uint8")
+            w2p = T.match_buffer(w2p_h, (E, N, KD // 2), "uint8")
+            w2s = T.match_buffer(w2s_h, (E, N, KG), "uint8")
+            chain = T.match_buffer(chain_h, (nt, K, 2), "int32")
+            ids = T.match_buffer(ids_h, (nt, K), "int32")
+            o = T.match_buffer(o_h, (nt, K, N), out_dtype)
+            aq = T.decl_buffer((nt * K * XW,), "uint32", data=a.data)
+            asq = T.decl_buffer((nt * K * KG // 4,), "uint32", data=a_s.data)
+            w2q = T.decl_buffer((E * N * RW,), "uint32", data=w2p.data)
+            w2b = T.decl_buffer((E * N * KG // 4,), "uint32", data=w2s.data)
+            body(nt, aq, asq, w2q, w2q, w2b, w2b, chain, ids, o)
+
+        func = moe_mxfp4_down_tc_mxfp8 if fp8 else moe_mxfp4_down_tc
 
     # barriers placed by hand (one per chain pass): compile inside
     # schedules.barriers.respect_manual_barriers()
@@ -352,11 +452,14 @@ def split_k_warps(in_width: int) -> int:
 def moe_mxfp4_gate_up_tc_kernel(num_experts: int, latent: int, inter: int, top_k: int,
                                 beta: float, beta_lin: float | None, out_dtype: str = "bfloat16",
                                 warps: int = 4, stages: int = 4, chains: int = 2, unroll: bool = True,
-                                skip_x: bool = False):
+                                skip_x: bool = False, act: str = "bf16", min_blocks: int = 0):
     """Fused W1/W3 GEMV + SiTU on tensor cores. Arguments as
     :func:`schedules.moe_mxfp4_cuda.moe_mxfp4_gate_up_kernel`, codes in the tc layout
     (:mod:`schedules.mxfp4_tc_layout`): ``z [T, L] bf16, w1_packed,
     w1_scale, w3_packed, w3_scale, chain [T, k, 2], expert_ids [T, k], a [T, k, I]``.
+    ``act="mxfp8"``: ``z`` is MXFP8 (``z [T, L]`` uint8 E4M3 and ``z_scale [T, L/32]`` uint8
+    E8M0 from :func:`schedules.mxfp8_act.quantize_kernel`, two arguments) and the codes are in
+    the fp8 layout (:mod:`schedules.mxfp8_act`).
 
     Raises:
         ValueError: L not a multiple of 128; I not a multiple of 16; ``warps`` not 1, 2, 4, 8
@@ -364,16 +467,18 @@ def moe_mxfp4_gate_up_tc_kernel(num_experts: int, latent: int, inter: int, top_k
             and the other buffers over 48 KiB of shared memory; the codes over 2^31 words.
     """
     return _gemv_tc("gate_up", num_experts, inter, latent, top_k, beta, beta_lin, out_dtype, warps, stages,
-                    chains, unroll, skip_x)
+                    chains, unroll, skip_x, act=act, min_blocks=min_blocks)
 
 
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def moe_mxfp4_down_tc_kernel(num_experts: int, latent: int, inter: int, top_k: int,
                              out_dtype: str = "bfloat16", warps: int = 4, stages: int = 3,
                              chains: int = 2, unroll: bool = True, skip_x: bool = True,
-                             pair: bool = True):
+                             pair: bool = True, act: str = "bf16", min_blocks: int = 0):
     """W2 GEMV on tensor cores. Arguments as :func:`schedules.moe_mxfp4_cuda.
     moe_mxfp4_down_kernel`, codes in the tc layout: ``a [T, k, I] bf16, w2_packed, w2_scale, chain, expert_ids, o [T, k, L]``.
+    ``act="mxfp8"``: ``a`` is MXFP8 (``a [T, k, I]`` uint8 E4M3 and ``a_scale [T, k, I/32]``
+    uint8 E8M0) and the codes are in the fp8 layout (:mod:`schedules.mxfp8_act`).
 
     Raises:
         ValueError: I not a multiple of 128; L not a multiple of 32 (16 without ``pair``);
@@ -382,4 +487,5 @@ def moe_mxfp4_down_tc_kernel(num_experts: int, latent: int, inter: int, top_k: i
             memory; the codes over 2^31 words.
     """
     return _gemv_tc("down", num_experts, latent, inter, top_k, out_dtype=out_dtype, warps=warps,
-                    stages=stages, chains=chains, unroll=unroll, skip_x=skip_x, pair=pair)
+                    stages=stages, chains=chains, unroll=unroll, skip_x=skip_x, pair=pair, act=act,
+                    min_blocks=min_blocks)

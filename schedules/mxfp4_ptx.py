@@ -4,7 +4,8 @@
 - :func:`mma_bf16` — ``mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32`` on fragments
   held in registers (PTX ISA, "Matrix fragments for mma.m16n8k16": thread ``(g, q) = (lane/4,
   lane%4)`` holds A rows ``g, g+8`` × k ``2q, 2q+1, 2q+8, 2q+9``, B column ``g`` × the same
-  k, C rows ``g, g+8`` × columns ``2q, 2q+1``).
+  k, C rows ``g, g+8`` × columns ``2q, 2q+1``); :func:`mma_e4m3` — its E4M3 ``m16n8k32``
+  twin with a zero accumulator (the MXFP8-activation GEMVs, schedules/mxfp8_act.py).
 - :func:`dequant8` — 8 E2M1 codes of one ``uint32`` in the tc layout
   (:mod:`schedules.mxfp4_tc_layout`: the expert codes are permuted at load time) times a
   bf16x2 factor ``2^(s-1)`` -> four bf16x2 words: masked rotations put each code at the bf16
@@ -33,6 +34,15 @@ __forceinline__ __device__ void k3_mma_bf16(float* d, unsigned a0, unsigned a1, 
       "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+"""
+_MMA_E4M3 = r"""
+__forceinline__ __device__ void k3_mma_e4m3(float* d, unsigned a0, unsigned a1, unsigned a2,
+                                            unsigned a3, unsigned b0, unsigned b1) {
+  asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(0.0f));
 }
 """
 _CP_ASYNC = r"""
@@ -76,6 +86,14 @@ __forceinline__ __device__ void k3_e2m1x8_tc(unsigned* out, unsigned w, unsigned
 
 def mma_bf16(d, a0, a1, a2, a3, b0, b1):
     return cuda_func_call("k3_mma_bf16", d, a0, a1, a2, a3, b0, b1, source_code=_MMA)
+
+
+def mma_e4m3(d, a0, a1, a2, a3, b0, b1):
+    """``d[0:4] = A·B`` by ``mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32`` (sm_89+) with
+    a zero accumulator: each register holds 4 E4M3 bytes; thread ``(g, q)``: a0 / a1 = rows
+    g / g+8 at k ``4q .. 4q+3``, a2 / a3 the same rows at ``16 + 4q ..``; b0 / b1 = column g
+    at those k; d as ``mma_bf16``'s (PTX ISA, "Matrix fragments for mma.m16n8k32")."""
+    return cuda_func_call("k3_mma_e4m3", d, a0, a1, a2, a3, b0, b1, source_code=_MMA_E4M3)
 
 
 def cp_async16(dst, src, valid):

@@ -13,6 +13,7 @@ import pytest
 from helpers_tvm import build_sm90a_fatbin, needs_nvcc
 from schedules import moe_mxfp4_prefill_cuda as mp
 from schedules import mxfp4_tc_layout as tcl
+from schedules import mxfp8_act as A8
 
 
 def _mma_m16n8k16(regs) -> np.ndarray:
@@ -185,7 +186,10 @@ def _module():
           "tc_gu": dt.moe_mxfp4_gate_up_tc_kernel(5, 256, 96, 3, 4.0, 25.0, warps=2),
           "tc_gu4": dt.moe_mxfp4_gate_up_tc_kernel(5, 512, 48, 3, 4.0, None, warps=4, stages=2),
           "tc_d": dt.moe_mxfp4_down_tc_kernel(5, 256, 128, 3, warps=1),
-          "repack": tcl.repack_kernel(gpu=True)}
+          "tc_gu8": dt.moe_mxfp4_gate_up_tc_kernel(5, 256, 96, 3, 4.0, 25.0, warps=2, act="mxfp8"),
+          "tc_d8": dt.moe_mxfp4_down_tc_kernel(5, 256, 128, 3, warps=1, act="mxfp8"),
+          "q8": A8.quantize_kernel(96),
+          "repack": tcl.repack_kernel(gpu=True), "repack8": A8.repack_kernel(gpu=True)}
     return tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in fs.items()})
 
 
