@@ -45,7 +45,8 @@ L1/TEX pipe (84%), where each lane's 64-byte activation read weighs twice what i
 (slower for W1/W3, so off there); ``pair`` (two row tiles as the two matrices) helps W2 at 8
 and 64 tokens (1.27 -> 1.15 ms at 64). Tried and not faster (options since removed): 2–8 row
 tiles per block through one pipeline (the ramp and the partial last wave are not what
-limits), capping W1/W3 at 5 blocks per SM with ``__launch_bounds__`` (spills), a register ring
+limits), capping W1/W3 at 5 blocks per SM with ``__launch_bounds__`` (spills; W2 at 5 blocks
+without spills: no faster, moe_decode_mxfp8_h200_2026-11-30.json), a register ring
 instead of cp.async stages, 2 or 8 warps per block, deeper stages.
 
 ``act="mxfp8"`` builds the W4A8 form (MXFP8 activations, :mod:`schedules.mxfp8_act`):
@@ -90,7 +91,7 @@ def _check(kd: int, n: int, rows_per_block: int, E: int):
 def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
              beta_lin: float | None = None, out_dtype: str = "bfloat16", warps: int = 4,
              stages: int = 4, chains: int = 1, unroll: bool = False, skip_x: bool = False,
-             pair: bool = False, act: str = "bf16", min_blocks: int = 0):
+             pair: bool = False, act: str = "bf16"):
     """Builder of both kernels (``kind`` "gate_up": two weight matrices + SiTU; "down": one).
     ``chains``: accumulators per matrix, mma step ``s`` adding into chain ``s % chains`` (shorter
     dependency chains of mmas); ``unroll``: unroll the K loop; ``skip_x``: lanes of columns past
@@ -98,10 +99,7 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
     second taken as the mma's second matrix (as W3 in gate_up), so the activations each lane
     loads feed twice the rows; ``act``: "bf16" activations (m16n8k16 bf16 mmas on the tc
     layout) or "mxfp8" (E4M3 + E8M0 per 32, :mod:`schedules.mxfp8_act`: one m16n8k32 E4M3 mma per
-    scale group on the fp8 layout, its product scaled into the fp32 accumulators);
-    ``min_blocks``: if nonzero, ``__launch_bounds__(threads, min_blocks)`` (ptxas caps the
-    registers so that many blocks fit on an SM)."""
-    MINB = int(min_blocks)
+    scale group on the fp8 layout, its product scaled into the fp32 accumulators)."""
     K = top_k
     if act not in ("bf16", "mxfp8"):
         raise ValueError(f"act must be 'bf16' or 'mxfp8', got {act!r}")
@@ -294,7 +292,7 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
         # [0] weight row g of the block's 16 rows, [1] activation row of column g,
         # [2] chain cursor, [3] first K block of this warp, [4] column g holds an entry,
         # [5], [6] activation rows of columns 2q, 2q+1 (their scales, mxfp8)
-        rr = T.alloc_buffer((7,), "int32", scope="local")
+        rr = T.alloc_buffer((7 if fp8 else 5,), "int32", scope="local")
         # (the row is read before the chain test so that both loads are in flight at once)
         rr[0] = ids[T.Cast("int32", blk // NTILE) // K, T.Cast("int32", blk // NTILE) % K] * N \
             + T.Cast("int32", blk % NTILE) * BR + tx % 32 // 4
@@ -324,8 +322,9 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
                 # last one (B column g only feeds C column g, which is then not stored)
                 rr[1] = xrow(ent_s[T.min(tx % 32 // 4, cnt_s[0] - 1)])
                 rr[4] = T.Cast("int32", tx % 32 // 4 < cnt_s[0])  # column g holds an entry
-                for c in T.unroll(2):
-                    rr[5 + c] = xrow(ent_s[T.min(tx % 4 * 2 + c, cnt_s[0] - 1)])
+                if fp8:
+                    for c in T.unroll(2):
+                        rr[5 + c] = xrow(ent_s[T.min(tx % 4 * 2 + c, cnt_s[0] - 1)])
                 rr[2] = ent_s[COLS]
                 one_pass(w_s, s_s, red_s, wq0, wq1, sw0, sw1, xq, xs, xcur, wcur, s2, bf, acc, rr,
                          sa, c4, ent_s, cnt_s, y, blk, tx)
@@ -334,11 +333,7 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
     def body(nt, xq, xs, wq0, wq1, sw0, sw1, chain, ids, y):
         for blk in T.thread_binding(nt * K * NTILE, thread="blockIdx.x"):
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                if MINB > 0:  # __launch_bounds__(NT, MINB): registers capped for MINB blocks per SM
-                    with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", MINB):
-                        block(nt, xq, xs, wq0, wq1, sw0, sw1, chain, ids, y, blk, tx)
-                else:
-                    block(nt, xq, xs, wq0, wq1, sw0, sw1, chain, ids, y, blk, tx)
+                block(nt, xq, xs, wq0, wq1, sw0, sw1, chain, ids, y, blk, tx)
 
     if gate_up:
         @T.prim_func(private=True)
@@ -452,7 +447,7 @@ def split_k_warps(in_width: int) -> int:
 def moe_mxfp4_gate_up_tc_kernel(num_experts: int, latent: int, inter: int, top_k: int,
                                 beta: float, beta_lin: float | None, out_dtype: str = "bfloat16",
                                 warps: int = 4, stages: int = 4, chains: int = 2, unroll: bool = True,
-                                skip_x: bool = False, act: str = "bf16", min_blocks: int = 0):
+                                skip_x: bool = False, act: str = "bf16"):
     """Fused W1/W3 GEMV + SiTU on tensor cores. Arguments as
     :func:`schedules.moe_mxfp4_cuda.moe_mxfp4_gate_up_kernel`, codes in the tc layout
     (:mod:`schedules.mxfp4_tc_layout`): ``z [T, L] bf16, w1_packed,
@@ -467,14 +462,14 @@ def moe_mxfp4_gate_up_tc_kernel(num_experts: int, latent: int, inter: int, top_k
             and the other buffers over 48 KiB of shared memory; the codes over 2^31 words.
     """
     return _gemv_tc("gate_up", num_experts, inter, latent, top_k, beta, beta_lin, out_dtype, warps, stages,
-                    chains, unroll, skip_x, act=act, min_blocks=min_blocks)
+                    chains, unroll, skip_x, act=act)
 
 
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def moe_mxfp4_down_tc_kernel(num_experts: int, latent: int, inter: int, top_k: int,
                              out_dtype: str = "bfloat16", warps: int = 4, stages: int = 3,
                              chains: int = 2, unroll: bool = True, skip_x: bool = True,
-                             pair: bool = True, act: str = "bf16", min_blocks: int = 0):
+                             pair: bool = True, act: str = "bf16"):
     """W2 GEMV on tensor cores. Arguments as :func:`schedules.moe_mxfp4_cuda.
     moe_mxfp4_down_kernel`, codes in the tc layout: ``a [T, k, I] bf16, w2_packed, w2_scale, chain, expert_ids, o [T, k, L]``.
     ``act="mxfp8"``: ``a`` is MXFP8 (``a [T, k, I]`` uint8 E4M3 and ``a_scale [T, k, I/32]``
@@ -487,5 +482,4 @@ def moe_mxfp4_down_tc_kernel(num_experts: int, latent: int, inter: int, top_k: i
             memory; the codes over 2^31 words.
     """
     return _gemv_tc("down", num_experts, latent, inter, top_k, out_dtype=out_dtype, warps=warps,
-                    stages=stages, chains=chains, unroll=unroll, skip_x=skip_x, pair=pair, act=act,
-                    min_blocks=min_blocks)
+                    stages=stages, chains=chains, unroll=unroll, skip_x=skip_x, pair=pair, act=act)
