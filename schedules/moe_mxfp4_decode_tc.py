@@ -91,12 +91,10 @@ def _check(kd: int, n: int, rows_per_block: int, E: int):
 def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
              beta_lin: float | None = None, out_dtype: str = "bfloat16", warps: int = 4,
              stages: int = 4, chains: int = 1, unroll: bool = False, skip_x: bool = False,
-             pair: bool = False, act: str = "bf16", skip_x_from: int = 1):
+             pair: bool = False, act: str = "bf16"):
     """Builder of both kernels (``kind`` "gate_up": two weight matrices + SiTU; "down": one).
     ``chains``: accumulators per matrix, mma step ``s`` adding into chain ``s % chains`` (shorter
-    dependency chains of mmas); ``unroll``: unroll the K loop; ``skip_x`` (from ``skip_x_from``
-    tokens on; below, a second copy of the pass where every lane loads, as the test itself
-    costs ~5% at one token): lanes of columns past
+    dependency chains of mmas); ``unroll``: unroll the K loop; ``skip_x``: lanes of columns past
     the pass's entries do not load activations; ``pair`` (down): a block is two row tiles of 16, the
     second taken as the mma's second matrix (as W3 in gate_up), so the activations each lane
     loads feed twice the rows; ``act``: "bf16" activations (m16n8k16 bf16 mmas on the tc
@@ -106,7 +104,6 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
     if act not in ("bf16", "mxfp8"):
         raise ValueError(f"act must be 'bf16' or 'mxfp8', got {act!r}")
     fp8 = act == "mxfp8"
-    TWO_PATHS = skip_x and skip_x_from > 1   # the kernel holds both loops, chosen by the token count
     if fp8:
         chains = 1   # each E4M3 mma starts from zero: no chain of dependent mmas to split
     if chains not in (1, 2, 4, 8):
@@ -194,7 +191,7 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
                         A8.weight_factors(s2[m * 2 + i // 2], G) * A8.act_factor(sa[i % 2], G))
 
     @T.macro
-    def kstep(kb, w_s, s_s, wq0, wq1, sw0, sw1, xq, xs, xcur, wcur, s2, bf, acc, rr, sa, c4, tx, skip):
+    def kstep(kb, w_s, s_s, wq0, wq1, sw0, sw1, xq, xs, xcur, wcur, s2, bf, acc, rr, sa, c4, tx):
         """K block ``kb`` of the warp: refill the stage ``NS - 1`` ahead, then dequantize and
         multiply the one that has landed."""
         if kb + NS - 1 < KPW:
@@ -203,7 +200,7 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
                 issue(rr[3] + kb + NS - 1, kb + NS - 1, w_s, s_s, wq1, sw1, 2, rr[0] + ROW1, tx)
         T.evaluate(commit())
         # activations from L1 (every block of the pass reads the same rows)
-        if skip:
+        if skip_x:
             # only lanes of the pass's columns load (B column g feeds only C column g, which is
             # not stored past the entries): one token's pass reads 1/8 of the activation bytes
             if rr[4] != 0:
@@ -237,16 +234,16 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
 
     @T.macro
     def one_pass(w_s, s_s, red_s, wq0, wq1, sw0, sw1, xq, xs, xcur, wcur, s2, bf, acc, rr, sa, c4, ent_s, cnt_s,
-                 y, blk, tx, skip):
+                 y, blk, tx):
         """The block's rows for the pass's entries: K loop, split-K reduction, outputs."""
         for i in T.unroll(CH * NM * 4):
             acc[i] = T.float32(0)
         if unroll:
             for kb in T.unroll(KPW):
-                kstep(kb, w_s, s_s, wq0, wq1, sw0, sw1, xq, xs, xcur, wcur, s2, bf, acc, rr, sa, c4, tx, skip)
+                kstep(kb, w_s, s_s, wq0, wq1, sw0, sw1, xq, xs, xcur, wcur, s2, bf, acc, rr, sa, c4, tx)
         else:
             for kb in range(KPW):
-                kstep(kb, w_s, s_s, wq0, wq1, sw0, sw1, xq, xs, xcur, wcur, s2, bf, acc, rr, sa, c4, tx, skip)
+                kstep(kb, w_s, s_s, wq0, wq1, sw0, sw1, xq, xs, xcur, wcur, s2, bf, acc, rr, sa, c4, tx)
         # ---- the accumulator chains of each matrix summed into chain 0
         for c in T.unroll(1, CH):
             for i in T.unroll(NM * 4):
@@ -329,16 +326,8 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
                     for c in T.unroll(2):
                         rr[5 + c] = xrow(ent_s[T.min(tx % 4 * 2 + c, cnt_s[0] - 1)])
                 rr[2] = ent_s[COLS]
-                if TWO_PATHS:  # skip_x from skip_x_from tokens on; below, a copy without the test
-                    if nt >= skip_x_from:
-                        one_pass(w_s, s_s, red_s, wq0, wq1, sw0, sw1, xq, xs, xcur, wcur, s2, bf, acc, rr,
-                                 sa, c4, ent_s, cnt_s, y, blk, tx, True)
-                    else:
-                        one_pass(w_s, s_s, red_s, wq0, wq1, sw0, sw1, xq, xs, xcur, wcur, s2, bf, acc, rr,
-                                 sa, c4, ent_s, cnt_s, y, blk, tx, False)
-                else:
-                    one_pass(w_s, s_s, red_s, wq0, wq1, sw0, sw1, xq, xs, xcur, wcur, s2, bf, acc, rr,
-                             sa, c4, ent_s, cnt_s, y, blk, tx, skip_x)
+                one_pass(w_s, s_s, red_s, wq0, wq1, sw0, sw1, xq, xs, xcur, wcur, s2, bf, acc, rr,
+                         sa, c4, ent_s, cnt_s, y, blk, tx)
 
     @T.macro
     def body(nt, xq, xs, wq0, wq1, sw0, sw1, chain, ids, y):
@@ -458,7 +447,7 @@ def split_k_warps(in_width: int) -> int:
 def moe_mxfp4_gate_up_tc_kernel(num_experts: int, latent: int, inter: int, top_k: int,
                                 beta: float, beta_lin: float | None, out_dtype: str = "bfloat16",
                                 warps: int = 4, stages: int = 4, chains: int = 2, unroll: bool = True,
-                                skip_x: bool = True, act: str = "bf16", skip_x_from: int = 2):
+                                skip_x: bool = False, act: str = "bf16"):
     """Fused W1/W3 GEMV + SiTU on tensor cores. Arguments as
     :func:`schedules.moe_mxfp4_cuda.moe_mxfp4_gate_up_kernel`, codes in the tc layout
     (:mod:`schedules.mxfp4_tc_layout`): ``z [T, L] bf16, w1_packed,
@@ -473,7 +462,7 @@ def moe_mxfp4_gate_up_tc_kernel(num_experts: int, latent: int, inter: int, top_k
             and the other buffers over 48 KiB of shared memory; the codes over 2^31 words.
     """
     return _gemv_tc("gate_up", num_experts, inter, latent, top_k, beta, beta_lin, out_dtype, warps, stages,
-                    chains, unroll, skip_x, act=act, skip_x_from=skip_x_from)
+                    chains, unroll, skip_x, act=act)
 
 
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
