@@ -1,6 +1,7 @@
-"""The fused CUDA KDA decode kernel (schedules/kda_decode_cuda.py): its reference vs fla, and
-that it compiles for sm_90a. The kernel itself runs on the H200 in benchmarks/kda.py, which
-compares it with fla's naive recurrence and fused_recurrent_kda (not in CI: no GPU here)."""
+"""The fused CUDA KDA decode and verify kernels (schedules/kda_decode_cuda.py): their
+references vs fla, and that they compile for sm_90a. The decode kernel runs on the H200 in
+benchmarks/kda.py (against fla's naive recurrence and fused_recurrent_kda), the verify kernel
+in tests/gpu/check_kda_verify.py (not in CI: no GPU here)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 import torch
 
 from helpers_tvm import build_sm90a_fatbin, needs_nvcc
-from schedules.kda_decode_cuda import kda_decode_fused_kernel, kda_decode_fused_reference
+from schedules.kda_decode_cuda import (kda_decode_fused_kernel, kda_decode_fused_reference, kda_verify_fused_kernel,
+                                       kda_verify_fused_reference)
 
 
 @pytest.mark.parametrize("lower_bound", [-5.0, None])
@@ -54,5 +56,57 @@ def test_kernel_compiles_to_fatbin_for_sm90a(tmp_path):
     out = build_sm90a_fatbin(
         "from schedules.kda_decode_cuda import kda_decode_fused_kernel\n"
         "f = kda_decode_fused_kernel(3, 128, 128, -5.0).with_attr('global_symbol', 'k')\n"
+        "mod = tvm.IRModule({'k': f})", tmp_path)
+    assert "fatbin" in out
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_verify_reference_matches_fla_naive_recurrence(lower_bound):
+    """The verify reference for 5 tokens of 3 sequences: every token's output and the final
+    state equal fla's naive recurrence over the 5 tokens, and each kept intermediate state
+    equals the naive recurrence's final state over that prefix of the tokens."""
+    from fla.ops.kda.naive import naive_recurrent_kda
+
+    rng = np.random.default_rng(1)
+    B, TV, H, K = 3, 5, 3, 32
+    q, k, f, v = (rng.standard_normal((B, TV, H, K)).astype(np.float32) for _ in range(4))
+    b = rng.standard_normal((B, TV, H)).astype(np.float32)
+    A_log = np.log(rng.uniform(1, 16, H)).astype(np.float32)
+    dt_bias = (rng.standard_normal(H * K) * 0.5).astype(np.float32)
+    slots = np.array([2, 0, 3], np.int32)
+    pool = (rng.standard_normal((1, 4, H, K, K)) * 0.1).astype(np.float32)
+    S0 = pool[0, slots].copy()
+    o, states = kda_verify_fused_reference(q, k, v, f, b, A_log, dt_bias, slots, pool, 0, lower_bound)
+    assert o.shape == (B, TV, H, K) and states.shape == (B, TV - 1, H, K, K)
+
+    t = lambda x: torch.from_numpy(np.ascontiguousarray(x)).double()  # noqa: E731
+    z = torch.exp(t(A_log))[None, None, :, None] * (t(f) + t(dt_bias).view(1, 1, H, K))
+    g = lower_bound * torch.sigmoid(z) if lower_bound is not None else \
+        -torch.exp(t(A_log))[None, None, :, None] * torch.nn.functional.softplus(t(f) + t(dt_bias).view(1, 1, H, K))
+    l2 = lambda x: x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)  # noqa: E731
+
+    def naive(n):  # the first n tokens
+        return naive_recurrent_kda(l2(t(q[:, :n])), l2(t(k[:, :n])), t(v[:, :n]), g[:, :n],
+                                   torch.sigmoid(t(b[:, :n])), initial_state=t(S0), output_final_state=True)
+
+    o_ref, S_ref = naive(TV)
+    np.testing.assert_allclose(o, o_ref.numpy(), atol=1e-5)
+    np.testing.assert_allclose(pool[0, slots], S_ref.numpy(), atol=1e-5)
+    for n in range(1, TV):
+        np.testing.assert_allclose(states[:, n - 1], naive(n)[1].numpy(), atol=1e-5)
+
+
+def test_verify_kernel_rejects_one_token_and_bad_tiling():
+    with pytest.raises(ValueError, match="tokens must be at least 2"):
+        kda_verify_fused_kernel(2, 128, 128, -5.0, 1)
+    with pytest.raises(ValueError, match="must be a multiple of cols_per_block"):
+        kda_verify_fused_kernel(2, 128, 100, -5.0, 4)
+
+
+@needs_nvcc
+def test_verify_kernel_compiles_to_fatbin_for_sm90a(tmp_path):
+    out = build_sm90a_fatbin(
+        "from schedules.kda_decode_cuda import kda_verify_fused_kernel\n"
+        "f = kda_verify_fused_kernel(3, 128, 128, None, 3).with_attr('global_symbol', 'k')\n"
         "mod = tvm.IRModule({'k': f})", tmp_path)
     assert "fatbin" in out
