@@ -152,6 +152,39 @@ def moves() -> dict[int, int]:
     return dict(sorted(out.items()))
 
 
+def inplace_words_kernel(words_per_item: int, body, gpu: bool):
+    """An in-place TIR kernel over the uint32 words of a ``weight_packed`` tensor (uint8 ``[e,
+    n, kh]``, any sizes with ``4 · words_per_item`` dividing ``kh``), split into items of
+    ``words_per_item`` consecutive words: ``body(words, item)`` (a TVMScript macro) rewrites
+    item ``item`` of the flat word buffer ``words``. ``gpu``: one item per thread, 256 threads
+    per block (``tirx.is_scheduled``); else a serial loop. The repack kernels of this layout and
+    of the fp8 layout (schedules/mxfp8_act.py) are built with it."""
+    from tvm.script import tirx as T
+
+    W = words_per_item
+    if gpu:
+        @T.prim_func(private=True)
+        def repack_words(codes_h: T.handle):
+            T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
+            e, n, kh = T.int64(), T.int64(), T.int64()
+            codes = T.match_buffer(codes_h, (e, n, kh), "uint8")
+            words = T.decl_buffer((e * n * kh // 4,), "uint32", data=codes.data)
+            for b in T.thread_binding((e * n * kh // (4 * W) + 255) // 256, thread="blockIdx.x"):
+                for t in T.thread_binding(256, thread="threadIdx.x"):
+                    if b * 256 + t < e * n * kh // (4 * W):
+                        body(words, b * 256 + t)
+    else:
+        @T.prim_func(private=True)
+        def repack_words(codes_h: T.handle):
+            T.func_attr({"tir.noalias": True})
+            e, n, kh = T.int64(), T.int64(), T.int64()
+            codes = T.match_buffer(codes_h, (e, n, kh), "uint8")
+            words = T.decl_buffer((e * n * kh // 4,), "uint32", data=codes.data)
+            for i in range(e * n * kh // (4 * W)):
+                body(words, i)
+    return repack_words
+
+
 @functools.cache
 def repack_kernel(gpu: bool = False):
     """In-place TIR kernel: ``weight_packed`` uint8 ``[e, n, kh]`` (any sizes, ``kh`` a multiple
@@ -170,27 +203,11 @@ def repack_kernel(gpu: bool = False):
             acc = x if acc is None else acc | x
         return acc
 
-    if gpu:
-        @T.prim_func(private=True)
-        def repack_e2m1_tc(codes_h: T.handle):
-            T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
-            e, n, kh = T.int64(), T.int64(), T.int64()
-            codes = T.match_buffer(codes_h, (e, n, kh), "uint8")
-            words = T.decl_buffer((e * n * kh // 4,), "uint32", data=codes.data)
-            for b in T.thread_binding((e * n * kh // 4 + 255) // 256, thread="blockIdx.x"):
-                for t in T.thread_binding(256, thread="threadIdx.x"):
-                    if b * 256 + t < e * n * kh // 4:
-                        words[b * 256 + t] = permute(words[b * 256 + t])
-    else:
-        @T.prim_func(private=True)
-        def repack_e2m1_tc(codes_h: T.handle):
-            T.func_attr({"tir.noalias": True})
-            e, n, kh = T.int64(), T.int64(), T.int64()
-            codes = T.match_buffer(codes_h, (e, n, kh), "uint8")
-            words = T.decl_buffer((e * n * kh // 4,), "uint32", data=codes.data)
-            for i in range(e * n * kh // 4):
-                words[i] = permute(words[i])
-    return repack_e2m1_tc
+    @T.macro
+    def one_word(words, i):
+        words[i] = permute(words[i])
+
+    return inplace_words_kernel(1, one_word, gpu)
 
 
 def factor_bf16(s):

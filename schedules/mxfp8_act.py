@@ -275,6 +275,8 @@ def repack_kernel(gpu: bool = False):
     ``gpu``: 256 threads per block."""
     from tvm.script import tirx as T
 
+    from schedules.mxfp4_tc_layout import inplace_words_kernel
+
     order = _nibble_order()
     shifts: dict[int, int] = {}
     for i, p in enumerate(order):
@@ -289,33 +291,12 @@ def repack_kernel(gpu: bool = False):
         return acc
 
     @T.macro
-    def block(words, kb, buf):
+    def block(words, kb):
+        buf = T.alloc_buffer((16,), "uint32", scope="local")
         for i in T.unroll(16):
             buf[i] = words[kb * 16 + i]
         for q in T.unroll(4):
             for g in T.unroll(4):
                 words[kb * 16 + 4 * q + g] = permute(buf[4 * g + q])
 
-    if gpu:
-        @T.prim_func(private=True)
-        def repack_e2m1_fp8(codes_h: T.handle):
-            T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
-            e, n, kh = T.int64(), T.int64(), T.int64()
-            codes = T.match_buffer(codes_h, (e, n, kh), "uint8")
-            words = T.decl_buffer((e * n * kh // 4,), "uint32", data=codes.data)
-            for b in T.thread_binding((e * n * kh // 64 + 255) // 256, thread="blockIdx.x"):
-                for t in T.thread_binding(256, thread="threadIdx.x"):
-                    buf = T.alloc_buffer((16,), "uint32", scope="local")
-                    if b * 256 + t < e * n * kh // 64:
-                        block(words, b * 256 + t, buf)
-    else:
-        @T.prim_func(private=True)
-        def repack_e2m1_fp8(codes_h: T.handle):
-            T.func_attr({"tir.noalias": True})
-            e, n, kh = T.int64(), T.int64(), T.int64()
-            codes = T.match_buffer(codes_h, (e, n, kh), "uint8")
-            words = T.decl_buffer((e * n * kh // 4,), "uint32", data=codes.data)
-            buf = T.alloc_buffer((16,), "uint32")
-            for kb in range(e * n * kh // 64):
-                block(words, kb, buf)
-    return repack_e2m1_fp8
+    return inplace_words_kernel(16, block, gpu)
