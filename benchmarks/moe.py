@@ -79,6 +79,12 @@ DECODE_VARIANTS = {"": ("tensor_cores", {}, {}), "cuda_cores": ("cuda_cores", {}
 OCP_MARKER = "codes_layout_ocp"
 
 
+def worst(a: float, b: float) -> float:
+    """The larger of two errors, NaN if either is NaN (Python's ``max(0.0, nan)`` is 0.0, which
+    would let a kernel's NaN output pass the checks)."""
+    return a if a != a else b if b != b else max(a, b)
+
+
 def _compile(fs: dict, path: Path, options=PTXAS_REGISTER_LEVEL) -> None:
     """Compile the PrimFuncs ``fs`` (name -> func) for cuda-sm90a with the device code
     precompiled (nvcc ``options``) into the library ``path``."""
@@ -290,8 +296,9 @@ def run(lib_dir: Path, decode: bool = True, prefill: bool = True) -> dict:
             z = torch.randn(T, L, device=dev, generator=g).to(torch.bfloat16)
             ids = torch.stack([torch.randperm(E, device=dev, generator=g)[:TOPK] for _ in range(T)]).int()
             chain = torch.empty(T, TOPK, 2, dtype=torch.int32, device=dev)
-            a = torch.empty(T, TOPK, I, dtype=torch.bfloat16, device=dev)
-            o = torch.empty(T, TOPK, L, dtype=torch.bfloat16, device=dev)
+            # NaN-filled: an output the kernels never write fails the checks
+            a = torch.full((T, TOPK, I), float("nan"), dtype=torch.bfloat16, device=dev)
+            o = torch.full((T, TOPK, L), float("nan"), dtype=torch.bfloat16, device=dev)
         tv = [tvm.runtime.from_dlpack(t) for t in (z, ids, chain, a, o)]
 
         parts = {"chain": lambda: c_f(tv[1], tv[2]),
@@ -328,8 +335,8 @@ def run(lib_dir: Path, decode: bool = True, prefill: bool = True) -> dict:
                 uu = (w3 @ z[t].float()).bfloat16().float()
                 ar = situ(gg, uu).bfloat16()
                 orf = (w2 @ ar.float()).bfloat16().float()
-                ea = max(ea, (a[t, j].float() - ar.float()).abs().max().item())
-                eo = max(eo, (o[t, j].float() - orf).abs().max().item())
+                ea = worst(ea, (a[t, j].float() - ar.float()).abs().max().item())
+                eo = worst(eo, (o[t, j].float() - orf).abs().max().item())
                 ma, mo = max(ma, ar.float().abs().max().item()), max(mo, orf.abs().max().item())
         return {"T": T, "max_abs_err_a": ea, "max_abs_a": ma, "rel_err_a": ea / ma,
                 "max_abs_err_o": eo, "max_abs_o": mo, "rel_err_o": eo / mo}
@@ -467,8 +474,8 @@ def _torch_mxfp8(x):
 def run_mxfp8(d: Path, W: dict, bf16_fns, tw_tc, bw: float, expert_bytes: int, g) -> dict:
     """The W4A8 decode path (chain, z quantizer, MXFP8 gate_up, ``a`` quantizer, MXFP8 down):
 
-    - checks at T = 1, 7, 20 (the T = 7 / 20 expert repeats of the bf16 checks' kind are not
-      needed: the chain walk is the same code): the quantizers bit-exact against torch's
+    - checks at T = 1, 7, 20 (at 20 one expert is chosen by every token: a chain of 3 passes,
+      which exercises the per-pass activation scale rows): the quantizers bit-exact against torch's
       E4M3 (:func:`_torch_mxfp8`); ``a`` and ``o`` against the torch fp32 math on the MXFP8
       values the kernels read (the same rounding points as the bf16 checks); and, as the
       accuracy cost, ``o`` against the bf16-activation reference;
@@ -490,12 +497,14 @@ def run_mxfp8(d: Path, W: dict, bf16_fns, tw_tc, bw: float, expert_bytes: int, g
             z = torch.randn(T, L, device=dev, generator=g).to(torch.bfloat16)
             ids = torch.stack([torch.randperm(E, device=dev, generator=g)[:TOPK] for _ in range(T)]).int()
         t = {"z": z, "ids": ids, "chain": torch.empty(T, TOPK, 2, dtype=torch.int32, device=dev),
-             "z8": torch.empty(T, L, dtype=torch.uint8, device=dev),
-             "zs": torch.empty(T, L // 32, dtype=torch.uint8, device=dev),
-             "a": torch.empty(T, TOPK, I, dtype=torch.bfloat16, device=dev),
-             "a8": torch.empty(T, TOPK, I, dtype=torch.uint8, device=dev),
-             "as": torch.empty(T, TOPK, I // 32, dtype=torch.uint8, device=dev),
-             "o": torch.empty(T, TOPK, L, dtype=torch.bfloat16, device=dev)}
+             # filled with what no kernel writes here (E4M3 / E8M0 0xFF is NaN; NaN outputs):
+             # an element a kernel misses fails the checks
+             "z8": torch.full((T, L), 255, dtype=torch.uint8, device=dev),
+             "zs": torch.full((T, L // 32), 255, dtype=torch.uint8, device=dev),
+             "a": torch.full((T, TOPK, I), float("nan"), dtype=torch.bfloat16, device=dev),
+             "a8": torch.full((T, TOPK, I), 255, dtype=torch.uint8, device=dev),
+             "as": torch.full((T, TOPK, I // 32), 255, dtype=torch.uint8, device=dev),
+             "o": torch.full((T, TOPK, L), float("nan"), dtype=torch.bfloat16, device=dev)}
         v = {k: tvm.runtime.from_dlpack(x) for k, x in t.items()}
         a2, a82, as2 = (tvm.runtime.from_dlpack(t[k].view(T * TOPK, -1)) for k in ("a", "a8", "as"))
         parts = {"chain": lambda: chain_f(v["ids"], v["chain"]),
@@ -536,9 +545,9 @@ def run_mxfp8(d: Path, W: dict, bf16_fns, tw_tc, bw: float, expert_bytes: int, g
                 a16 = situ((w1 @ t["z"][tt].float()).bfloat16().float(),
                            (w3 @ t["z"][tt].float()).bfloat16().float()).bfloat16()
                 o16 = (w2 @ a16.float()).bfloat16().float()
-                ea = max(ea, (t["a"][tt, j].float() - ar.float()).abs().max().item())
-                eo = max(eo, (t["o"][tt, j].float() - orf).abs().max().item())
-                e16 = max(e16, (t["o"][tt, j].float() - o16).abs().max().item())
+                ea = worst(ea, (t["a"][tt, j].float() - ar.float()).abs().max().item())
+                eo = worst(eo, (t["o"][tt, j].float() - orf).abs().max().item())
+                e16 = worst(e16, (t["o"][tt, j].float() - o16).abs().max().item())
                 ma, mo = max(ma, ar.float().abs().max().item()), max(mo, orf.abs().max().item())
         row.update({"max_abs_err_a": ea, "rel_err_a": ea / ma, "max_abs_err_o": eo, "rel_err_o": eo / mo,
                     "rel_diff_o_vs_bf16_activations": e16 / mo})
@@ -751,8 +760,8 @@ def run_prefill(lib_dir: Path, W, Wb, tw, g, repack) -> dict:
             got_a = bufs["a"][inv[tt * TOPK + jj]].float()
             if permuted:  # back to the natural k order (the permutation is an involution)
                 got_a = _permute_k(got_a)
-            ea = max(ea, (got_a - ar).abs().max().item())
-            eo = max(eo, (bufs["o"][tt, jj].float() - orf).abs().max().item())
+            ea = worst(ea, (got_a - ar).abs().max().item())
+            eo = worst(eo, (bufs["o"][tt, jj].float() - orf).abs().max().item())
             ma, mo = max(ma, ar.abs().max().item()), max(mo, orf.abs().max().item())
         row = {"T": T, "routing": kind, "kernels": flavor, "plan_ok": plan_ok, "permutation_ok": perm_ok,
                "max_tokens_per_expert": int(counts.max()), "experts_with_one_token": int((counts == 1).sum()),

@@ -104,11 +104,9 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
     if act not in ("bf16", "mxfp8"):
         raise ValueError(f"act must be 'bf16' or 'mxfp8', got {act!r}")
     fp8 = act == "mxfp8"
-    if fp8:
-        chains = 1   # each E4M3 mma starts from zero: no chain of dependent mmas to split
     if chains not in (1, 2, 4, 8):
         raise ValueError(f"chains must be 1, 2, 4 or 8, got {chains}")
-    CH = chains
+    CH = 1 if fp8 else chains   # mxfp8: each E4M3 mma starts from zero, no chain to split
     if warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"warps must be 1, 2, 4, 8 or 16, got {warps}")
     if stages < 2:
@@ -168,7 +166,7 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
         if fp8:
             for G in T.unroll(4):
                 for v in T.vectorized(2):
-                    dst[G * 2 + v] = xq[xr * XW + kb * 32 + G * 8 + q * 2 + v]
+                    dst[fp8_x_slot(G, v)] = xq[xr * XW + kb * 32 + fp8_x_word(G, q, v)]
         else:
             for i in T.unroll(4):
                 for v in T.vectorized(4):
@@ -183,12 +181,12 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
         for G in T.unroll(4):
             for m in T.unroll(NM):
                 T.evaluate(mma_e4m3(T.address_of(c4[0]),
-                                    A8.e4m3_lo(wcur[(m * 2) * 4 + G]), A8.e4m3_lo(wcur[(m * 2 + 1) * 4 + G]),
-                                    A8.e4m3_hi(wcur[(m * 2) * 4 + G]), A8.e4m3_hi(wcur[(m * 2 + 1) * 4 + G]),
-                                    xcur[2 * G], xcur[2 * G + 1]))
+                                    fp8_a_register(wcur, m, G, 0), fp8_a_register(wcur, m, G, 1),
+                                    fp8_a_register(wcur, m, G, 2), fp8_a_register(wcur, m, G, 3),
+                                    xcur[fp8_x_slot(G, 0)], xcur[fp8_x_slot(G, 1)]))
                 for i in T.unroll(4):
                     acc[m * 4 + i] = acc[m * 4 + i] + c4[i] * (
-                        A8.weight_factors(s2[m * 2 + i // 2], G) * A8.act_factor(sa[i % 2], G))
+                        A8.scale_factor(s2[m * 2 + fp8_scale_of(i)[0]], G) * A8.scale_factor(sa[fp8_scale_of(i)[1]], G))
 
     @T.macro
     def kstep(kb, w_s, s_s, wq0, wq1, sw0, sw1, xq, xs, xcur, wcur, s2, bf, acc, rr, sa, c4, tx):
@@ -436,6 +434,42 @@ def b_word(s, j):
     return 2 * s + j
 
 
+def fp8_a_source(i):
+    """(row half ``h``, word half) of mma A register ``a_i`` (0..3) in the mxfp8 form: a0 / a1 =
+    rows g / g+8 (``h`` 0 / 1) from :func:`~schedules.mxfp8_act.e4m3_lo` (half 0, k 4q..4q+3),
+    a2 / a3 the same rows from :func:`~schedules.mxfp8_act.e4m3_hi` (half 1, k 16+4q..)."""
+    return i % 2, i // 2
+
+
+def fp8_a_register(wcur, m, G, i):
+    """TIR expression of mma A register ``a_i`` for scale group ``G`` of matrix ``m``, from the
+    thread's code words ``wcur`` (slot ``2m + h`` holds row ``g + 8h``; its word ``G`` the 8
+    codes of group ``G``), as :func:`fp8_a_source` says."""
+    h, half = fp8_a_source(i)
+    w = wcur[(m * 2 + h) * 4 + G]
+    return A8.e4m3_lo(w) if half == 0 else A8.e4m3_hi(w)
+
+
+def fp8_x_slot(G, j):
+    """Index, in the thread's activation words ``xcur`` (mxfp8 form), of mma B register ``b_j``
+    of scale group ``G``."""
+    return 2 * G + j
+
+
+def fp8_x_word(G, q, j):
+    """Word offset, in a K block's 32 words of an MXFP8 activation row, of lane ``q``'s B
+    register ``b_j`` of group ``G``: inputs ``32G + 8q + 4j .. +3`` (k ``16j + 4q ..`` of the
+    mma, as :func:`fp8_a_register`'s lo / hi halves)."""
+    return G * 8 + q * 2 + j
+
+
+def fp8_scale_of(i):
+    """(weight row half, activation column) of mma output ``c_i``: c0 / c1 = row g, columns 2q /
+    2q+1; c2 / c3 = row g+8 (PTX ISA C fragment): its weight scale is slot ``2m + row half``'s,
+    its activation scale that of column ``2q + column``."""
+    return i // 2, i % 2
+
+
 def split_k_warps(in_width: int) -> int:
     """Warps per block (= ways the K blocks of 128 inputs are split) for an input width: 4
     where they divide the K blocks (K3: 28 and 24 K blocks), else 2 or 1 (k3-nano)."""
@@ -453,11 +487,14 @@ def moe_mxfp4_gate_up_tc_kernel(num_experts: int, latent: int, inter: int, top_k
     (:mod:`schedules.mxfp4_tc_layout`): ``z [T, L] bf16, w1_packed,
     w1_scale, w3_packed, w3_scale, chain [T, k, 2], expert_ids [T, k], a [T, k, I]``.
     ``act="mxfp8"``: ``z`` is MXFP8 (``z [T, L]`` uint8 E4M3 and ``z_scale [T, L/32]`` uint8
-    E8M0 from :func:`schedules.mxfp8_act.quantize_kernel`, two arguments) and the codes are in
-    the fp8 layout (:mod:`schedules.mxfp8_act`).
+    E8M0 from :func:`schedules.mxfp8_act.quantize_kernel`, two arguments), the codes are in
+    the fp8 layout (:mod:`schedules.mxfp8_act`), weight scale bytes up to
+    ``mxfp8_act.MAX_WEIGHT_SCALE_BYTE``, and ``chains`` does not apply (each E4M3 mma starts
+    from zero).
 
     Raises:
-        ValueError: L not a multiple of 128; I not a multiple of 16; ``warps`` not 1, 2, 4, 8
+        ValueError: ``act`` not "bf16" or "mxfp8"; ``chains`` not 1, 2, 4 or 8;
+            L not a multiple of 128; I not a multiple of 16; ``warps`` not 1, 2, 4, 8
             or 16 or not dividing L/128; ``stages < 2``; the stages (10 KiB each at 4 warps)
             and the other buffers over 48 KiB of shared memory; the codes over 2^31 words.
     """
@@ -473,10 +510,12 @@ def moe_mxfp4_down_tc_kernel(num_experts: int, latent: int, inter: int, top_k: i
     """W2 GEMV on tensor cores. Arguments as :func:`schedules.moe_mxfp4_cuda.
     moe_mxfp4_down_kernel`, codes in the tc layout: ``a [T, k, I] bf16, w2_packed, w2_scale, chain, expert_ids, o [T, k, L]``.
     ``act="mxfp8"``: ``a`` is MXFP8 (``a [T, k, I]`` uint8 E4M3 and ``a_scale [T, k, I/32]``
-    uint8 E8M0) and the codes are in the fp8 layout (:mod:`schedules.mxfp8_act`).
+    uint8 E8M0), the codes are in the fp8 layout (:mod:`schedules.mxfp8_act`), weight scale
+    bytes up to ``mxfp8_act.MAX_WEIGHT_SCALE_BYTE``; ``chains`` does not apply.
 
     Raises:
-        ValueError: I not a multiple of 128; L not a multiple of 32 (16 without ``pair``);
+        ValueError: ``act`` not "bf16" or "mxfp8"; ``chains`` not 1, 2, 4 or 8;
+            I not a multiple of 128; L not a multiple of 32 (16 without ``pair``);
             ``warps`` not 1, 2, 4, 8 or 16 or not dividing I/128; ``stages < 2``; the stages
             (10 KiB each at 4 warps with ``pair``) and the other buffers over 48 KiB of shared
             memory; the codes over 2^31 words.

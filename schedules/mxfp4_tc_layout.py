@@ -157,17 +157,20 @@ def inplace_words_kernel(words_per_item: int, body, gpu: bool):
     n, kh]``, any sizes with ``4 · words_per_item`` dividing ``kh``), split into items of
     ``words_per_item`` consecutive words: ``body(words, item)`` (a TVMScript macro) rewrites
     item ``item`` of the flat word buffer ``words``. ``gpu``: one item per thread, 256 threads
-    per block (``tirx.is_scheduled``); else a serial loop. The repack kernels of this layout and
+    per block (``tirx.is_scheduled``); else a serial loop. A ``kh`` that is not a multiple of
+    ``4 · words_per_item`` fails the call with an error naming ``weight_packed``. The repack kernels of this layout and
     of the fp8 layout (schedules/mxfp8_act.py) are built with it."""
     from tvm.script import tirx as T
 
     W = words_per_item
+    MSG = f"weight_packed: the last dimension must be a multiple of {4 * W} bytes for the code repack"
     if gpu:
         @T.prim_func(private=True)
         def repack_words(codes_h: T.handle):
             T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
             e, n, kh = T.int64(), T.int64(), T.int64()
             codes = T.match_buffer(codes_h, (e, n, kh), "uint8")
+            assert kh % T.int64(4 * W) == T.int64(0), MSG
             words = T.decl_buffer((e * n * kh // 4,), "uint32", data=codes.data)
             for b in T.thread_binding((e * n * kh // (4 * W) + 255) // 256, thread="blockIdx.x"):
                 for t in T.thread_binding(256, thread="threadIdx.x"):
@@ -179,6 +182,7 @@ def inplace_words_kernel(words_per_item: int, body, gpu: bool):
             T.func_attr({"tir.noalias": True})
             e, n, kh = T.int64(), T.int64(), T.int64()
             codes = T.match_buffer(codes_h, (e, n, kh), "uint8")
+            assert kh % T.int64(4 * W) == T.int64(0), MSG
             words = T.decl_buffer((e * n * kh // 4,), "uint32", data=codes.data)
             for i in range(e * n * kh // (4 * W)):
                 body(words, i)

@@ -31,11 +31,15 @@ numpy definition of the layout; :func:`repack_kernel` is the in-place TIR kernel
 benchmark runs on uploaded ``weight_packed`` tensors.
 
 **Per mma:** one weight scale per row and one activation scale per column. The kernel adds
-``c · wf(row) · af(col)`` to fp32 accumulators, where :func:`weight_factor` is
-``2^(s-127+6)`` and :func:`act_factor` is ``2^(s-127)``.
+``c · wf(row) · af(col)`` to fp32 accumulators, both factors by :func:`scale_factor`:
+``2^(s-127)`` for the activations, ``2^(s-127+6)`` for the weights (their scale word plus
+:data:`WEIGHT_BIAS4`, so weight scale bytes up to :data:`MAX_WEIGHT_SCALE_BYTE` only).
 
-tests/test_mxfp8_act.py checks all of this against ml_dtypes' E4M3 and the E2M1 table, and
-emulates the kernel's fragments.
+tests/test_mxfp8_act.py checks, on the CPU, the references against torch's and ml_dtypes' E4M3
+and the E2M1 table, the TIR recipes (:func:`e4m3_lo`, :func:`e4m3_hi`, :func:`scale_factor`)
+and the repack kernel on llvm, and the kernel's register and scale mapping
+(``schedules.moe_mxfp4_decode_tc.fp8_*``) lane by lane; the CUDA-only parts (the quantizer
+kernel, the mma itself) are checked bit for bit on the H200 by benchmarks/moe.py.
 
 **Status:** measured, not dispatched (benchmarks/moe.py ``run_mxfp8``;
 benchmarks/results/moe_decode_mxfp8_h200_2026-11-30.json). On the H200 the W4A8 decode path
@@ -53,7 +57,8 @@ import functools
 import numpy as np
 
 LAYOUT = "e2m1-fp8-v1"
-"""Name of the fp8 code layout (library metadata ``expert_code_layout``)."""
+"""Name of the fp8 code layout (for a library's ``expert_code_layout`` metadata once the form
+is dispatched; the benchmark builds it alone)."""
 
 E4M3_EMAX = 8          # largest unbiased exponent of E4M3 (448 = 1.75 · 2^8)
 E4M3_MAX = 448.0
@@ -95,11 +100,24 @@ def quantize_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def dequantize_reference(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """fp32 values of MXFP8 ``codes [..., K]`` (E4M3 bytes) with ``scales [..., K/32]``."""
+    """fp32 values of MXFP8 codes (ml_dtypes' E4M3 decode times ``2^(s - 127)``).
+
+    Args:
+        codes: uint8 ``[..., K]`` E4M3 bytes, ``K`` a multiple of 32.
+        scales: uint8 ``[..., K/32]`` E8M0 bytes.
+    Returns:
+        float32 ``[..., K]``.
+    Raises:
+        ValueError: the shapes do not pair up (``scales`` not ``codes`` with the last axis / 32).
+    """
     import ml_dtypes
 
-    v = np.asarray(codes, np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
-    f = np.exp2(np.asarray(scales, np.float64) - 127).astype(np.float32)
+    codes, scales = np.asarray(codes, np.uint8), np.asarray(scales, np.uint8)
+    if codes.shape[-1] % GROUP or scales.shape != (*codes.shape[:-1], codes.shape[-1] // GROUP):
+        raise ValueError(f"MXFP8: codes {codes.shape} need scales {(*codes.shape[:-1], codes.shape[-1] // GROUP)}, "
+                         f"got {scales.shape}")
+    v = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    f = np.exp2(scales.astype(np.float64) - 127).astype(np.float32)
     return (v.reshape(*v.shape[:-1], -1, GROUP) * f[..., None]).reshape(v.shape)
 
 
@@ -116,9 +134,12 @@ __forceinline__ __device__ unsigned k3_e4m3x4(float a, float b, float c, float d
 @functools.cache
 def quantize_kernel(width: int):
     """CUDA TIR kernel (``tirx.is_scheduled``): ``x [n, width]`` bf16 -> ``codes [n, width]``
-    uint8 (E4M3), ``scales [n, width/32]`` uint8 (E8M0), as :func:`quantize_reference`. One
-    thread per group of 32: four 16-byte loads, the group's amax, its biased exponent from
-    the fp32 bits, ``x · 2^(127 - s)`` (exact), ``cvt.rn.satfinite.e4m3x2.f32`` (sm_89+).
+    uint8 (E4M3), ``scales [n, width/32]`` uint8 (E8M0), as :func:`quantize_reference`
+    (a group holding a NaN gets the reference's scale 247; its NaN codes are E4M3 NaN, sign
+    as ``cvt`` gives it). One thread per group of 32: four 16-byte loads, the group's amax as
+    the integer max of the magnitudes' bits, its biased exponent from those bits,
+    ``x · 2^(127 - s)`` (exact), ``cvt.rn.satfinite.e4m3x2.f32`` (sm_89+). CUDA only: checked
+    bit for bit against torch on the H200 (benchmarks/moe.py ``run_mxfp8``).
 
     Raises:
         ValueError: ``width`` not a multiple of 32.
@@ -130,9 +151,12 @@ def quantize_kernel(width: int):
         raise ValueError(f"MXFP8 rows must be a multiple of {GROUP} wide, got {width}")
     G = width // GROUP
 
+    def bits(xw, i):
+        """fp32 bits of bf16 element ``i`` (0..31, unrolled) of the group's 16 words."""
+        return (xw[i // 2] << T.uint32(16 - 16 * (i % 2))) & T.uint32(0xFFFF0000)
+
     def f32(xw, i):
-        """fp32 of bf16 element ``i`` (0..31, unrolled) of the group's 16 words."""
-        return T.reinterpret("float32", (xw[i // 2] << T.uint32(16 - 16 * (i % 2))) & T.uint32(0xFFFF0000))
+        return T.reinterpret("float32", bits(xw, i))
 
     @T.prim_func(private=True)
     def mxfp8_quantize(x_h: T.handle, q_h: T.handle, s_h: T.handle):
@@ -146,24 +170,25 @@ def quantize_kernel(width: int):
         for b in T.thread_binding((n * G + 127) // 128, thread="blockIdx.x"):
             for t in T.thread_binding(128, thread="threadIdx.x"):
                 xw = T.alloc_buffer((16,), "uint32", scope="local")
-                m = T.alloc_buffer((2,), "float32", scope="local")   # [0] amax, [1] 2^(127-s)
-                sb = T.alloc_buffer((1,), "uint32", scope="local")
+                m = T.alloc_buffer((1,), "float32", scope="local")   # 2^(127-s)
+                sb = T.alloc_buffer((2,), "uint32", scope="local")   # [0] bits of amax, [1] s
                 if b * 128 + t < n * G:
                     for u in T.unroll(4):
                         for v in T.vectorized(4):
                             xw[u * 4 + v] = xq[(b * 128 + t) * 16 + u * 4 + v]
-                    m[0] = T.float32(0)
+                    # amax as the integer max of the magnitudes' bits: a NaN (bits above
+                    # inf's) wins, as in the reference's max
+                    sb[0] = T.uint32(0)
                     for i in T.unroll(32):
-                        m[0] = T.max(m[0], T.fabs(f32(xw, i)))
-                    sb[0] = T.max(T.min((T.reinterpret("uint32", m[0]) >> T.uint32(23)) & T.uint32(0xFF),
-                                        T.uint32(SHARED_MAX + E4M3_EMAX)),
+                        sb[0] = T.max(sb[0], bits(xw, i) & T.uint32(0x7FFF0000))
+                    sb[1] = T.max(T.min((sb[0] >> T.uint32(23)) & T.uint32(0xFF), T.uint32(SHARED_MAX + E4M3_EMAX)),
                                   T.uint32(SHARED_MIN + E4M3_EMAX)) - T.uint32(E4M3_EMAX)
-                    m[1] = T.reinterpret("float32", (T.uint32(254) - sb[0]) << T.uint32(23))
-                    s[(b * 128 + t) // G, (b * 128 + t) % G] = T.Cast("uint8", sb[0])
+                    m[0] = T.reinterpret("float32", (T.uint32(254) - sb[1]) << T.uint32(23))
+                    s[(b * 128 + t) // G, (b * 128 + t) % G] = T.Cast("uint8", sb[1])
                     for w in T.unroll(8):
                         qq[(b * 128 + t) * 8 + w] = cuda_func_call(
-                            "k3_e4m3x4", f32(xw, 4 * w) * m[1], f32(xw, 4 * w + 1) * m[1],
-                            f32(xw, 4 * w + 2) * m[1], f32(xw, 4 * w + 3) * m[1],
+                            "k3_e4m3x4", f32(xw, 4 * w) * m[0], f32(xw, 4 * w + 1) * m[0],
+                            f32(xw, 4 * w + 2) * m[0], f32(xw, 4 * w + 3) * m[0],
                             source_code=_E4M3X4, return_type="uint32")
 
     return mxfp8_quantize
@@ -225,46 +250,48 @@ def e4m3_hi(w):
     return ((w >> T.uint32(2)) & T.uint32(LO_MAG)) | (w & T.uint32(LO_SIGN))
 
 
-def _byte_to_exponent(x, g):
-    """TIR: byte ``g`` (0..3, an unrolled loop variable) of the uint32 ``x`` moved to fp32
-    exponent bits 30-23 (nvcc folds the two shifts once ``g`` is a constant)."""
-    from tvm.script import tirx as T
-
-    return ((x >> T.Cast("uint32", 8 * g)) << T.uint32(23)) & T.uint32(0x7F800000)
-
-
-def weight_factors(word, g):
-    """TIR fp32 ``2^(s - 127 + 6)`` for byte ``g`` of the uint32 scale ``word``, by one SIMD add
-    of 6 to the four bytes (``word_plus_6``, shared by the four calls) and a shift and mask:
-    exact for bytes up to 249; **no NaN** for E8M0 255 (the fp8 variant is benchmark-only and its
-    checkpoints' scales stay far below)."""
-    from tvm.script import tirx as T
-
-    return T.reinterpret("float32", _byte_to_exponent(word, g))
-
-
-def weight_factor(word, g):
-    """TIR fp32 ``2^(s - 127 + 6)`` for the E8M0 byte ``s`` = byte ``g`` (unrolled constant)
-    of the uint32 scale ``word``: the weight scale with the E4M3 placement's 2^6; 255 -> NaN.
-    Exact for ``s <= 248`` (the checkpoint check allows 0..128 and 255)."""
-    from tvm.script import tirx as T
-
-    s = (word >> T.uint32(8 * g)) & T.uint32(0xFF)
-    return T.Select(s == T.uint32(255), T.reinterpret("float32", T.uint32(0x7FC00000)),
-                    T.reinterpret("float32", (s + T.uint32(6)) << T.uint32(23)))
-
-
-def act_factor(word, g):
-    """TIR fp32 ``2^(s - 127)`` for the E8M0 byte ``s`` = byte ``g`` of ``word`` (the
-    quantizer emits 1..247: always a normal fp32): a shift and a mask."""
-    from tvm.script import tirx as T
-
-    return T.reinterpret("float32", _byte_to_exponent(word, g))
-
+MAX_WEIGHT_SCALE_BYTE = 248
+"""Largest E8M0 weight scale byte the fp8 form reads correctly: :data:`WEIGHT_BIAS4` is added to
+the four bytes of a scale word at once, so a byte of 250 or more carries into its neighbour
+(and 249 overflows to +inf); E8M0 255 (NaN) is not supported either. The form is not
+dispatched; a checkpoint would need :func:`check_weight_scales` first."""
 
 WEIGHT_BIAS4 = 0x06060606
-"""Added to a weight scale word before :func:`weight_factors`: the E4M3 placement's 2^6 in
-each byte's exponent."""
+"""Added to a weight scale word (4 E8M0 bytes) before :func:`scale_factor`: the E4M3
+placement's 2^6 in each byte's exponent, one integer add for the 4 groups."""
+
+
+def scale_factor(word, g):
+    """TIR fp32 with byte ``g`` (0..3, an unrolled loop variable) of the uint32 ``word`` as its
+    biased exponent: ``2^(s - 127)`` for an activation scale word (the quantizer emits bytes
+    1..247: always a normal fp32), ``2^(s - 127 + 6)`` for a weight scale word with
+    :data:`WEIGHT_BIAS4` added (bytes up to :data:`MAX_WEIGHT_SCALE_BYTE`). A shift pair and a
+    mask (nvcc folds the shifts once ``g`` is a constant)."""
+    from tvm.script import tirx as T
+
+    return T.reinterpret("float32", ((word >> T.Cast("uint32", 8 * g)) << T.uint32(23)) & T.uint32(0x7F800000))
+
+
+def scale_factor_reference(words: np.ndarray) -> np.ndarray:
+    """numpy twin of :func:`scale_factor`: uint32 ``[...]`` -> fp32 ``[..., 4]`` (byte g's factor)."""
+    w = np.asarray(words, np.uint32)
+    return np.stack([(((w >> np.uint32(8 * g)) << np.uint32(23)) & np.uint32(0x7F800000)).view(np.float32)
+                     for g in range(4)], -1)
+
+
+def check_weight_scales(scale: np.ndarray, name: str) -> None:
+    """Raise if a ``weight_scale`` tensor holds an E8M0 byte the fp8 form cannot scale by.
+
+    Raises:
+        ValueError: a byte over :data:`MAX_WEIGHT_SCALE_BYTE` (255, NaN, included), with the
+            tensor's name and the byte's index.
+    """
+    s = np.asarray(scale)
+    bad = s > MAX_WEIGHT_SCALE_BYTE
+    if bad.any():
+        idx = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"tensor {name}: E8M0 scale byte {int(s[idx])} at {list(idx)}; the MXFP8-activation "
+                         f"GEMVs take bytes up to {MAX_WEIGHT_SCALE_BYTE}")
 
 
 @functools.cache

@@ -61,11 +61,26 @@ def test_quantize_matches_torch_e4m3():
         np.exp2(want_s - 127.0)[..., None], g.shape)[sat])
 
 
+def test_quantize_exponent_clamps():
+    """Both ends of the shared-exponent clamp: a group with fp32-subnormal amax (2^-130) gets
+    byte 1 (scale 2^-126), its element 2^-4 there (E4M3 0x18: exponent field 3), exact; amax
+    2^127 gets byte 254 - 8 = 246 with its top element at 256 (0x78)."""
+    x = np.zeros((2, 32), np.float32)
+    x[0, 0] = np.float32(2.0 ** -130)
+    x[1, 0] = np.float32(2.0 ** 127)
+    codes, scales = A8.quantize_reference(x)
+    assert scales.tolist() == [[1], [246]]
+    assert codes[0, 0] == 0x18 and (codes[0, 1:] == 0).all() and codes[1, 0] == 0x78
+    np.testing.assert_array_equal(A8.dequantize_reference(codes, scales), x)
+
+
 def test_quantize_rejects_ragged_rows():
     with pytest.raises(ValueError, match="multiple of 32"):
         A8.quantize_reference(np.zeros((2, 40), np.float32))
     with pytest.raises(ValueError, match="multiple of 32"):
         A8.quantize_kernel(40)
+    with pytest.raises(ValueError, match="need scales"):
+        A8.dequantize_reference(np.zeros((2, 64), np.uint8), np.zeros((2, 3), np.uint8))
 
 
 def _codes(row_bytes: np.ndarray) -> np.ndarray:
@@ -110,6 +125,15 @@ def test_repack_kernel_equals_the_layout_definition():
     np.testing.assert_array_equal(t.numpy(), A8.repack_reference(packed))
 
 
+def test_repack_kernel_rejects_rows_off_the_k_block():
+    """kh = 96 bytes (K = 192): the kernel's 64-byte blocks would straddle rows; the call fails
+    naming weight_packed instead."""
+    lib = tvm.compile(tvm.IRModule({"repack": A8.repack_kernel().with_attr("global_symbol", "repack")}),
+                      target="llvm")
+    with pytest.raises(Exception, match="weight_packed: the last dimension must be a multiple of 64"):
+        lib["repack"](tvm.runtime.tensor(np.zeros((1, 2, 96), np.uint8)))
+
+
 def _mma_m16n8k32(regs) -> np.ndarray:
     """What one E4M3 ``mma.m16n8k32`` computes from lane registers ``regs(g, q) -> (a0, a1,
     a2, a3, b0, b1)`` (4 values each), laid out as the PTX ISA's fragments ("Matrix fragments
@@ -126,11 +150,15 @@ def _mma_m16n8k32(regs) -> np.ndarray:
 
 
 def test_fp8_fragments_compute_the_gemv():
-    """The kernel's K block (128 inputs) for 16 weight rows x 8 columns, lane by lane: thread
-    (g, q) holds, per scale group G, the fp8-layout word G of its 16 bytes for rows g and g+8
-    and the 8 activation bytes at ``32G + 8q`` of column g; one mma per group (registers as
-    ``mma_fp8`` passes them), its product times weight_factor(row) · act_factor(column) into
-    fp32 — must equal dequant(W) @ dequant(X) (OCP E2M1/E8M0 and MXFP8 values)."""
+    """The kernel's K block (128 inputs) for 16 weight rows x 8 columns, lane by lane, with the
+    kernel's own maps (schedules/moe_mxfp4_decode_tc.py ``fp8_a_source``, ``fp8_x_word``,
+    ``fp8_scale_of``): thread (g, q) holds, per scale group G, the fp8-layout word G of its 16
+    bytes for rows g and g+8 and the activation words of column g; one mma per group (the
+    PTX fragment layout, :func:`_mma_m16n8k32`), each output c_i times the weight scale and
+    activation scale ``fp8_scale_of(i)`` names — must equal dequant(W) @ dequant(X) (OCP E2M1 /
+    E8M0 and MXFP8 values, with the scale factors' 2^6 for the E4M3 placement)."""
+    from schedules import moe_mxfp4_decode_tc as dt
+
     rng = np.random.default_rng(2)
     packed = rng.integers(0, 256, (16, 64), dtype=np.uint8)
     wscale = rng.integers(118, 129, (16, 4)).astype(np.uint8)
@@ -147,11 +175,64 @@ def test_fp8_fragments_compute_the_gemv():
     acc = np.zeros((16, 8))
     for G in range(4):
         def regs(g, q, G=G):
-            return (bytes4(lo[g, q, G]), bytes4(lo[g + 8, q, G]), bytes4(hi[g, q, G]), bytes4(hi[g + 8, q, G]),
-                    bytes4(xw[g, 8 * G + 2 * q]), bytes4(xw[g, 8 * G + 2 * q + 1]))
+            a = []
+            for i in range(4):
+                h, half = dt.fp8_a_source(i)
+                a.append(bytes4((lo, hi)[half][g + 8 * h, q, G]))
+            return (*a, *(bytes4(xw[g, dt.fp8_x_word(G, q, j)]) for j in range(2)))
 
         c = _mma_m16n8k32(regs)
-        wf = np.exp2(wscale[:, G].astype(np.float64) - 127 + 6)              # weight_factor
-        af = np.exp2(xs[:, G].astype(np.float64) - 127)                      # act_factor
-        acc += c * wf[:, None] * af[None, :]
+        for lane in range(32):
+            g, q = lane // 4, lane % 4
+            for i in range(4):   # c_i sits at row g + 8(i // 2), column 2q + i % 2 (PTX)
+                row, col = g + 8 * (i // 2), 2 * q + i % 2
+                h, cc = dt.fp8_scale_of(i)
+                wf = np.exp2(float(wscale[g + 8 * h, G]) - 127 + 6)
+                af = np.exp2(float(xs[2 * q + cc, G]) - 127)
+                acc[row, col] += c[row, col] * wf * af
     np.testing.assert_allclose(acc, Wv @ Xv.T, rtol=1e-12, atol=1e-12)
+
+
+def test_tir_recipes_on_llvm():
+    """The TIR expressions the kernel uses, compiled for llvm on random words: e4m3_lo /
+    e4m3_hi equal the numpy recipe (itself checked against the E2M1 table above), and
+    scale_factor gives 2^(byte - 127) of each byte of activation words, 2^(byte - 121) of
+    weight words plus WEIGHT_BIAS4 (bytes up to MAX_WEIGHT_SCALE_BYTE)."""
+    from tvm.script import tirx as T
+
+    @T.prim_func(private=True)
+    def recipes(w_h: T.handle, lo_h: T.handle, hi_h: T.handle, af_h: T.handle, wf_h: T.handle):
+        n = T.int64()
+        w = T.match_buffer(w_h, (n,), "uint32")
+        lo = T.match_buffer(lo_h, (n,), "uint32")
+        hi = T.match_buffer(hi_h, (n,), "uint32")
+        af = T.match_buffer(af_h, (n, 4), "float32")
+        wf = T.match_buffer(wf_h, (n, 4), "float32")
+        for i in range(n):
+            lo[i] = A8.e4m3_lo(w[i])
+            hi[i] = A8.e4m3_hi(w[i])
+            for g in T.unroll(4):
+                af[i, g] = A8.scale_factor(w[i], g)
+                wf[i, g] = A8.scale_factor(w[i] + T.uint32(A8.WEIGHT_BIAS4), g)
+
+    rng = np.random.default_rng(5)
+    n = 37
+    w = rng.integers(0, 2 ** 32, n, dtype=np.uint64).astype(np.uint32)
+    ws = rng.integers(1, A8.MAX_WEIGHT_SCALE_BYTE + 1, (n, 4)).astype(np.uint8).view("<u4").reshape(n)
+    lib = tvm.compile(tvm.IRModule({"r": recipes.with_attr("global_symbol", "r")}), target="llvm")
+    out = [tvm.runtime.tensor(np.zeros(n, np.uint32)), tvm.runtime.tensor(np.zeros(n, np.uint32)),
+           tvm.runtime.tensor(np.zeros((n, 4), np.float32)), tvm.runtime.tensor(np.zeros((n, 4), np.float32))]
+    lib["r"](tvm.runtime.tensor(w), *out)
+    want_lo, want_hi = A8.e4m3_words_reference(w)
+    np.testing.assert_array_equal(out[0].numpy(), want_lo)
+    np.testing.assert_array_equal(out[1].numpy(), want_hi)
+    act_bytes = ws.view(np.uint8).reshape(n, 4).astype(np.float64)
+    lib["r"](tvm.runtime.tensor(ws), *out)
+    np.testing.assert_array_equal(out[2].numpy(), np.exp2(act_bytes - 127).astype(np.float32))
+    np.testing.assert_array_equal(out[3].numpy(), np.exp2(act_bytes - 121).astype(np.float32))
+
+
+def test_weight_scale_check_names_the_tensor():
+    A8.check_weight_scales(np.array([[0, 127, A8.MAX_WEIGHT_SCALE_BYTE]], np.uint8), "ok")
+    with pytest.raises(ValueError, match=r"tensor w1.weight_scale: E8M0 scale byte 255 at \[0, 1\]"):
+        A8.check_weight_scales(np.array([[3, 255]], np.uint8), "w1.weight_scale")
