@@ -21,13 +21,12 @@ memory, and the state loads are issued before the staging barrier so they overla
 
 :func:`kda_verify_fused_kernel` is the same step over a few tokens per sequence for
 speculative verification: the state is read once and stays in registers from token to token;
-the state after each token but the last is written to ``states`` so that a rejected suffix
-rolls back by one copy instead of a replay, and the last one goes to the pool. On the H200 at 4
-tokens it runs 1.52–1.56× faster than 4 decode steps at 96 heads (85–88% of the roofline of one
-read and 4 writes, batch 16 / 64) and 1.24× / 1.52× at 12 heads
-(benchmarks/results/kda_verify_h200_2026-11-30.json; tests/gpu/check_kda_verify.py). Not
-dispatched yet: the model exports no verify function, and the runtime rolls back by checkpoint
-and replay (k3_compile/runtime/engine.py).
+the state after each token but the last is written to ``states`` so that a rejected suffix's
+KDA state rolls back by one copy instead of a replay (the conv state is the caller's), and the
+last one goes to the pool. Measured on the H200 in tests/gpu/check_kda_verify.py
+(benchmarks/results/kda_verify_h200_2026-11-30.json) against the same tokens as decode steps.
+Not dispatched yet: the model exports no verify function, and the runtime rolls back by
+checkpoint and replay (k3_compile/runtime/engine.py).
 
 Reference: :func:`kda_decode_fused_reference` / :func:`kda_verify_fused_reference` (NumPy),
 checked against fla's ``naive_recurrent_kda`` in tests/test_kda_cuda.py.
@@ -49,7 +48,7 @@ def _check_tiling(K: int, V: int, cols_per_block: int, k_split: int) -> None:
                          f"cols_per_block × k_split = {NT}, itself a multiple of 32")
 
 
-def _step_macros(H: int, K: int, V: int, lower_bound: float | None, CB: int, KS: int):
+def _step_macros(K: int, lower_bound: float | None, CB: int, KS: int):
     """The per-token pieces of the fused step shared by the decode and verify kernels, as
     TVMScript macros (``x(r)`` etc. are callables giving the token's inputs):
 
@@ -175,7 +174,7 @@ def kda_decode_fused_kernel(H: int, K: int, V: int, lower_bound: float | None,
     NT = CB * KS
     NCB = V // CB
     KR = K // KS            # rows per thread
-    stage, norms, update, output = _step_macros(H, K, V, lower_bound, CB, KS)
+    stage, norms, update, output = _step_macros(K, lower_bound, CB, KS)
 
     @T.prim_func(private=True)
     def kda_decode_fused(q_h: T.handle, k_h: T.handle, v_h: T.handle, f_h: T.handle,
@@ -221,16 +220,21 @@ def kda_decode_fused_kernel(H: int, K: int, V: int, lower_bound: float | None,
 
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def kda_verify_fused_kernel(H: int, K: int, V: int, lower_bound: float | None, tokens: int,
-                            cols_per_block: int = 64, k_split: int = 2):
+                            cols_per_block: int | None = None, k_split: int | None = None):
     """Build the fused multi-token step for speculative verification (CUDA only): ``tokens``
     consecutive tokens of each sequence through the decode step of
     :func:`kda_decode_fused_kernel`, the state read once and kept in registers between tokens,
     keeping the intermediate states needed to roll back.
 
-    After verification accepts the first ``a`` of the ``tokens`` tokens of a sequence, its state
-    is ``states[b, a-1]`` for ``a < tokens`` (copy it into the sequence's slot) and the pool slot
-    as written for ``a = tokens``. Same mapping and tiling rules as the decode kernel; the
-    state bytes moved are one read and ``tokens`` writes (``tokens - 1`` of them to ``states``).
+    Rollback: the first token of a verify step is the last committed one (EAGLE-style
+    draft/verify), so a step accepts ``a`` tokens with ``1 <= a <= tokens``; the KDA state of
+    batch row ``i`` is then ``states[i, a-1]`` for ``a < tokens`` (copy it into the sequence's
+    slot) and the pool slot as written for ``a = tokens``. The state before the step is not
+    kept (``a = 0`` cannot be undone), and the short convolution's ``conv_state`` is the caller's
+    to keep. The kept states cost ``tokens - 1`` states per KDA layer and sequence (3 × 6 MiB
+    at 96 heads and 4 tokens). Mapping as the decode kernel's; ``cols_per_block`` /
+    ``k_split`` default to :func:`decode_tiling` (the model's). The state bytes moved are one
+    read and ``tokens`` writes (``tokens - 1`` of them to ``states``).
 
     PrimFunc arguments (in order)::
 
@@ -250,16 +254,21 @@ def kda_verify_fused_kernel(H: int, K: int, V: int, lower_bound: float | None, t
 
     Raises:
         ValueError: ``tokens < 2`` (one token is :func:`kda_decode_fused_kernel`), or a tiling
-            the decode kernel rejects.
+            the decode kernel rejects (or none fits ``K`` when not given).
     """
     if tokens < 2:
         raise ValueError(f"tokens must be at least 2 (one token is the decode kernel), got {tokens}")
+    if cols_per_block is None or k_split is None:
+        tiling = decode_tiling(K)
+        if tiling is None:
+            raise ValueError(f"no decode tiling fits head_dim {K}")
+        cols_per_block, k_split = tiling
     CB, KS, TV = cols_per_block, k_split, tokens
     _check_tiling(K, V, CB, KS)
     NT = CB * KS
     NCB = V // CB
     KR = K // KS
-    stage, norms, update, output = _step_macros(H, K, V, lower_bound, CB, KS)
+    stage, norms, update, output = _step_macros(K, lower_bound, CB, KS)
 
     @T.prim_func(private=True)
     def kda_verify_fused(q_h: T.handle, k_h: T.handle, v_h: T.handle, f_h: T.handle,
@@ -291,9 +300,10 @@ def kda_verify_fused_kernel(H: int, K: int, V: int, lower_bound: float | None, t
                 h = blk % (H * NCB) // NCB
                 e = blk % NCB * CB + (tx % CB)
                 slot = slots[bi]
-                # the state once, then the tokens in order with the state in registers (each
-                # token's norms barrier also orders the previous token's shared reads before
-                # this token's writes)
+                # the state once, then the tokens in order with the state in registers; shared
+                # buffers are reused per token: q_s / k_s / d_s / nrm are last read before the
+                # previous token's update / output barriers, part before this token's norms
+                # barrier
                 for i in T.unroll(KR):
                     col[i] = S[layer, slot, h, (tx // CB) * KR + i, e]
                 for t in range(TV):
@@ -315,8 +325,14 @@ def kda_verify_fused_reference(q, k, v, f, b, A_log, dt_bias, seq_slots, kda_sta
                                lower_bound):
     """NumPy reference of :func:`kda_verify_fused_kernel`: :func:`kda_decode_fused_reference`
     token by token; updates ``kda_state`` and returns ``(o [B, T, H, V], states [B, T-1, H, K,
-    V])`` float32 (the state after each token but the last)."""
+    V])`` float32 (the state after each token but the last).
+
+    Raises:
+        ValueError: fewer than 2 tokens (before touching ``kda_state``).
+    """
     B, TV = q.shape[:2]
+    if TV < 2:
+        raise ValueError(f"verify takes at least 2 tokens per sequence, got {TV}")
     o, states = [], []
     for t in range(TV):
         o.append(kda_decode_fused_reference(q[:, t], k[:, t], v[:, t], f[:, t], b[:, t], A_log, dt_bias,

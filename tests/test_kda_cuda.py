@@ -101,6 +101,14 @@ def test_verify_kernel_rejects_one_token_and_bad_tiling():
         kda_verify_fused_kernel(2, 128, 128, -5.0, 1)
     with pytest.raises(ValueError, match="must be a multiple of cols_per_block"):
         kda_verify_fused_kernel(2, 128, 100, -5.0, 4)
+    with pytest.raises(ValueError, match="no decode tiling fits head_dim 48"):
+        kda_verify_fused_kernel(2, 48, 48, -5.0, 4)
+    pool = np.ones((1, 1, 1, 32, 32), np.float32)
+    one = np.zeros((1, 1, 1, 32), np.float32)
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        kda_verify_fused_reference(one, one, one, one, np.zeros((1, 1, 1), np.float32), np.zeros(1, np.float32),
+                                   np.zeros(32, np.float32), np.zeros(1, np.int32), pool, 0, -5.0)
+    assert (pool == 1).all()   # untouched
 
 
 @needs_nvcc
