@@ -238,10 +238,16 @@ def check_scales(scale: np.ndarray, name: str) -> None:
         ValueError: a byte in 129..254 (scale 4 or more), with its index and the fix.
     """
     s = np.asarray(scale)
-    bad = (s > MAX_SCALE_BYTE) & (s != 255)
+    raise_first_bad(s, (s > MAX_SCALE_BYTE) & (s != 255), name,
+                    f"the tensor-core MXFP4 kernels take bytes up to {MAX_SCALE_BYTE} (scale 2) or 255; "
+                    "compile the library with `k3 compile --generic-kernels` for this checkpoint")
+
+
+def raise_first_bad(scale: np.ndarray, bad: np.ndarray, name: str, rule: str) -> None:
+    """Raise ``ValueError`` naming tensor ``name``, the first E8M0 byte of ``scale`` where
+    ``bad`` holds, its index and scale, and ``rule`` (what the kernels take and the fix); return
+    if ``bad`` holds nowhere."""
     if bad.any():
         idx = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise ValueError(
-            f"tensor {name}: E8M0 scale byte {int(s[idx])} at {list(idx)} (scale 2^{int(s[idx]) - 127}); "
-            f"the tensor-core MXFP4 kernels take bytes up to {MAX_SCALE_BYTE} (scale 2) or 255; "
-            "compile the library with `k3 compile --generic-kernels` for this checkpoint")
+        raise ValueError(f"tensor {name}: E8M0 scale byte {int(scale[idx])} at {list(idx)} "
+                         f"(scale 2^{int(scale[idx]) - 127}); {rule}")

@@ -286,12 +286,11 @@ def check_weight_scales(scale: np.ndarray, name: str) -> None:
         ValueError: a byte over :data:`MAX_WEIGHT_SCALE_BYTE` (255, NaN, included), with the
             tensor's name and the byte's index.
     """
+    from schedules.mxfp4_tc_layout import raise_first_bad
+
     s = np.asarray(scale)
-    bad = s > MAX_WEIGHT_SCALE_BYTE
-    if bad.any():
-        idx = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise ValueError(f"tensor {name}: E8M0 scale byte {int(s[idx])} at {list(idx)}; the MXFP8-activation "
-                         f"GEMVs take bytes up to {MAX_WEIGHT_SCALE_BYTE}")
+    raise_first_bad(s, s > MAX_WEIGHT_SCALE_BYTE, name,
+                    f"the MXFP8-activation GEMVs take bytes up to {MAX_WEIGHT_SCALE_BYTE} (no NaN)")
 
 
 @functools.cache
