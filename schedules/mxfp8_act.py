@@ -43,7 +43,7 @@ kernel, the mma itself) are checked bit for bit on the H200 by benchmarks/moe.py
 
 **Status:** measured, not dispatched (benchmarks/moe.py ``run_mxfp8``;
 benchmarks/results/moe_decode_mxfp8_h200_2026-11-30.json). On the H200 the W4A8 decode path
-runs at 0.80–0.82× / 0.86–0.88× / 0.90× the speed of the W4A16 path at 1 / 8 / 64 tokens.
+runs at 0.80–0.82× / 0.86–0.88× / 0.89–0.90× the speed of the W4A16 path at 1 / 8 / 64 tokens.
 Hopper's mma applies no block scale, so each mma's 4 products need 8 fp32 operations of scale
 math on the CUDA cores, and halving the activation bytes, which come from L1/L2, does not pay
 for that. It also costs accuracy: 7–11% of max|o| against the W4A16 reference on random
