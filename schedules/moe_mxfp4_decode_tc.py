@@ -218,17 +218,18 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
                 s2[sl] = factor_bf16x2(s_s[(kb % NS * SLOTS + sl) * NT + tx], tx % 4)
         if fp8:
             mma_fp8(wcur, s2, sa, c4, xcur, acc)
-        for s in T.unroll(0 if fp8 else 8):
-            if s % 2 == 0:
-                for sl in T.unroll(SLOTS):
-                    T.evaluate(dequant8(T.address_of(bf[sl * 4]), wcur[sl * 4 + s // 2], s2[sl]))
-            # A: rows g / g+8 at k (2q, 2q+1) and (2q+8, 2q+9) = inputs
-            # 32q + 4s + {0, 1} and {2, 3}; B: the same inputs of column g
-            for m in T.unroll(NM):
-                T.evaluate(mma_bf16(T.address_of(acc[(s % CH * NM + m) * 4]),
-                                    bf[m * 8 + a_word(s, 0)], bf[m * 8 + a_word(s, 1)],
-                                    bf[m * 8 + a_word(s, 2)], bf[m * 8 + a_word(s, 3)],
-                                    xcur[b_word(s, 0)], xcur[b_word(s, 1)]))
+        else:
+            for s in T.unroll(8):
+                if s % 2 == 0:
+                    for sl in T.unroll(SLOTS):
+                        T.evaluate(dequant8(T.address_of(bf[sl * 4]), wcur[sl * 4 + s // 2], s2[sl]))
+                # A: rows g / g+8 at k (2q, 2q+1) and (2q+8, 2q+9) = inputs
+                # 32q + 4s + {0, 1} and {2, 3}; B: the same inputs of column g
+                for m in T.unroll(NM):
+                    T.evaluate(mma_bf16(T.address_of(acc[(s % CH * NM + m) * 4]),
+                                        bf[m * 8 + a_word(s, 0)], bf[m * 8 + a_word(s, 1)],
+                                        bf[m * 8 + a_word(s, 2)], bf[m * 8 + a_word(s, 3)],
+                                        xcur[b_word(s, 0)], xcur[b_word(s, 1)]))
 
     @T.macro
     def one_pass(w_s, s_s, red_s, wq0, wq1, sw0, sw1, xq, xs, xcur, wcur, s2, bf, acc, rr, sa, c4, ent_s, cnt_s,
@@ -272,66 +273,62 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
         T.tvm_storage_sync("shared")
 
     @T.macro
-    def block(nt, xq, xs, wq0, wq1, sw0, sw1, chain, ids, y, blk, tx):
-        """One block's work (allocations, the chain passes)."""
-        ent_s = T.alloc_buffer((COLS + 1,), "int32", scope="shared")  # entries; [COLS] = next
-        cnt_s = T.alloc_buffer((1,), "int32", scope="shared")
-        w_s = T.alloc_buffer((NS * SLOTS * NT * 4,), "uint32", scope="shared")
-        s_s = T.alloc_buffer((NS * SLOTS * NT,), "uint32", scope="shared")
-        red_s = T.alloc_buffer((NW * NM * 4 * 32,), "float32", scope="shared")  # split-K partials
-        wcur = T.alloc_buffer((SLOTS * 4,), "uint32", scope="local")
-        xcur = T.alloc_buffer((16,), "uint32", scope="local")
-        bf = T.alloc_buffer((SLOTS * 4,), "uint32", scope="local")
-        # chain c of matrix m: acc[(c * NM + m) * 4 ..] (chain 0 = the layout used after the K loop)
-        acc = T.alloc_buffer((CH * NM * 4,), "float32", scope="local")
-        s2 = T.alloc_buffer((SLOTS,), "uint32", scope="local")
-        sa = T.alloc_buffer((2,), "uint32", scope="local")     # mxfp8: columns 2q, 2q+1
-        c4 = T.alloc_buffer((4,), "float32", scope="local")    # mxfp8: one mma's product
-        # [0] weight row g of the block's 16 rows, [1] activation row of column g,
-        # [2] chain cursor, [3] first K block of this warp, [4] column g holds an entry,
-        # [5], [6] activation rows of columns 2q, 2q+1 (their scales, mxfp8)
-        rr = T.alloc_buffer((7 if fp8 else 5,), "int32", scope="local")
-        # (the row is read before the chain test so that both loads are in flight at once)
-        rr[0] = ids[T.Cast("int32", blk // NTILE) // K, T.Cast("int32", blk // NTILE) % K] * N \
-            + T.Cast("int32", blk % NTILE) * BR + tx % 32 // 4
-        rr[3] = tx // 32 * KPW
-        if chain[T.Cast("int32", blk // NTILE) // K, T.Cast("int32", blk // NTILE) % K, 0] == 1:
-            rr[2] = T.Cast("int32", blk // NTILE)
-            while rr[2] >= 0:
-                # the first stages of weights: they do not depend on the chain (a later
-                # pass re-reads them, from L2)
-                for r in T.unroll(NS - 1):
-                    if r < KPW:
-                        issue(rr[3] + r, r, w_s, s_s, wq0, sw0, 0, rr[0], tx)
-                        if NM == 2:
-                            issue(rr[3] + r, r, w_s, s_s, wq1, sw1, 2, rr[0] + ROW1, tx)
-                    T.evaluate(commit())
-                # ---- up to 8 entries of the chain = the mma's columns
-                if tx == 0:
-                    cnt_s[0] = 0
-                    for _i in range(COLS):
-                        if rr[2] >= 0:
-                            ent_s[cnt_s[0]] = rr[2]
-                            cnt_s[0] = cnt_s[0] + 1
-                            rr[2] = chain[rr[2] // K, rr[2] % K, 1]
-                    ent_s[COLS] = rr[2]
-                T.tvm_storage_sync("shared")
-                # column g's activation row; columns past the pass's entries repeat the
-                # last one (B column g only feeds C column g, which is then not stored)
-                rr[1] = xrow(ent_s[T.min(tx % 32 // 4, cnt_s[0] - 1)])
-                rr[4] = T.Cast("int32", tx % 32 // 4 < cnt_s[0])  # column g holds an entry
-                if fp8:
-                    for c in T.unroll(2):
-                        rr[5 + c] = xrow(ent_s[T.min(tx % 4 * 2 + c, cnt_s[0] - 1)])
-                rr[2] = ent_s[COLS]
-                one_pass(w_s, s_s, red_s, wq0, wq1, sw0, sw1, xq, xs, xcur, wcur, s2, bf, acc, rr,
-                         sa, c4, ent_s, cnt_s, y, blk, tx)
-
-    @T.macro
     def body(nt, xq, xs, wq0, wq1, sw0, sw1, chain, ids, y):
+        """The kernel: one block per (entry slot, row tile); allocations, then the chain passes."""
         for blk in T.thread_binding(nt * K * NTILE, thread="blockIdx.x"):
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                block(nt, xq, xs, wq0, wq1, sw0, sw1, chain, ids, y, blk, tx)
+                ent_s = T.alloc_buffer((COLS + 1,), "int32", scope="shared")  # entries; [COLS] = next
+                cnt_s = T.alloc_buffer((1,), "int32", scope="shared")
+                w_s = T.alloc_buffer((NS * SLOTS * NT * 4,), "uint32", scope="shared")
+                s_s = T.alloc_buffer((NS * SLOTS * NT,), "uint32", scope="shared")
+                red_s = T.alloc_buffer((NW * NM * 4 * 32,), "float32", scope="shared")  # split-K partials
+                wcur = T.alloc_buffer((SLOTS * 4,), "uint32", scope="local")
+                xcur = T.alloc_buffer((16,), "uint32", scope="local")
+                bf = T.alloc_buffer((SLOTS * 4,), "uint32", scope="local")
+                # chain c of matrix m: acc[(c * NM + m) * 4 ..] (chain 0 = the layout used after the K loop)
+                acc = T.alloc_buffer((CH * NM * 4,), "float32", scope="local")
+                s2 = T.alloc_buffer((SLOTS,), "uint32", scope="local")
+                sa = T.alloc_buffer((2,), "uint32", scope="local")     # mxfp8: columns 2q, 2q+1
+                c4 = T.alloc_buffer((4,), "float32", scope="local")    # mxfp8: one mma's product
+                # [0] weight row g of the block's 16 rows, [1] activation row of column g,
+                # [2] chain cursor, [3] first K block of this warp, [4] column g holds an entry,
+                # [5], [6] activation rows of columns 2q, 2q+1 (their scales, mxfp8)
+                rr = T.alloc_buffer((7 if fp8 else 5,), "int32", scope="local")
+                # (the row is read before the chain test so that both loads are in flight at once)
+                rr[0] = ids[T.Cast("int32", blk // NTILE) // K, T.Cast("int32", blk // NTILE) % K] * N \
+                    + T.Cast("int32", blk % NTILE) * BR + tx % 32 // 4
+                rr[3] = tx // 32 * KPW
+                if chain[T.Cast("int32", blk // NTILE) // K, T.Cast("int32", blk // NTILE) % K, 0] == 1:
+                    rr[2] = T.Cast("int32", blk // NTILE)
+                    while rr[2] >= 0:
+                        # the first stages of weights: they do not depend on the chain (a later
+                        # pass re-reads them, from L2)
+                        for r in T.unroll(NS - 1):
+                            if r < KPW:
+                                issue(rr[3] + r, r, w_s, s_s, wq0, sw0, 0, rr[0], tx)
+                                if NM == 2:
+                                    issue(rr[3] + r, r, w_s, s_s, wq1, sw1, 2, rr[0] + ROW1, tx)
+                            T.evaluate(commit())
+                        # ---- up to 8 entries of the chain = the mma's columns
+                        if tx == 0:
+                            cnt_s[0] = 0
+                            for _i in range(COLS):
+                                if rr[2] >= 0:
+                                    ent_s[cnt_s[0]] = rr[2]
+                                    cnt_s[0] = cnt_s[0] + 1
+                                    rr[2] = chain[rr[2] // K, rr[2] % K, 1]
+                            ent_s[COLS] = rr[2]
+                        T.tvm_storage_sync("shared")
+                        # column g's activation row; columns past the pass's entries repeat the
+                        # last one (B column g only feeds C column g, which is then not stored)
+                        rr[1] = xrow(ent_s[T.min(tx % 32 // 4, cnt_s[0] - 1)])
+                        rr[4] = T.Cast("int32", tx % 32 // 4 < cnt_s[0])  # column g holds an entry
+                        if fp8:
+                            for c in T.unroll(2):
+                                rr[5 + c] = xrow(ent_s[T.min(tx % 4 * 2 + c, cnt_s[0] - 1)])
+                        rr[2] = ent_s[COLS]
+                        one_pass(w_s, s_s, red_s, wq0, wq1, sw0, sw1, xq, xs, xcur, wcur, s2, bf, acc, rr,
+                                 sa, c4, ent_s, cnt_s, y, blk, tx)
 
     if gate_up:
         @T.prim_func(private=True)
