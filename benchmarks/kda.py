@@ -92,7 +92,21 @@ PREFILL_TOL_O, PREFILL_TOL_STATE = 2e-4, 3e-3
 PREFILL_FUSED = ([("fused", bv, ab, {}) for bv, ab in ((128, 4), (64, 8), (32, 8), (16, 8))]
                  + [("fused_p2l", bv, ab, {"p2_pairs": True, "ldsm": True}) for bv, ab in ((128, 4), (64, 8))]
                  + [("fusedpre_p2l", bv, ab, {"lower_bound": LOWER_BOUND, "p2_pairs": True, "ldsm": True})
-                    for bv, ab in ((128, 4), (64, 8))])
+                    for bv, ab in ((128, 4), (64, 8))]
+                 # 16 warps: two per 16-row block in phases 3 and 5 (``warps``), half the columns each
+                 + [("fused_p2l_w16", 128, 4, {"p2_pairs": True, "ldsm": True, "warps": 16}),
+                    ("fusedpre_p2l_w16", 128, 4, {"lower_bound": LOWER_BOUND, "p2_pairs": True, "ldsm": True,
+                                                  "warps": 16})]
+                 # phase 3 on bf16 operands (``bf16_s``: the S copy in bf16, mma.m16n8k16)
+                 + [("fused_p2l_b16", bv, ab, {"p2_pairs": True, "ldsm": True, "bf16_s": True})
+                    for bv, ab in ((128, 4), (128, 8), (64, 8))]
+                 + [("fusedpre_p2l_b16", 128, 4, {"lower_bound": LOWER_BOUND, "p2_pairs": True, "ldsm": True,
+                                                  "bf16_s": True})]
+                 # phase 2's rounds as pairs of n-tiles per warp (``p2_wide``), alone and with bf16_s
+                 + [("fused_p2w", 128, 4, {"p2_pairs": True, "ldsm": True, "p2_wide": True}),
+                    ("fused_p2wb16", 128, 4, {"p2_pairs": True, "ldsm": True, "p2_wide": True, "bf16_s": True}),
+                    ("fusedpre_p2wb16", 128, 4, {"lower_bound": LOWER_BOUND, "p2_pairs": True, "ldsm": True,
+                                                 "p2_wide": True, "bf16_s": True})])
 # the split form (schedules/kda_prefill_fused.py: kda_prefill_split_intra_kernel for every
 # chunk in parallel, then the fused kernel's phases 3-5 with ``split``): (name, block_v,
 # a_batch, options); splitpre_*: L2 norms, gate and β in the intra kernel (raw inputs)
@@ -103,7 +117,12 @@ PREFILL_SPLIT = ([("split", bv, ab, {}) for bv, ab in ((16, 8), (32, 8), (64, 8)
                  + [("splitauto", None, None, {}), ("splitautopre", None, None, {"lower_bound": LOWER_BOUND}),
                     # ... without early_kq (the next chunk's e^Γ k, e^Γ q copied in its phase 1)
                     ("splitautolate", None, None, {"early_kq": False}),
-                    ("splitautoprelate", None, None, {"lower_bound": LOWER_BOUND, "early_kq": False})])
+                    ("splitautoprelate", None, None, {"lower_bound": LOWER_BOUND, "early_kq": False}),
+                    # ... with phase 3 on bf16 operands
+                    ("splitauto_b16", None, None, {"bf16_s": True}),
+                    ("splitautopre_b16", None, None, {"lower_bound": LOWER_BOUND, "bf16_s": True}),
+                    # ... and the intra kernel's phase 2 by pairs of n-tiles (p2_wide)
+                    ("splitautopre_wb16", None, None, {"lower_bound": LOWER_BOUND, "bf16_s": True, "p2_wide": True})])
 
 
 def _split_name(name: str, bv: int | None, ab: int | None) -> str:
@@ -117,7 +136,7 @@ PREFILL_TC_MODEL = {96: ((32, 8),), 12: ((16, 8),)}
 PREFILL_NVCC_OPTIONS = ("--ptxas-options=--register-usage-level=5",)
 
 
-def build_prefill(out_dir: Path, baseline: bool = True, all_tc: bool = True) -> None:
+def build_prefill(out_dir: Path, baseline: bool = True, all_tc: bool = True, only: str | None = None) -> None:
     """Compile the prefill kernels per head count: the CUDA-core pair per block_v
     (``kda_prefill_h{H}_bv{BV}.so``, unless ``baseline`` is false), the tensor-core pair per
     (block_v, a_batch) (``kda_prefill_tc_h{H}_bv{BV}_ab{AB}.so``: ``kda_prefill_intra_tc``, the
@@ -125,7 +144,10 @@ def build_prefill(out_dir: Path, baseline: bool = True, all_tc: bool = True) -> 
     variant of ``PREFILL_TC``, or only the model's with ``all_tc`` false), the fused kernel
     per entry of ``PREFILL_FUSED`` (``kda_prefill_{name}_h{H}_bv{BV}_ab{AB}.so``) and the split
     form's pair per entry of ``PREFILL_SPLIT`` (``kda_prefill_split_intra``,
-    ``kda_prefill_split_state``)."""
+    ``kda_prefill_split_state``). ``only`` (a regular expression): of the fused and split
+    libraries only those whose file name it finds, and no two-kernel pair."""
+    import re
+
     import tvm
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -145,6 +167,8 @@ def build_prefill(out_dir: Path, baseline: bool = True, all_tc: bool = True) -> 
 
     def export(funcs: dict, name: str, options=PREFILL_NVCC_OPTIONS) -> None:
         """One library ``out_dir / name`` of ``funcs`` (symbol → PrimFunc), device code by nvcc."""
+        if only is not None and not re.search(only, name):
+            return
         mod = tvm.IRModule({n: f.with_attr("global_symbol", n) for n, f in funcs.items()})
         with precompiled_cuda(spec.nvcc_arch, options=options), respect_manual_barriers():
             lib = tvm.compile(mod, target=spec.tvm_target())
@@ -160,13 +184,14 @@ def build_prefill(out_dir: Path, baseline: bool = True, all_tc: bool = True) -> 
             export({"kda_prefill_fused": kda_prefill_fused_kernel(h, K, V, K ** -0.5, block_v=bv, a_batch=ab, **opts)},
                    f"kda_prefill_{name}_h{h}_bv{bv}_ab{ab}.so")
         for name, bv, ab, opts in PREFILL_SPLIT:
-            export({"kda_prefill_split_intra": kda_prefill_split_intra_kernel(h, K, K ** -0.5,
-                                                                              lower_bound=opts.get("lower_bound")),
+            st = {k: v for k, v in opts.items() if k != "p2_wide"}   # p2_wide: the intra kernel's
+            export({"kda_prefill_split_intra": kda_prefill_split_intra_kernel(
+                        h, K, K ** -0.5, lower_bound=opts.get("lower_bound"), p2_wide=opts.get("p2_wide", False)),
                     "kda_prefill_split_state": (
-                        kda_prefill_split_state_kernel(h, K, V, K ** -0.5, **opts) if bv is None else
-                        kda_prefill_fused_kernel(h, K, V, K ** -0.5, block_v=bv, a_batch=ab, split=True, **opts))},
+                        kda_prefill_split_state_kernel(h, K, V, K ** -0.5, **st) if bv is None else
+                        kda_prefill_fused_kernel(h, K, V, K ** -0.5, block_v=bv, a_batch=ab, split=True, **st))},
                    f"kda_prefill_{_split_name(name, bv, ab)}_h{h}.so")
-        for bv, ab in PREFILL_TC if all_tc else PREFILL_TC_MODEL[h]:
+        for bv, ab in (PREFILL_TC if all_tc else PREFILL_TC_MODEL[h]) if only is None else ():
             export({"kda_prefill_intra_tc": kda_prefill_intra_tc_kernel(h, K, V, K ** -0.5),
                     "kda_prefill_intra_tc_hoist": kda_prefill_intra_tc_kernel(h, K, V, K ** -0.5, hoist_loads=True),
                     "kda_prefill_state_tc": kda_prefill_state_tc_kernel(h, K, V, bv, ab)},
@@ -575,6 +600,8 @@ def main(argv=None) -> int:
     b.add_argument("--only", choices=("all", "prefill", "decode"), default="all")
     b.add_argument("--model-tc", action="store_true",
                    help="prefill: of the two-kernel pair only the tiling the model dispatches")
+    b.add_argument("--variants", metavar="REGEX",
+                   help="prefill: only the fused / split libraries whose file name matches (no two-kernel pair)")
     r = sub.add_parser("run")
     r.add_argument("lib_dir", type=Path)
     r.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -586,7 +613,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.cmd == "build":
         if args.only == "prefill":
-            build_prefill(args.out_dir, baseline=False, all_tc=not args.model_tc)
+            build_prefill(args.out_dir, baseline=False, all_tc=not args.model_tc, only=args.variants)
         else:
             build(args.out_dir, prefill=args.only == "all")
         return 0

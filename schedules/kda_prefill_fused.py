@@ -104,7 +104,6 @@ from schedules.barriers import mark
 from schedules.kda_prefill_cuda import C, SUB, block_thread_loops, kda_prefill_reference  # noqa: F401
 from schedules.kda_prefill_tc import mma_tf32_macros
 
-NT = 256                 # threads per block (8 warps)
 BLOCK_V = (16, 32, 64, 128)   # supported columns of V per block
 
 SYNCWARP_SRC = r"""
@@ -135,6 +134,27 @@ __device__ __forceinline__ void k3_ldsm_x4(float* d, const float* p) {
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(a) : "memory");
   d[0] = __uint_as_float(r0); d[1] = __uint_as_float(r1);
   d[2] = __uint_as_float(r2); d[3] = __uint_as_float(r3);
+}
+"""
+LDSM16_SRC = r"""
+__device__ __forceinline__ void k3_ldsm_x4_b16(unsigned* d, const float* base, int idx) {
+  unsigned a = (unsigned)__cvta_generic_to_shared((const unsigned short*)base + idx);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]) : "r"(a) : "memory");
+}
+"""
+ST_BF16_SRC = r"""
+__device__ __forceinline__ void k3_st_bf16(float* base, int idx, float x) {
+  unsigned short h;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
+  ((unsigned short*)base)[idx] = h;
+}
+"""
+PACK_BF16X2_SRC = r"""
+__device__ __forceinline__ unsigned k3_pack_bf16x2(float lo, float hi) {
+  unsigned r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
 }
 """
 EX2_SRC = r"""
@@ -197,15 +217,25 @@ def _macros(emulate: bool):
     return frag_a, mma, mma_rb, syncwarp, prefetch
 
 
-def ldsm_b_row(lane, n0, k0):
+def ldsm_b_row(lane, n0, k0, k_half=4):
     """The (n, k) of the row address lane ``lane`` gives ``ldmatrix.x4`` (b16) to load the TF32
     B fragments of the n-tiles n0 and n0 + 8 at k-step k0 from a column-major B (n rows, k
     contiguous, rows 16-byte aligned): an 8×8 b16 matrix is an 8×4 fp32 tile, and thread t
     receives 32-bit word t % 4 of row t // 4 of each matrix — so matrices (n0, k0), (n0, k0+4),
     (n0+8, k0), (n0+8, k0+4) give b0, b1 of n-tile n0 and b0, b1 of n-tile n0 + 8 (PTX ISA,
     "Warp-level matrix load instruction: ldmatrix"; tests/test_kda_prefill_fused.py replays
-    the distribution lane by lane). Works on ints and TIR expressions."""
-    return n0 + lane // 8 // 2 * 8 + lane % 8, k0 + lane // 8 % 2 * 4
+    the distribution lane by lane). Works on ints and TIR expressions. With ``k_half=8`` the same
+    for bf16 ``m16n8k16`` B fragments (an 8×8 b16 matrix is 8 n × 8 k; matrices (n0, k0), (n0,
+    k0+8), (n0+8, k0), (n0+8, k0+8) give b0b1, b2b3 of n-tile n0 and of n0 + 8)."""
+    return n0 + lane // 8 // 2 * 8 + lane % 8, k0 + lane // 8 % 2 * k_half
+
+
+def bf16_a_elem(lane, reg, half):
+    """(row, k) of the A element that lane ``lane`` holds in half ``half`` (0: low 16 bits) of
+    register ``reg`` of a bf16 ``mma.m16n8k16`` A fragment (row-major 16×16; PTX ISA, "Matrix
+    fragments for mma.m16n8k16 with floating point type": a0a1 row g, k 2q, 2q+1; a2a3 row g+8;
+    a4a5 row g, k 2q+8, 2q+9; a6a7 row g+8). Works on ints and TIR expressions."""
+    return lane // 4 + reg % 2 * 8, lane % 4 * 2 + half + reg // 2 * 8
 
 
 def _tf32(emulate: bool):
@@ -248,6 +278,7 @@ def ld(buf, t, end, n_tok, h, d):
 def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int = 64,
                              a_batch: int = 8, lower_bound: float | None = None,
                              p2_pairs: bool = False, ldsm: bool = False, split: bool = False,
+                             warps: int = 8, bf16_s: bool = False, p2_wide: bool = False,
                              emulate: bool = False):
     """The fused chunked prefill, one block per (sequence, head, ``block_v`` columns of V).
     PrimFunc arguments::
@@ -299,16 +330,24 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
 
     with ``lower_bound`` set, ``beta`` holds the β logits b (β = σ(b) here).
 
+    ``warps`` (8 or 16; 16 only here, not in the split form, at block_v 64 or 128): threads
+    per block / 32. With 16, two warps share each 16-row block of S (and of the chunk's rows)
+    in phases 3 and 5, each on half of the block_v columns; phases 1, 2 and 4 spread over all
+    16 warps as they do over 8. Same shared memory, half the accumulator registers per thread
+    (ptxas: 128 at block_v 128, a_batch 4), twice the warps per scheduler to hide latency.
+
     ``block_v`` (16, 32, 64 or 128): columns of V per block; fewer columns give more blocks
     (more SMs busy when B·H is small) at the cost of repeating phase 2 in every block.
     ``a_batch`` (4 or 8): k-steps whose A fragments are loaded before their mmas in phases 3
-    and 5. Raises ValueError for other head sizes or tilings.
+    and 5. Raises ValueError for other head sizes, tilings or warp counts.
     """
     if split and p2_pairs:
         raise ValueError("split: phase 2 belongs to kda_prefill_split_intra_kernel (p2_pairs there)")
     if split:
-        return _split_state(H, K, V, scale, lower_bound, ((block_v, a_batch),), ldsm, emulate)
-    return _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulate, "fused")
+        return _split_state(H, K, V, scale, lower_bound, ((block_v, a_batch),), ldsm, emulate,
+                            bf16_s=bf16_s)
+    return _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulate, "fused",
+                  warps=warps, bf16_s=bf16_s, p2_wide=p2_wide)
 
 
 # the split state kernel's block_v by the number of sequences B (``kda_prefill_split_state_kernel``):
@@ -333,7 +372,7 @@ def _first_n_seq(block_v: int, H: int, V: int) -> int:
 @functools.cache
 def kda_prefill_split_state_kernel(H: int, K: int, V: int, scale: float,
                                    lower_bound: float | None = None, early_kq: bool = True,
-                                   emulate: bool = False):
+                                   bf16_s: bool = False, emulate: bool = False):
     """The split form's state kernel with block_v chosen at run time from the number of
     sequences B = len(cu_seqlens) − 1: the first of ``SPLIT_BLOCK_V`` (64, 32, 16) with
     B·H·V/block_v ≥ ``SPLIT_MIN_BLOCKS`` (96), else 16 — one kernel per block_v, picked by a
@@ -345,15 +384,15 @@ def kda_prefill_split_state_kernel(H: int, K: int, V: int, scale: float,
     ms with the preprocessing). Arguments as :func:`kda_prefill_fused_kernel` with ``split``;
     ValueError as there."""
     return _split_state(H, K, V, scale, lower_bound, tuple((bv, 8) for bv in SPLIT_BLOCK_V), False, emulate,
-                        early_kq)
+                        early_kq, bf16_s)
 
 
-def _split_state(H, K, V, scale, lower_bound, tilings, ldsm, emulate, early_kq=False):
+def _split_state(H, K, V, scale, lower_bound, tilings, ldsm, emulate, early_kq=False, bf16_s=False):
     """The split form's state PrimFunc over the bodies of ``tilings`` ((block_v, a_batch), widest
     first): one tiling is launched as is, three (``SPLIT_BLOCK_V``) by a host-side branch on the
     number of sequences."""
-    bodies = [_build(H, K, V, scale, bv, ab, lower_bound, False, ldsm, emulate, "state", early_kq)
-              for bv, ab in tilings]
+    bodies = [_build(H, K, V, scale, bv, ab, lower_bound, False, ldsm, emulate, "state", early_kq,
+                     bf16_s=bf16_s) for bv, ab in tilings]
     if len(bodies) not in (1, 3):
         raise ValueError(f"one or three tilings, got {tilings}")
     ONE = len(bodies) == 1
@@ -396,7 +435,7 @@ def _split_state(H, K, V, scale, lower_bound, tilings, ldsm, emulate, early_kq=F
 
 @functools.cache
 def kda_prefill_split_intra_kernel(H: int, K: int, scale: float, lower_bound: float | None = None,
-                                   p2_pairs: bool = True, emulate: bool = False):
+                                   p2_pairs: bool = True, p2_wide: bool = False, emulate: bool = False):
     """The first kernel of the split form: phases 1-2 and D^{-1} of the fused kernel for every
     chunk of every sequence in parallel, one block per (chunk, head) — the state-independent
     part, so that :func:`kda_prefill_fused_kernel` with ``split`` does only phases 3-5 per chunk
@@ -422,10 +461,11 @@ def kda_prefill_split_intra_kernel(H: int, K: int, scale: float, lower_bound: fl
     Rows are tokens (row i of chunk c of sequence b is token cu[b] + 64c + i); rows past a
     sequence's end are not written. Grid: (⌈T/64⌉ + B)·H blocks, those past the last chunk
     idle. Raises ValueError for K ≠ 128 or lb outside [−5.5, 0)."""
-    return _build(H, K, K, scale, 16, 8, lower_bound, p2_pairs, False, emulate, "intra")
+    return _build(H, K, K, scale, 16, 8, lower_bound, p2_pairs, False, emulate, "intra", p2_wide=p2_wide)
 
 
-def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulate, stage, early_kq=False):
+def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulate, stage, early_kq=False,
+           warps=8, bf16_s=False, p2_wide=False):
     """The kernels of this module (``stage``: "fused", "intra" or "state") over one set of
     shared-memory regions and macros. ``early_kq`` (state): the next chunk's e^Γ k and scale·e^Γ q
     are copied as soon as phase 3 has read this chunk's (start of phase 4), not in phase 1."""
@@ -438,10 +478,15 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
     if block_v not in BLOCK_V or a_batch not in (4, 8):
         raise ValueError(f"unsupported block_v={block_v} / a_batch={a_batch} "
                          f"(block_v one of {BLOCK_V}, a_batch 4 or 8)")
+    if warps not in (8, 16) or (warps == 16 and (stage != "fused" or block_v < 64)):
+        raise ValueError(f"warps={warps}: 8, or 16 for the fused kernel with block_v 64 or 128")
     BV, AB = block_v, a_batch
     NVB = V // BV
+    NT = 32 * warps          # threads per block
+    WPR = warps // 8         # warps per 16-row block of S / of the chunk in phases 3 and 5
     N8 = BV // 8             # n-tiles of a row block
-    NR = N8 * 4              # accumulator registers of a 16 × BV tile per thread
+    N8W = N8 // WPR          # ... of the columns one warp takes in phases 3 and 5
+    NR = N8W * 4             # accumulator registers of a warp's 16 × BV / WPR tile per thread
     NW = NT // 32            # warps
     NTW = (N8 + NW - 1) // NW  # vn n-tiles per warp in phase 4
     NSUB = C // SUB
@@ -452,6 +497,13 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
     AFN = 4 if emulate else 4 * AB
     KS = K + 4               # row stride of the raw k / q tiles, Γ, ka / qa (conflict-free A reads)
     SN = K + 4               # column stride of S (column-major)
+    BF16S = bf16_s and stage != "intra"
+    if p2_wide and not p2_pairs:
+        raise ValueError("p2_wide widens the rounds of p2_pairs: set p2_pairs too")
+    P2W = p2_wide
+    # bf16_s: the S copy as bf16, column stride SNB bf16 elements (272 bytes: 16-byte aligned rows,
+    # ldmatrix rows conflict-free), in the same region; emulated, fp32 values at those indices
+    SNB = K + 8
     # row stride of the L / Aqk tile: C + 8 makes the Aqk reads of phase 5 conflict-free, C + 4
     # the transposed L reads of phase 4 (2-way conflicts on the other); at 128 columns C + 4
     # (as measured)
@@ -461,7 +513,7 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
     # one shared buffer, regions at fixed offsets (floats; 16-byte aligned rows for cp.async)
     O_KR, O_QR, O_G = 0, C * KS, 2 * C * KS
     O_SS = 3 * C * KS
-    O_LA = O_SS + (0 if stage == "intra" else BV * SN)
+    O_LA = O_SS + (0 if stage == "intra" else BV * (SNB if BF16S and emulate else SN))
     O_X = O_LA + C * LS                    # ka | qa in phase 2; vn | D^{-1} afterwards
     O_D = O_X + C * RS
     XN = max((4 if p2_pairs else 2) * SUB * KS, C * RS + C * DS)
@@ -475,6 +527,12 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
     NSM = O_RN + (2 * C if PRE and emulate else 0)   # the emulated norms go through O_RN
     if not emulate and NSM * 4 > 227 * 1024:
         raise ValueError(f"block_v={BV} needs {NSM * 4} bytes of shared memory (> 227 KB)")
+    def rw(tx):   # the warp's 16-row block in phases 3 and 5 (S rows, chunk rows 16·(rw % 4))
+        return tx // 32 % 8 if WPR > 1 else tx // 32
+
+    def col(tx, n):   # column n of the warp's BV / WPR columns, within the block's BV
+        return tx // 256 * (BV // WPR) + n if WPR > 1 else n
+
     frag_a, mma, mma_rb, syncwarp, prefetch = _macros(emulate)
     ex2 = _ex2(emulate)
     tf32 = _tf32(emulate)
@@ -498,6 +556,12 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
 
     # the mma operands that involve Γ, as computed here (fused) or as the split form's intra
     # kernel stored them (TF32 already, staged in the k / q / Γ regions)
+    def a_k_raw(SM, r0, i, d):   # phase 3, bf16_s: (e^Γ k)[r0 + i, d] (rounded to bf16 by the packing)
+        return SM[O_KR + (r0 + i) * KS + d] if SPL else kr(SM, r0 + i, d) * ex2(gm(SM, r0 + i, d))
+
+    def a_q_raw(SM, r0, i, d):   # phase 3, bf16_s: scale (e^Γ q)[r0 + i, d]
+        return SM[O_QR + (r0 + i) * KS + d] if SPL else T.float32(scale) * qr(SM, r0 + i, d) * ex2(gm(SM, r0 + i, d))
+
     def a_k(SM, r0, i, d):   # phase 3: (e^Γ k)[r0 + i, d]
         return SM[O_KR + (r0 + i) * KS + d] if SPL else tf32(kr(SM, r0 + i, d) * ex2(gm(SM, r0 + i, d)))
 
@@ -567,27 +631,33 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                         SM[O_KR + ((tx // 32 - (NW - 4)) * (2 * C // 4) + rr) * KS + tx % 32 * 4 + u] = SM[O_KR + ((tx // 32 - (NW - 4)) * (2 * C // 4) + rr) * KS + tx % 32 * 4 + u] * SM[O_RN + (tx // 32 - (NW - 4)) * (2 * C // 4) + rr]
 
     @T.macro
-    def l_aqk_tile(SM, acc, af, bf, tx, I, nt, XO):
-        """Columns 8·nt … 8·nt+7 of L and Aqk for the rows of sub-block I (runtime values), ka /
-        qa staged at SM[XO …]; B = k e^{r−Γ} computed once per k-step for both products."""
-        for r in T.unroll(8):
+    def l_aqk_tile(SM, acc, af, bf, tx, I, nt, XO, n):
+        """Columns 8·nt … 8·(nt+n)−1 (``n`` = 1 or 2 n-tiles) of L and Aqk for the rows of
+        sub-block I (runtime values), ka / qa staged at SM[XO …]; B = k e^{r−Γ} computed once per
+        k-step and n-tile for both products, each A fragment loaded once for the n n-tiles.
+        acc[4t …]: L of n-tile nt + t, acc[4n + 4t …]: Aqk."""
+        for r in T.unroll(8 * n):
             acc[tx * EM, r] = T.float32(0)
         for ks in T.unroll(K // 8):
-            bf[0] = tf32(kr(SM, nt * 8 + tx % 32 // 4, ks * 8 + tx % 4) * ex2(gm(SM, I * SUB, ks * 8 + tx % 4) - gm(SM, nt * 8 + tx % 32 // 4, ks * 8 + tx % 4)))
-            bf[1] = tf32(kr(SM, nt * 8 + tx % 32 // 4, ks * 8 + tx % 4 + 4) * ex2(gm(SM, I * SUB, ks * 8 + tx % 4 + 4) - gm(SM, nt * 8 + tx % 32 // 4, ks * 8 + tx % 4 + 4)))
+            for t in T.unroll(n):
+                bf[2 * t] = tf32(kr(SM, (nt + t) * 8 + tx % 32 // 4, ks * 8 + tx % 4) * ex2(gm(SM, I * SUB, ks * 8 + tx % 4) - gm(SM, (nt + t) * 8 + tx % 32 // 4, ks * 8 + tx % 4)))
+                bf[2 * t + 1] = tf32(kr(SM, (nt + t) * 8 + tx % 32 // 4, ks * 8 + tx % 4 + 4) * ex2(gm(SM, I * SUB, ks * 8 + tx % 4 + 4) - gm(SM, (nt + t) * 8 + tx % 32 // 4, ks * 8 + tx % 4 + 4)))
             frag_a(af, 0, lambda i, d: SM[XO + i * KS + d], tx % 32, ks * 8)
-            mma_rb(acc, tx * EM, 0, af, 0, bf, 0, lambda i, d: SM[XO + i * KS + d],
-                   lambda d, j: kr(SM, j, d) * ex2(gm(SM, I * SUB, d) - gm(SM, j, d)), tx % 32, ks * 8, nt * 8)
+            for t in T.unroll(n):
+                mma_rb(acc, tx * EM, 4 * t, af, 0, bf, 2 * t, lambda i, d: SM[XO + i * KS + d],
+                       lambda d, j: kr(SM, j, d) * ex2(gm(SM, I * SUB, d) - gm(SM, j, d)), tx % 32, ks * 8, (nt + t) * 8)
             frag_a(af, 0, lambda i, d: SM[XO + (SUB + i) * KS + d], tx % 32, ks * 8)
-            mma_rb(acc, tx * EM, 4, af, 0, bf, 0, lambda i, d: SM[XO + (SUB + i) * KS + d],
-                   lambda d, j: kr(SM, j, d) * ex2(gm(SM, I * SUB, d) - gm(SM, j, d)), tx % 32, ks * 8, nt * 8)
-        # entry e: row I·16 + gr + 8(e//2), column 8·nt + 2·tg + e%2
-        for e in T.unroll(4):
-            if nt * 8 + tx % 4 * 2 + e % 2 < I * SUB + tx % 32 // 4 + e // 2 * 8:
-                SM[O_LA + (nt * 8 + tx % 4 * 2 + e % 2) * LS + I * SUB + tx % 32 // 4 + e // 2 * 8] = tf32(SM[O_BT + I * SUB + tx % 32 // 4 + e // 2 * 8] * acc[tx * EM, e])
-                SM[O_LA + (I * SUB + tx % 32 // 4 + e // 2 * 8) * LS + nt * 8 + tx % 4 * 2 + e % 2] = tf32(acc[tx * EM, 4 + e])
-            elif nt * 8 + tx % 4 * 2 + e % 2 == I * SUB + tx % 32 // 4 + e // 2 * 8:
-                SM[O_LA + (I * SUB + tx % 32 // 4 + e // 2 * 8) * LS + nt * 8 + tx % 4 * 2 + e % 2] = tf32(acc[tx * EM, 4 + e])
+            for t in T.unroll(n):
+                mma_rb(acc, tx * EM, 4 * n + 4 * t, af, 0, bf, 2 * t, lambda i, d: SM[XO + (SUB + i) * KS + d],
+                       lambda d, j: kr(SM, j, d) * ex2(gm(SM, I * SUB, d) - gm(SM, j, d)), tx % 32, ks * 8, (nt + t) * 8)
+        # entry e of n-tile nt + t: row I·16 + gr + 8(e//2), column 8·(nt + t) + 2·tg + e%2
+        for t in T.unroll(n):
+            for e in T.unroll(4):
+                if (nt + t) * 8 + tx % 4 * 2 + e % 2 < I * SUB + tx % 32 // 4 + e // 2 * 8:
+                    SM[O_LA + ((nt + t) * 8 + tx % 4 * 2 + e % 2) * LS + I * SUB + tx % 32 // 4 + e // 2 * 8] = tf32(SM[O_BT + I * SUB + tx % 32 // 4 + e // 2 * 8] * acc[tx * EM, 4 * t + e])
+                    SM[O_LA + (I * SUB + tx % 32 // 4 + e // 2 * 8) * LS + (nt + t) * 8 + tx % 4 * 2 + e % 2] = tf32(acc[tx * EM, 4 * n + 4 * t + e])
+                elif (nt + t) * 8 + tx % 4 * 2 + e % 2 == I * SUB + tx % 32 // 4 + e // 2 * 8:
+                    SM[O_LA + (I * SUB + tx % 32 // 4 + e // 2 * 8) * LS + (nt + t) * 8 + tx % 4 * 2 + e % 2] = tf32(acc[tx * EM, 4 * n + 4 * t + e])
 
     @T.macro
     def gemm(acc, row, af, A, B, steps, tiles, lane, last):
@@ -604,9 +674,10 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                         mma(acc, row, nt * 4, af, ks * 4 * (1 - EM), A, B, lane, (kh * AB + ks) * 8, nt * 8)
 
     @T.macro
-    def gemm_s(SM, acc, row, af, bq, A, steps, tiles, lane):
-        """As ``gemm`` with B = the column-major S copy (B(d, n) = SM[O_SS + n·SN + d]); with
-        ``ldsm`` on the GPU its fragments come by ``ldmatrix.x4``, two n-tiles at a time."""
+    def gemm_s(SM, acc, row, af, bq, A, steps, tiles, lane, tx):
+        """As ``gemm`` with B = the column-major S copy (B(d, n) = SM[O_SS + col(tx, n)·SN + d]:
+        thread tx's warp's columns); with ``ldsm`` on the GPU its fragments come by
+        ``ldmatrix.x4``, two n-tiles at a time."""
         if ldsm and SYNC:
             for kh in T.unroll(steps // AB):
                 for ks in T.unroll(AB):
@@ -614,12 +685,55 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                 for ks in T.unroll(AB):
                     for np_ in T.unroll(tiles // 2):
                         cuda_func_call("k3_ldsm_x4", T.address_of(bq[0]), T.address_of(SM[
-                            O_SS + ldsm_b_row(lane, np_ * 16, (kh * AB + ks) * 8)[0] * SN
+                            O_SS + col(tx, ldsm_b_row(lane, np_ * 16, (kh * AB + ks) * 8)[0]) * SN
                             + ldsm_b_row(lane, np_ * 16, (kh * AB + ks) * 8)[1]]), source_code=LDSM_SRC)
                         mma_rb(acc, row, np_ * 8, af, ks * 4, bq, 0, A, None, lane, (kh * AB + ks) * 8, np_ * 16)
                         mma_rb(acc, row, np_ * 8 + 4, af, ks * 4, bq, 2, A, None, lane, (kh * AB + ks) * 8, np_ * 16 + 8)
         else:
-            gemm(acc, row, af, A, lambda d, n: SM[O_SS + n * SN + d], steps, tiles, lane, None)
+            gemm(acc, row, af, A, lambda d, n: SM[O_SS + col(tx, n) * SN + d], steps, tiles, lane, None)
+
+    @T.macro
+    def s_copy_store(SM, n, d, x):
+        """The S copy's element (row d of S, column n of the block) ← x: TF32 at SM[O_SS + n·SN +
+        d], or with ``bf16_s`` bf16 at bf16 index n·SNB + d of the region (emulated: x there as
+        fp32)."""
+        if BF16S:
+            if SYNC:
+                T.evaluate(cuda_func_call("k3_st_bf16", T.address_of(SM[O_SS]), n * SNB + d, x,
+                                          source_code=ST_BF16_SRC))
+            else:
+                SM[O_SS + n * SNB + d] = x
+        else:
+            SM[O_SS + n * SN + d] = tf32(x)
+
+    @T.macro
+    def gemm_s16(SM, acc, row, af, afb, bqb, A, tiles, lane, tx):
+        """Phase 3 with ``bf16_s``: acc[row, nt·4 + e] += A[0:16, 0:K] · S[0:K, col(tx, 8·nt …)]
+        for nt < tiles by ``mma.m16n8k16`` (bf16 operands, fp32 accumulate): A's fragments packed
+        from the fp32 values A(i, d) (``bf16_a_elem``, ``cvt.rn.bf16x2``), ``a_batch / 2`` k-steps
+        of 16 at a time; B by ``ldmatrix.x4`` from the bf16 S copy, two n-tiles per load.
+        Emulated: the k-steps of 8 of ``gemm`` on the fp32 values at the bf16 indices."""
+        if SYNC:
+            for kh in T.unroll(K // 16 // (AB // 2)):
+                for ks in T.unroll(AB // 2):
+                    for r in T.unroll(4):
+                        afb[ks * 4 + r] = cuda_func_call(
+                            "k3_pack_bf16x2",
+                            A(bf16_a_elem(lane, r, 0)[0], (kh * (AB // 2) + ks) * 16 + bf16_a_elem(lane, r, 0)[1]),
+                            A(bf16_a_elem(lane, r, 1)[0], (kh * (AB // 2) + ks) * 16 + bf16_a_elem(lane, r, 1)[1]),
+                            source_code=PACK_BF16X2_SRC, return_type="uint32")
+                for ks in T.unroll(AB // 2):
+                    for np_ in T.unroll(tiles // 2):
+                        cuda_func_call("k3_ldsm_x4_b16", T.address_of(bqb[0]), T.address_of(SM[O_SS]),
+                                       col(tx, ldsm_b_row(lane, np_ * 16, (kh * (AB // 2) + ks) * 16, 8)[0]) * SNB
+                                       + ldsm_b_row(lane, np_ * 16, (kh * (AB // 2) + ks) * 16, 8)[1],
+                                       source_code=LDSM16_SRC)
+                        T.evaluate(ptx.mma_bf16(T.address_of(acc[row, np_ * 8]), afb[ks * 4], afb[ks * 4 + 1],
+                                                afb[ks * 4 + 2], afb[ks * 4 + 3], bqb[0], bqb[1]))
+                        T.evaluate(ptx.mma_bf16(T.address_of(acc[row, np_ * 8 + 4]), afb[ks * 4], afb[ks * 4 + 1],
+                                                afb[ks * 4 + 2], afb[ks * 4 + 3], bqb[2], bqb[3]))
+        else:
+            gemm(acc, row, af, A, lambda d, n: SM[O_SS + col(tx, n) * SNB + d], K // 8, tiles, lane, None)
 
     @T.macro
     def copy_rows(SM, tx, c0, off, stride, src, width, h, n_tok):
@@ -723,14 +837,20 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                     T.tvm_storage_sync("shared")
                 for tx in THR(NT):
                     af = T.alloc_buffer((4,), "float32", scope="local")
-                    acc = T.alloc_buffer((RT, 8), "float32", scope="local")   # L tile, Aqk tile
-                    bf = T.alloc_buffer((2,), "float32", scope="local")
+                    acc = T.alloc_buffer((RT, 16 if P2W else 8), "float32", scope="local")   # L tiles, Aqk tiles
+                    bf = T.alloc_buffer((4 if P2W else 2,), "float32", scope="local")
                     ti = T.alloc_buffer((2,), "int32", scope="local")        # sub-block, n-tile
-                    for tt in range(2):
-                        if tx // 32 + tt * NW < R * 8 + 6:
-                            ti[0] = T.Select(tx // 32 + tt * NW < R * 4 + 2, R * 2, R * 2 + 1)
-                            ti[1] = T.Select(tx // 32 + tt * NW < R * 4 + 2, tx // 32 + tt * NW, tx // 32 + tt * NW - R * 4 - 2)
-                            l_aqk_tile(SM, acc, af, bf, tx, ti[0], ti[1], O_X + (ti[0] - R * 2) * 2 * SUB * KS)
+                    if P2W:   # job w < 4R+3: n-tiles 2w', 2w'+1 of (I, w') = (2R, w) for w < 2R+1, else (2R+1, w − 2R − 1)
+                        if tx // 32 < R * 4 + 3:
+                            ti[0] = T.Select(tx // 32 < R * 2 + 1, R * 2, R * 2 + 1)
+                            ti[1] = T.Select(tx // 32 < R * 2 + 1, tx // 32, tx // 32 - R * 2 - 1) * 2
+                            l_aqk_tile(SM, acc, af, bf, tx, ti[0], ti[1], O_X + (ti[0] - R * 2) * 2 * SUB * KS, 2)
+                    else:
+                        for tt in range(2):
+                            if tx // 32 + tt * NW < R * 8 + 6:
+                                ti[0] = T.Select(tx // 32 + tt * NW < R * 4 + 2, R * 2, R * 2 + 1)
+                                ti[1] = T.Select(tx // 32 + tt * NW < R * 4 + 2, tx // 32 + tt * NW, tx // 32 + tt * NW - R * 4 - 2)
+                                l_aqk_tile(SM, acc, af, bf, tx, ti[0], ti[1], O_X + (ti[0] - R * 2) * 2 * SUB * KS, 1)
         else:
             # phase 2: L and Aqk, one 16-row sub-block I at a time (reference r = Γ_{16I})
             for I in range(NSUB):
@@ -747,7 +867,7 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                     acc = T.alloc_buffer((RT, 8), "float32", scope="local")   # L tile, Aqk tile
                     bf = T.alloc_buffer((2,), "float32", scope="local")
                     if tx // 32 <= I * 2 + 1:   # warp wi: columns 8·wi …
-                        l_aqk_tile(SM, acc, af, bf, tx, I, tx // 32, O_X)
+                        l_aqk_tile(SM, acc, af, bf, tx, I, tx // 32, O_X, 1)
 
     @T.macro
     def d_inverse(SM, tx, x):
@@ -837,10 +957,10 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                     SM[i] = T.float32("nan")
             # the state slice → registers and shared memory
             for tx in THR(NT):
-                for nt in T.unroll(N8):
+                for nt in T.unroll(N8W):
                     for e in T.unroll(4):
-                        Sr[tx * EM, nt * 4 + e] = S[layer, slots[blk // (H * NVB)], blk // NVB % H, tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8, blk % NVB * BV + nt * 8 + tx % 4 * 2 + e % 2]
-                        SM[O_SS + (nt * 8 + tx % 4 * 2 + e % 2) * SN + tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8] = tf32(Sr[tx * EM, nt * 4 + e])
+                        Sr[tx * EM, nt * 4 + e] = S[layer, slots[blk // (H * NVB)], blk // NVB % H, rw(tx) * 16 + tx % 32 // 4 + e // 2 * 8, blk % NVB * BV + col(tx, nt * 8 + tx % 4 * 2 + e % 2)]
+                        s_copy_store(SM, col(tx, nt * 8 + tx % 4 * 2 + e % 2), rw(tx) * 16 + tx % 32 // 4 + e // 2 * 8, Sr[tx * EM, nt * 4 + e])
                 if SPL:   # the chunk index of the intra kernel's block = Σ_{b' < b} ⌈len_b' / C⌉ + c
                     cb[tx * EM, 0] = 0
                     for bb in range(blk // (H * NVB)):
@@ -881,24 +1001,34 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                     x = T.alloc_buffer((RT, SUB), "float32", scope="local")
                     vl = T.alloc_buffer((RT, NR), "float32", scope="local")
                     bq = T.alloc_buffer((4,), "float32", scope="local")   # ldmatrix.x4 fragments
+                    afb = T.alloc_buffer((2 * AB if BF16S else 1,), "uint32", scope="local")   # bf16_s: A, B
+                    bqb = T.alloc_buffer((4 if BF16S else 1,), "uint32", scope="local")
                     c0[0] = cu[blk // (H * NVB)] + c * C
                     c0[1] = cu[blk // (H * NVB) + 1]
                     if stage == "fused":
                         d_inverse(SM, tx, x)
                     for r in T.unroll(NR):
                         Y[tx * EM, r] = T.float32(0)
-                    if tx // 32 < 4:
-                        for nt in T.unroll(N8):
+                    if rw(tx) < 4:
+                        for nt in T.unroll(N8W):
                             for e in T.unroll(4):
-                                vl[tx * EM, nt * 4 + e] = ld(v, c0[0] + tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8, c0[1], n_tok, blk // NVB % H, blk % NVB * BV + nt * 8 + tx % 4 * 2 + e % 2)
-                        gemm_s(SM, Y, tx * EM, af, bq, lambda i, d: a_k(SM, tx // 32 * 16, i, d),
-                               K // 8, N8, tx % 32)
-                        for nt in T.unroll(N8):
+                                vl[tx * EM, nt * 4 + e] = ld(v, c0[0] + rw(tx) * 16 + tx % 32 // 4 + e // 2 * 8, c0[1], n_tok, blk // NVB % H, blk % NVB * BV + col(tx, nt * 8 + tx % 4 * 2 + e % 2))
+                        if BF16S:
+                            gemm_s16(SM, Y, tx * EM, af, afb, bqb, lambda i, d: a_k_raw(SM, rw(tx) * 16, i, d),
+                                     N8W, tx % 32, tx)
+                        else:
+                            gemm_s(SM, Y, tx * EM, af, bq, lambda i, d: a_k(SM, rw(tx) * 16, i, d),
+                                   K // 8, N8W, tx % 32, tx)
+                        for nt in T.unroll(N8W):
                             for e in T.unroll(4):
-                                SM[O_X + (tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8) * RS + nt * 8 + tx % 4 * 2 + e % 2] = SM[O_BT + tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8] * (vl[tx * EM, nt * 4 + e] - Y[tx * EM, nt * 4 + e])
+                                SM[O_X + (rw(tx) * 16 + tx % 32 // 4 + e // 2 * 8) * RS + col(tx, nt * 8 + tx % 4 * 2 + e % 2)] = SM[O_BT + rw(tx) * 16 + tx % 32 // 4 + e // 2 * 8] * (vl[tx * EM, nt * 4 + e] - Y[tx * EM, nt * 4 + e])
                     else:
-                        gemm_s(SM, Y, tx * EM, af, bq, lambda i, d: a_q(SM, (tx // 32 - 4) * 16, i, d),
-                               K // 8, N8, tx % 32)
+                        if BF16S:
+                            gemm_s16(SM, Y, tx * EM, af, afb, bqb, lambda i, d: a_q_raw(SM, (rw(tx) - 4) * 16, i, d),
+                                     N8W, tx % 32, tx)
+                        else:
+                            gemm_s(SM, Y, tx * EM, af, bq, lambda i, d: a_q(SM, (rw(tx) - 4) * 16, i, d),
+                                   K // 8, N8W, tx % 32, tx)
                 # phase 4: vn_I = D_I^{-1} (R_I − Σ_{J<I} L_IJ vn_J), in place of R; warp wi
                 #          owns the n-tiles wi, wi + 8, … (warps past them idle)
                 if SYNC:
@@ -954,28 +1084,28 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                     af = T.alloc_buffer((AFN,), "float32", scope="local")
                     c0[0] = cu[blk // (H * NVB)] + c * C
                     c0[1] = cu[blk // (H * NVB) + 1]
-                    for nt in T.unroll(N8):
+                    for nt in T.unroll(N8W):
                         for e in T.unroll(4):
-                            Sr[tx * EM, nt * 4 + e] = Sr[tx * EM, nt * 4 + e] * decay(SM, tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8)
+                            Sr[tx * EM, nt * 4 + e] = Sr[tx * EM, nt * 4 + e] * decay(SM, rw(tx) * 16 + tx % 32 // 4 + e // 2 * 8)
                     gemm(Sr, tx * EM, af,
-                         lambda i, j: a_kd(SM, tx // 32 * 16, i, j),
-                         lambda j, n: vn(SM, j, n), C // 8, N8, tx % 32, None)
-                    for nt in T.unroll(N8):
+                         lambda i, j: a_kd(SM, rw(tx) * 16, i, j),
+                         lambda j, n: vn(SM, j, col(tx, n)), C // 8, N8W, tx % 32, None)
+                    for nt in T.unroll(N8W):
                         for e in T.unroll(4):
-                            SM[O_SS + (nt * 8 + tx % 4 * 2 + e % 2) * SN + tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8] = tf32(Sr[tx * EM, nt * 4 + e])
-                    if tx // 32 >= 4:
+                            s_copy_store(SM, col(tx, nt * 8 + tx % 4 * 2 + e % 2), rw(tx) * 16 + tx % 32 // 4 + e // 2 * 8, Sr[tx * EM, nt * 4 + e])
+                    if rw(tx) >= 4:
                         gemm(Y, tx * EM, af,
-                             lambda i, j: T.Select(j <= (tx // 32 - 4) * 16 + i, la(SM, (tx // 32 - 4) * 16 + i, j), T.float32(0)),
-                             lambda j, n: vn(SM, j, n), C // 8, N8, tx % 32, (tx // 32 - 4) * 2 + 1)
-                        for nt in T.unroll(N8):
+                             lambda i, j: T.Select(j <= (rw(tx) - 4) * 16 + i, la(SM, (rw(tx) - 4) * 16 + i, j), T.float32(0)),
+                             lambda j, n: vn(SM, j, col(tx, n)), C // 8, N8W, tx % 32, (rw(tx) - 4) * 2 + 1)
+                        for nt in T.unroll(N8W):
                             for e in T.unroll(4):
-                                if c0[0] + (tx // 32 - 4) * 16 + tx % 32 // 4 + e // 2 * 8 < c0[1]:
-                                    o[c0[0] + (tx // 32 - 4) * 16 + tx % 32 // 4 + e // 2 * 8, blk // NVB % H, blk % NVB * BV + nt * 8 + tx % 4 * 2 + e % 2] = Y[tx * EM, nt * 4 + e]
+                                if c0[0] + (rw(tx) - 4) * 16 + tx % 32 // 4 + e // 2 * 8 < c0[1]:
+                                    o[c0[0] + (rw(tx) - 4) * 16 + tx % 32 // 4 + e // 2 * 8, blk // NVB % H, blk % NVB * BV + col(tx, nt * 8 + tx % 4 * 2 + e % 2)] = Y[tx * EM, nt * 4 + e]
             # registers → the pooled state
             for tx in THR(NT):
-                for nt in T.unroll(N8):
+                for nt in T.unroll(N8W):
                     for e in T.unroll(4):
-                        S[layer, slots[blk // (H * NVB)], blk // NVB % H, tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8, blk % NVB * BV + nt * 8 + tx % 4 * 2 + e % 2] = Sr[tx * EM, nt * 4 + e]
+                        S[layer, slots[blk // (H * NVB)], blk // NVB % H, rw(tx) * 16 + tx % 32 // 4 + e // 2 * 8, blk % NVB * BV + col(tx, nt * 8 + tx % 4 * 2 + e % 2)] = Sr[tx * EM, nt * 4 + e]
 
     if stage == "intra" and PRE:
         @T.prim_func(private=True)
