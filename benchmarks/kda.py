@@ -93,20 +93,10 @@ PREFILL_FUSED = ([("fused", bv, ab, {}) for bv, ab in ((128, 4), (64, 8), (32, 8
                  + [("fused_p2l", bv, ab, {"p2_pairs": True, "ldsm": True}) for bv, ab in ((128, 4), (64, 8))]
                  + [("fusedpre_p2l", bv, ab, {"lower_bound": LOWER_BOUND, "p2_pairs": True, "ldsm": True})
                     for bv, ab in ((128, 4), (64, 8))]
-                 # 16 warps: two per 16-row block in phases 3 and 5 (``warps``), half the columns each
-                 + [("fused_p2l_w16", 128, 4, {"p2_pairs": True, "ldsm": True, "warps": 16}),
-                    ("fusedpre_p2l_w16", 128, 4, {"lower_bound": LOWER_BOUND, "p2_pairs": True, "ldsm": True,
-                                                  "warps": 16})]
-                 # phase 3 on bf16 operands (``bf16_s``: the S copy in bf16, mma.m16n8k16)
-                 + [("fused_p2l_b16", bv, ab, {"p2_pairs": True, "ldsm": True, "bf16_s": True})
-                    for bv, ab in ((128, 4), (128, 8), (64, 8))]
-                 + [("fusedpre_p2l_b16", 128, 4, {"lower_bound": LOWER_BOUND, "p2_pairs": True, "ldsm": True,
-                                                  "bf16_s": True})]
-                 # phase 2's rounds as pairs of n-tiles per warp (``p2_wide``), alone and with bf16_s
+                 # phase 2's rounds as pairs of n-tiles per warp (``p2_wide``)
                  + [("fused_p2w", 128, 4, {"p2_pairs": True, "ldsm": True, "p2_wide": True}),
-                    ("fused_p2wb16", 128, 4, {"p2_pairs": True, "ldsm": True, "p2_wide": True, "bf16_s": True}),
-                    ("fusedpre_p2wb16", 128, 4, {"lower_bound": LOWER_BOUND, "p2_pairs": True, "ldsm": True,
-                                                 "p2_wide": True, "bf16_s": True})])
+                    ("fusedpre_p2w", 128, 4, {"lower_bound": LOWER_BOUND, "p2_pairs": True, "ldsm": True,
+                                              "p2_wide": True})])
 # the split form (schedules/kda_prefill_fused.py: kda_prefill_split_intra_kernel for every
 # chunk in parallel, then the fused kernel's phases 3-5 with ``split``): (name, block_v,
 # a_batch, options); splitpre_*: L2 norms, gate and β in the intra kernel (raw inputs)
@@ -118,11 +108,9 @@ PREFILL_SPLIT = ([("split", bv, ab, {}) for bv, ab in ((16, 8), (32, 8), (64, 8)
                     # ... without early_kq (the next chunk's e^Γ k, e^Γ q copied in its phase 1)
                     ("splitautolate", None, None, {"early_kq": False}),
                     ("splitautoprelate", None, None, {"lower_bound": LOWER_BOUND, "early_kq": False}),
-                    # ... with phase 3 on bf16 operands
-                    ("splitauto_b16", None, None, {"bf16_s": True}),
-                    ("splitautopre_b16", None, None, {"lower_bound": LOWER_BOUND, "bf16_s": True}),
-                    # ... and the intra kernel's phase 2 by pairs of n-tiles (p2_wide)
-                    ("splitautopre_wb16", None, None, {"lower_bound": LOWER_BOUND, "bf16_s": True, "p2_wide": True})])
+                    # ... with the intra kernel's phase 2 by pairs of n-tiles (p2_wide)
+                    ("splitauto_w", None, None, {"p2_wide": True}),
+                    ("splitautopre_w", None, None, {"lower_bound": LOWER_BOUND, "p2_wide": True})])
 
 
 def _split_name(name: str, bv: int | None, ab: int | None) -> str:

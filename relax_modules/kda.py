@@ -50,8 +50,8 @@ def prefill_dispatch(heads: int) -> tuple[str, int | None, int | None]:
     128; block_v None: chosen at run time), from the H200 runs
     (benchmarks/results/kda_prefill_split_h200_2026-11-30.json):
 
-    - from 48 heads the fused one-kernel form (schedules/kda_prefill_fused.py, ``p2_pairs`` and
-      ``ldsm``; one block per sequence, head and block_v columns): 128 columns from 96 heads
+    - from 48 heads the fused one-kernel form (schedules/kda_prefill_fused.py, ``p2_pairs``,
+      ``ldsm`` and ``p2_wide``; one block per sequence, head and block_v columns): 128 columns from 96 heads
       (K3: 2.88 ms at 8192 tokens, 2.17 ms at 4 × 2048; the split form at best 3.51 / 3.20 ms), 64
       below (not measured at 48);
     - below 48 heads the split form (all chunks' intra part in parallel, then ~5.5 µs per
@@ -245,14 +245,14 @@ class KimiDeltaAttention(nn.Module):
                                    self.lower_bound)
 
     def _fused_prefill(self, ins, meta, kda_state, kda_index, lower_bound):
-        """Step 5 (with ``lower_bound`` also 2-4) in the fused kernel (``p2_pairs``, ``ldsm``;
-        ``prefill_tiling``): ``ins`` = q, k, v, g, β — or the raw q, k, v, f, b, A_log, dt_bias;
+        """Step 5 (with ``lower_bound`` also 2-4) in the fused kernel (``p2_pairs``, ``ldsm``,
+        ``p2_wide``; ``prefill_tiling``): ``ins`` = q, k, v, g, β — or the raw q, k, v, f, b, A_log, dt_bias;
         the state in place. Returns ``(kda_state, o [T, H, K] f32)``."""
         T, H, K = ins[0].shape[0], self.H, self.K
         bv, ab = self.prefill_tiling
         return op.tensor_ir_inplace_op(
             kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=bv, a_batch=ab, p2_pairs=True, ldsm=True,
-                                     lower_bound=lower_bound),
+                                     p2_wide=True, lower_bound=lower_bound),
             "kda_prefill_fused" + ("_pre" if lower_bound is not None else ""),
             ins + [meta.cu_seqlens, meta.seq_slots, kda_state, _i32(kda_index)],
             [len(ins) + 2, -1], [nn.Tensor.placeholder(kda_state.shape, "float32"),
@@ -266,7 +266,7 @@ class KimiDeltaAttention(nn.Module):
         T, H, K = v.shape[0], self.H, self.K
         B = meta.seq_slots.shape[0]
         f32 = "float32"
-        intra = kda_prefill_split_intra_kernel(H, K, K ** -0.5, lower_bound=lower_bound)
+        intra = kda_prefill_split_intra_kernel(H, K, K ** -0.5, lower_bound=lower_bound, p2_wide=True)
         # e^Γ k, scale e^Γ q, e^{Γ_last−Γ} k, e^{Γ_last} per chunk, L / Aqk and D^{-1} rows; ka
         # is written in place into an uninitialized buffer (a call_tir_inplace needs one in-place
         # output; the kernel writes every row of a sequence token)

@@ -84,9 +84,11 @@ fp32 inputs; fla's gated call on bf16 inputs):
   (``kda_prefill_split_auto_h200_2026-11-30.json``); with ``early_kq`` (the default) 0.90 /
   0.50 and 0.96 / 0.57 ms (``kda_prefill_split_early_h200_2026-11-30.json``).
 
-``p2_pairs`` (3-7% faster, ``kda_prefill_p2_ldsm_h200_2026-11-30.json``) and ``ldsm`` (0-2%
-more with ``p2_pairs``, ``kda_prefill_split_v1_h200_2026-11-30.json``) are measured; the
-model uses both.
+``p2_pairs`` (3-7% faster, ``kda_prefill_p2_ldsm_h200_2026-11-30.json``), ``ldsm`` (0-2%
+more with ``p2_pairs``, ``kda_prefill_split_v1_h200_2026-11-30.json``) and ``p2_wide`` (3-4%
+more, ``kda_prefill_p2w_h200_2026-12-01.json``: 2.89 / 2.21 ms at 96 heads with the
+preprocessing, 0.94 / 0.55 ms at 12 in the split form) are measured; the model uses all three.
+Where a chunk's time goes (``ablate``, ``kda_prefill_phases_h200_2026-12-01.json``): docs/DESIGN.md.
 
 ``emulate=True`` builds the same loop nest with the block / thread loops serial and every
 mma replaced by the dot products it computes for the lane (see
@@ -104,7 +106,12 @@ from schedules.barriers import mark
 from schedules.kda_prefill_cuda import C, SUB, block_thread_loops, kda_prefill_reference  # noqa: F401
 from schedules.kda_prefill_tc import mma_tf32_macros
 
+NT = 256                 # threads per block (8 warps)
 BLOCK_V = (16, 32, 64, 128)   # supported columns of V per block
+# the work ``ablate`` can leave out of the fused kernel (timing diagnostics; the results are then
+# wrong): phase 1's copies, its Γ (with the norms / gate), phase 2, D^{-1}, phase 3's v loads and
+# products, phase 4, phase 5's S update, S copy, o products and o stores
+ABLATE_PHASES = frozenset({"stage", "gamma", "p2", "dinv", "vl", "p3", "p4", "s", "scopy", "o", "ost"})
 
 SYNCWARP_SRC = r"""
 __device__ __forceinline__ void k3_syncwarp() { __syncwarp(); }
@@ -134,27 +141,6 @@ __device__ __forceinline__ void k3_ldsm_x4(float* d, const float* p) {
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(a) : "memory");
   d[0] = __uint_as_float(r0); d[1] = __uint_as_float(r1);
   d[2] = __uint_as_float(r2); d[3] = __uint_as_float(r3);
-}
-"""
-LDSM16_SRC = r"""
-__device__ __forceinline__ void k3_ldsm_x4_b16(unsigned* d, const float* base, int idx) {
-  unsigned a = (unsigned)__cvta_generic_to_shared((const unsigned short*)base + idx);
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]) : "r"(a) : "memory");
-}
-"""
-ST_BF16_SRC = r"""
-__device__ __forceinline__ void k3_st_bf16(float* base, int idx, float x) {
-  unsigned short h;
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
-  ((unsigned short*)base)[idx] = h;
-}
-"""
-PACK_BF16X2_SRC = r"""
-__device__ __forceinline__ unsigned k3_pack_bf16x2(float lo, float hi) {
-  unsigned r;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
 }
 """
 EX2_SRC = r"""
@@ -217,25 +203,15 @@ def _macros(emulate: bool):
     return frag_a, mma, mma_rb, syncwarp, prefetch
 
 
-def ldsm_b_row(lane, n0, k0, k_half=4):
+def ldsm_b_row(lane, n0, k0):
     """The (n, k) of the row address lane ``lane`` gives ``ldmatrix.x4`` (b16) to load the TF32
     B fragments of the n-tiles n0 and n0 + 8 at k-step k0 from a column-major B (n rows, k
     contiguous, rows 16-byte aligned): an 8×8 b16 matrix is an 8×4 fp32 tile, and thread t
     receives 32-bit word t % 4 of row t // 4 of each matrix — so matrices (n0, k0), (n0, k0+4),
     (n0+8, k0), (n0+8, k0+4) give b0, b1 of n-tile n0 and b0, b1 of n-tile n0 + 8 (PTX ISA,
     "Warp-level matrix load instruction: ldmatrix"; tests/test_kda_prefill_fused.py replays
-    the distribution lane by lane). Works on ints and TIR expressions. With ``k_half=8`` the same
-    for bf16 ``m16n8k16`` B fragments (an 8×8 b16 matrix is 8 n × 8 k; matrices (n0, k0), (n0,
-    k0+8), (n0+8, k0), (n0+8, k0+8) give b0b1, b2b3 of n-tile n0 and of n0 + 8)."""
-    return n0 + lane // 8 // 2 * 8 + lane % 8, k0 + lane // 8 % 2 * k_half
-
-
-def bf16_a_elem(lane, reg, half):
-    """(row, k) of the A element that lane ``lane`` holds in half ``half`` (0: low 16 bits) of
-    register ``reg`` of a bf16 ``mma.m16n8k16`` A fragment (row-major 16×16; PTX ISA, "Matrix
-    fragments for mma.m16n8k16 with floating point type": a0a1 row g, k 2q, 2q+1; a2a3 row g+8;
-    a4a5 row g, k 2q+8, 2q+9; a6a7 row g+8). Works on ints and TIR expressions."""
-    return lane // 4 + reg % 2 * 8, lane % 4 * 2 + half + reg // 2 * 8
+    the distribution lane by lane). Works on ints and TIR expressions."""
+    return n0 + lane // 8 // 2 * 8 + lane % 8, k0 + lane // 8 % 2 * 4
 
 
 def _tf32(emulate: bool):
@@ -278,8 +254,7 @@ def ld(buf, t, end, n_tok, h, d):
 def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int = 64,
                              a_batch: int = 8, lower_bound: float | None = None,
                              p2_pairs: bool = False, ldsm: bool = False, split: bool = False,
-                             warps: int = 8, bf16_s: bool = False, p2_wide: bool = False,
-                             emulate: bool = False):
+                             p2_wide: bool = False, ablate: frozenset = frozenset(), emulate: bool = False):
     """The fused chunked prefill, one block per (sequence, head, ``block_v`` columns of V).
     PrimFunc arguments::
 
@@ -330,24 +305,26 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
 
     with ``lower_bound`` set, ``beta`` holds the β logits b (β = σ(b) here).
 
-    ``warps`` (8 or 16; 16 only here, not in the split form, at block_v 64 or 128): threads
-    per block / 32. With 16, two warps share each 16-row block of S (and of the chunk's rows)
-    in phases 3 and 5, each on half of the block_v columns; phases 1, 2 and 4 spread over all
-    16 warps as they do over 8. Same shared memory, half the accumulator registers per thread
-    (ptxas: 128 at block_v 128, a_batch 4), twice the warps per scheduler to hide latency.
+    ``p2_wide`` (with ``p2_pairs``): each warp of a phase-2 round takes two adjacent n-tiles
+    of one sub-block, loading each ka / qa fragment once for both (3 and 7 jobs in the two
+    rounds instead of 6 and 14 tiles: ~1300 fewer shared-memory wavefronts per chunk;
+    H200: 3-4% faster at 96 heads, ``kda_prefill_p2w_h200_2026-12-01.json``).
+
+    ``ablate`` (a subset of ``ABLATE_PHASES``, a diagnostic): leave that work out, barriers
+    kept, so that the time it saves is its cost on the chunk's critical path; the results are
+    wrong (``tests/gpu/profile_kda_prefill.py phases``).
 
     ``block_v`` (16, 32, 64 or 128): columns of V per block; fewer columns give more blocks
     (more SMs busy when B·H is small) at the cost of repeating phase 2 in every block.
     ``a_batch`` (4 or 8): k-steps whose A fragments are loaded before their mmas in phases 3
-    and 5. Raises ValueError for other head sizes, tilings or warp counts.
+    and 5. Raises ValueError for other head sizes or tilings.
     """
     if split and p2_pairs:
         raise ValueError("split: phase 2 belongs to kda_prefill_split_intra_kernel (p2_pairs there)")
     if split:
-        return _split_state(H, K, V, scale, lower_bound, ((block_v, a_batch),), ldsm, emulate,
-                            bf16_s=bf16_s)
+        return _split_state(H, K, V, scale, lower_bound, ((block_v, a_batch),), ldsm, emulate)
     return _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulate, "fused",
-                  warps=warps, bf16_s=bf16_s, p2_wide=p2_wide)
+                  p2_wide=p2_wide, ablate=ablate)
 
 
 # the split state kernel's block_v by the number of sequences B (``kda_prefill_split_state_kernel``):
@@ -372,7 +349,7 @@ def _first_n_seq(block_v: int, H: int, V: int) -> int:
 @functools.cache
 def kda_prefill_split_state_kernel(H: int, K: int, V: int, scale: float,
                                    lower_bound: float | None = None, early_kq: bool = True,
-                                   bf16_s: bool = False, emulate: bool = False):
+                                   emulate: bool = False):
     """The split form's state kernel with block_v chosen at run time from the number of
     sequences B = len(cu_seqlens) − 1: the first of ``SPLIT_BLOCK_V`` (64, 32, 16) with
     B·H·V/block_v ≥ ``SPLIT_MIN_BLOCKS`` (96), else 16 — one kernel per block_v, picked by a
@@ -384,15 +361,15 @@ def kda_prefill_split_state_kernel(H: int, K: int, V: int, scale: float,
     ms with the preprocessing). Arguments as :func:`kda_prefill_fused_kernel` with ``split``;
     ValueError as there."""
     return _split_state(H, K, V, scale, lower_bound, tuple((bv, 8) for bv in SPLIT_BLOCK_V), False, emulate,
-                        early_kq, bf16_s)
+                        early_kq)
 
 
-def _split_state(H, K, V, scale, lower_bound, tilings, ldsm, emulate, early_kq=False, bf16_s=False):
+def _split_state(H, K, V, scale, lower_bound, tilings, ldsm, emulate, early_kq=False):
     """The split form's state PrimFunc over the bodies of ``tilings`` ((block_v, a_batch), widest
     first): one tiling is launched as is, three (``SPLIT_BLOCK_V``) by a host-side branch on the
     number of sequences."""
-    bodies = [_build(H, K, V, scale, bv, ab, lower_bound, False, ldsm, emulate, "state", early_kq,
-                     bf16_s=bf16_s) for bv, ab in tilings]
+    bodies = [_build(H, K, V, scale, bv, ab, lower_bound, False, ldsm, emulate, "state", early_kq)
+              for bv, ab in tilings]
     if len(bodies) not in (1, 3):
         raise ValueError(f"one or three tilings, got {tilings}")
     ONE = len(bodies) == 1
@@ -465,7 +442,7 @@ def kda_prefill_split_intra_kernel(H: int, K: int, scale: float, lower_bound: fl
 
 
 def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulate, stage, early_kq=False,
-           warps=8, bf16_s=False, p2_wide=False):
+           p2_wide=False, ablate=frozenset()):
     """The kernels of this module (``stage``: "fused", "intra" or "state") over one set of
     shared-memory regions and macros. ``early_kq`` (state): the next chunk's e^Γ k and scale·e^Γ q
     are copied as soon as phase 3 has read this chunk's (start of phase 4), not in phase 1."""
@@ -478,15 +455,16 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
     if block_v not in BLOCK_V or a_batch not in (4, 8):
         raise ValueError(f"unsupported block_v={block_v} / a_batch={a_batch} "
                          f"(block_v one of {BLOCK_V}, a_batch 4 or 8)")
-    if warps not in (8, 16) or (warps == 16 and (stage != "fused" or block_v < 64)):
-        raise ValueError(f"warps={warps}: 8, or 16 for the fused kernel with block_v 64 or 128")
+    if p2_wide and not p2_pairs:
+        raise ValueError("p2_wide widens the rounds of p2_pairs: set p2_pairs too")
+    P2W = p2_wide
+    ABL = frozenset(ablate)
+    if not ABL <= ABLATE_PHASES or (ABL and stage != "fused"):
+        raise ValueError(f"ablate={sorted(ABL)}: a subset of {sorted(ABLATE_PHASES)}, fused kernel only")
     BV, AB = block_v, a_batch
     NVB = V // BV
-    NT = 32 * warps          # threads per block
-    WPR = warps // 8         # warps per 16-row block of S / of the chunk in phases 3 and 5
     N8 = BV // 8             # n-tiles of a row block
-    N8W = N8 // WPR          # ... of the columns one warp takes in phases 3 and 5
-    NR = N8W * 4             # accumulator registers of a warp's 16 × BV / WPR tile per thread
+    NR = N8 * 4              # accumulator registers of a 16 × BV tile per thread
     NW = NT // 32            # warps
     NTW = (N8 + NW - 1) // NW  # vn n-tiles per warp in phase 4
     NSUB = C // SUB
@@ -497,13 +475,6 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
     AFN = 4 if emulate else 4 * AB
     KS = K + 4               # row stride of the raw k / q tiles, Γ, ka / qa (conflict-free A reads)
     SN = K + 4               # column stride of S (column-major)
-    BF16S = bf16_s and stage != "intra"
-    if p2_wide and not p2_pairs:
-        raise ValueError("p2_wide widens the rounds of p2_pairs: set p2_pairs too")
-    P2W = p2_wide
-    # bf16_s: the S copy as bf16, column stride SNB bf16 elements (272 bytes: 16-byte aligned rows,
-    # ldmatrix rows conflict-free), in the same region; emulated, fp32 values at those indices
-    SNB = K + 8
     # row stride of the L / Aqk tile: C + 8 makes the Aqk reads of phase 5 conflict-free, C + 4
     # the transposed L reads of phase 4 (2-way conflicts on the other); at 128 columns C + 4
     # (as measured)
@@ -513,7 +484,7 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
     # one shared buffer, regions at fixed offsets (floats; 16-byte aligned rows for cp.async)
     O_KR, O_QR, O_G = 0, C * KS, 2 * C * KS
     O_SS = 3 * C * KS
-    O_LA = O_SS + (0 if stage == "intra" else BV * (SNB if BF16S and emulate else SN))
+    O_LA = O_SS + (0 if stage == "intra" else BV * SN)
     O_X = O_LA + C * LS                    # ka | qa in phase 2; vn | D^{-1} afterwards
     O_D = O_X + C * RS
     XN = max((4 if p2_pairs else 2) * SUB * KS, C * RS + C * DS)
@@ -527,12 +498,6 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
     NSM = O_RN + (2 * C if PRE and emulate else 0)   # the emulated norms go through O_RN
     if not emulate and NSM * 4 > 227 * 1024:
         raise ValueError(f"block_v={BV} needs {NSM * 4} bytes of shared memory (> 227 KB)")
-    def rw(tx):   # the warp's 16-row block in phases 3 and 5 (S rows, chunk rows 16·(rw % 4))
-        return tx // 32 % 8 if WPR > 1 else tx // 32
-
-    def col(tx, n):   # column n of the warp's BV / WPR columns, within the block's BV
-        return tx // 256 * (BV // WPR) + n if WPR > 1 else n
-
     frag_a, mma, mma_rb, syncwarp, prefetch = _macros(emulate)
     ex2 = _ex2(emulate)
     tf32 = _tf32(emulate)
@@ -556,12 +521,6 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
 
     # the mma operands that involve Γ, as computed here (fused) or as the split form's intra
     # kernel stored them (TF32 already, staged in the k / q / Γ regions)
-    def a_k_raw(SM, r0, i, d):   # phase 3, bf16_s: (e^Γ k)[r0 + i, d] (rounded to bf16 by the packing)
-        return SM[O_KR + (r0 + i) * KS + d] if SPL else kr(SM, r0 + i, d) * ex2(gm(SM, r0 + i, d))
-
-    def a_q_raw(SM, r0, i, d):   # phase 3, bf16_s: scale (e^Γ q)[r0 + i, d]
-        return SM[O_QR + (r0 + i) * KS + d] if SPL else T.float32(scale) * qr(SM, r0 + i, d) * ex2(gm(SM, r0 + i, d))
-
     def a_k(SM, r0, i, d):   # phase 3: (e^Γ k)[r0 + i, d]
         return SM[O_KR + (r0 + i) * KS + d] if SPL else tf32(kr(SM, r0 + i, d) * ex2(gm(SM, r0 + i, d)))
 
@@ -674,10 +633,9 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                         mma(acc, row, nt * 4, af, ks * 4 * (1 - EM), A, B, lane, (kh * AB + ks) * 8, nt * 8)
 
     @T.macro
-    def gemm_s(SM, acc, row, af, bq, A, steps, tiles, lane, tx):
-        """As ``gemm`` with B = the column-major S copy (B(d, n) = SM[O_SS + col(tx, n)·SN + d]:
-        thread tx's warp's columns); with ``ldsm`` on the GPU its fragments come by
-        ``ldmatrix.x4``, two n-tiles at a time."""
+    def gemm_s(SM, acc, row, af, bq, A, steps, tiles, lane):
+        """As ``gemm`` with B = the column-major S copy (B(d, n) = SM[O_SS + n·SN + d]); with
+        ``ldsm`` on the GPU its fragments come by ``ldmatrix.x4``, two n-tiles at a time."""
         if ldsm and SYNC:
             for kh in T.unroll(steps // AB):
                 for ks in T.unroll(AB):
@@ -685,55 +643,12 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                 for ks in T.unroll(AB):
                     for np_ in T.unroll(tiles // 2):
                         cuda_func_call("k3_ldsm_x4", T.address_of(bq[0]), T.address_of(SM[
-                            O_SS + col(tx, ldsm_b_row(lane, np_ * 16, (kh * AB + ks) * 8)[0]) * SN
+                            O_SS + ldsm_b_row(lane, np_ * 16, (kh * AB + ks) * 8)[0] * SN
                             + ldsm_b_row(lane, np_ * 16, (kh * AB + ks) * 8)[1]]), source_code=LDSM_SRC)
                         mma_rb(acc, row, np_ * 8, af, ks * 4, bq, 0, A, None, lane, (kh * AB + ks) * 8, np_ * 16)
                         mma_rb(acc, row, np_ * 8 + 4, af, ks * 4, bq, 2, A, None, lane, (kh * AB + ks) * 8, np_ * 16 + 8)
         else:
-            gemm(acc, row, af, A, lambda d, n: SM[O_SS + col(tx, n) * SN + d], steps, tiles, lane, None)
-
-    @T.macro
-    def s_copy_store(SM, n, d, x):
-        """The S copy's element (row d of S, column n of the block) ← x: TF32 at SM[O_SS + n·SN +
-        d], or with ``bf16_s`` bf16 at bf16 index n·SNB + d of the region (emulated: x there as
-        fp32)."""
-        if BF16S:
-            if SYNC:
-                T.evaluate(cuda_func_call("k3_st_bf16", T.address_of(SM[O_SS]), n * SNB + d, x,
-                                          source_code=ST_BF16_SRC))
-            else:
-                SM[O_SS + n * SNB + d] = x
-        else:
-            SM[O_SS + n * SN + d] = tf32(x)
-
-    @T.macro
-    def gemm_s16(SM, acc, row, af, afb, bqb, A, tiles, lane, tx):
-        """Phase 3 with ``bf16_s``: acc[row, nt·4 + e] += A[0:16, 0:K] · S[0:K, col(tx, 8·nt …)]
-        for nt < tiles by ``mma.m16n8k16`` (bf16 operands, fp32 accumulate): A's fragments packed
-        from the fp32 values A(i, d) (``bf16_a_elem``, ``cvt.rn.bf16x2``), ``a_batch / 2`` k-steps
-        of 16 at a time; B by ``ldmatrix.x4`` from the bf16 S copy, two n-tiles per load.
-        Emulated: the k-steps of 8 of ``gemm`` on the fp32 values at the bf16 indices."""
-        if SYNC:
-            for kh in T.unroll(K // 16 // (AB // 2)):
-                for ks in T.unroll(AB // 2):
-                    for r in T.unroll(4):
-                        afb[ks * 4 + r] = cuda_func_call(
-                            "k3_pack_bf16x2",
-                            A(bf16_a_elem(lane, r, 0)[0], (kh * (AB // 2) + ks) * 16 + bf16_a_elem(lane, r, 0)[1]),
-                            A(bf16_a_elem(lane, r, 1)[0], (kh * (AB // 2) + ks) * 16 + bf16_a_elem(lane, r, 1)[1]),
-                            source_code=PACK_BF16X2_SRC, return_type="uint32")
-                for ks in T.unroll(AB // 2):
-                    for np_ in T.unroll(tiles // 2):
-                        cuda_func_call("k3_ldsm_x4_b16", T.address_of(bqb[0]), T.address_of(SM[O_SS]),
-                                       col(tx, ldsm_b_row(lane, np_ * 16, (kh * (AB // 2) + ks) * 16, 8)[0]) * SNB
-                                       + ldsm_b_row(lane, np_ * 16, (kh * (AB // 2) + ks) * 16, 8)[1],
-                                       source_code=LDSM16_SRC)
-                        T.evaluate(ptx.mma_bf16(T.address_of(acc[row, np_ * 8]), afb[ks * 4], afb[ks * 4 + 1],
-                                                afb[ks * 4 + 2], afb[ks * 4 + 3], bqb[0], bqb[1]))
-                        T.evaluate(ptx.mma_bf16(T.address_of(acc[row, np_ * 8 + 4]), afb[ks * 4], afb[ks * 4 + 1],
-                                                afb[ks * 4 + 2], afb[ks * 4 + 3], bqb[2], bqb[3]))
-        else:
-            gemm(acc, row, af, A, lambda d, n: SM[O_SS + col(tx, n) * SNB + d], K // 8, tiles, lane, None)
+            gemm(acc, row, af, A, lambda d, n: SM[O_SS + n * SN + d], steps, tiles, lane, None)
 
     @T.macro
     def copy_rows(SM, tx, c0, off, stride, src, width, h, n_tok):
@@ -957,10 +872,10 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                     SM[i] = T.float32("nan")
             # the state slice → registers and shared memory
             for tx in THR(NT):
-                for nt in T.unroll(N8W):
+                for nt in T.unroll(N8):
                     for e in T.unroll(4):
-                        Sr[tx * EM, nt * 4 + e] = S[layer, slots[blk // (H * NVB)], blk // NVB % H, rw(tx) * 16 + tx % 32 // 4 + e // 2 * 8, blk % NVB * BV + col(tx, nt * 8 + tx % 4 * 2 + e % 2)]
-                        s_copy_store(SM, col(tx, nt * 8 + tx % 4 * 2 + e % 2), rw(tx) * 16 + tx % 32 // 4 + e // 2 * 8, Sr[tx * EM, nt * 4 + e])
+                        Sr[tx * EM, nt * 4 + e] = S[layer, slots[blk // (H * NVB)], blk // NVB % H, tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8, blk % NVB * BV + nt * 8 + tx % 4 * 2 + e % 2]
+                        SM[O_SS + (nt * 8 + tx % 4 * 2 + e % 2) * SN + tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8] = tf32(Sr[tx * EM, nt * 4 + e])
                 if SPL:   # the chunk index of the intra kernel's block = Σ_{b' < b} ⌈len_b' / C⌉ + c
                     cb[tx * EM, 0] = 0
                     for bb in range(blk // (H * NVB)):
@@ -974,8 +889,9 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                     c0 = T.alloc_buffer((3,), "int32", scope="local")  # chunk start, sequence end, row
                     c0[0] = cu[blk // (H * NVB)] + c * C
                     c0[1] = cu[blk // (H * NVB) + 1]
-                    stage_chunk(SM, tx, c0, q, k, g, beta, la_g, dinv_g, gl_g, chunk_index(cb, tx, c),
-                                blk // NVB % H, n_tok, c == 0)
+                    if "stage" not in ABL:
+                        stage_chunk(SM, tx, c0, q, k, g, beta, la_g, dinv_g, gl_g, chunk_index(cb, tx, c),
+                                    blk // NVB % H, n_tok, c == 0)
                     if c0[0] + C + tx // 4 < c0[1]:
                         prefetch(q[c0[0] + C + tx // 4, blk // NVB % H, tx % 4 * 32])
                         prefetch(k[c0[0] + C + tx // 4, blk // NVB % H, tx % 4 * 32])
@@ -987,9 +903,11 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                     if SYNC:
                         ptx.wait(0)
                 if stage == "fused":
-                    gamma_and_norms(SM, cu[blk // (H * NVB)] + c * C, cu[blk // (H * NVB) + 1], blk // NVB % H,
-                                    A_log, dt_bias)
-                    phase2(SM)
+                    if "gamma" not in ABL:
+                        gamma_and_norms(SM, cu[blk // (H * NVB)] + c * C, cu[blk // (H * NVB) + 1], blk // NVB % H,
+                                        A_log, dt_bias)
+                    if "p2" not in ABL:
+                        phase2(SM)
                 # phase 3: D_I^{-1} (warps 6-7: block I = t // 16, column t % 16) ‖ the rows
                 #          16·wi … of (e^Γ k) S → R = β (v − ·) (warps 0-3) or of Y = scale
                 #          (e^Γ q) S (warps 4-7, kept in registers)
@@ -1001,34 +919,28 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                     x = T.alloc_buffer((RT, SUB), "float32", scope="local")
                     vl = T.alloc_buffer((RT, NR), "float32", scope="local")
                     bq = T.alloc_buffer((4,), "float32", scope="local")   # ldmatrix.x4 fragments
-                    afb = T.alloc_buffer((2 * AB if BF16S else 1,), "uint32", scope="local")   # bf16_s: A, B
-                    bqb = T.alloc_buffer((4 if BF16S else 1,), "uint32", scope="local")
                     c0[0] = cu[blk // (H * NVB)] + c * C
                     c0[1] = cu[blk // (H * NVB) + 1]
                     if stage == "fused":
-                        d_inverse(SM, tx, x)
+                        if "dinv" not in ABL:
+                            d_inverse(SM, tx, x)
                     for r in T.unroll(NR):
                         Y[tx * EM, r] = T.float32(0)
-                    if rw(tx) < 4:
-                        for nt in T.unroll(N8W):
+                    if tx // 32 < 4:
+                        if "vl" not in ABL:
+                            for nt in T.unroll(N8):
+                                for e in T.unroll(4):
+                                    vl[tx * EM, nt * 4 + e] = ld(v, c0[0] + tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8, c0[1], n_tok, blk // NVB % H, blk % NVB * BV + nt * 8 + tx % 4 * 2 + e % 2)
+                        if "p3" not in ABL:
+                            gemm_s(SM, Y, tx * EM, af, bq, lambda i, d: a_k(SM, tx // 32 * 16, i, d),
+                                   K // 8, N8, tx % 32)
+                        for nt in T.unroll(N8):
                             for e in T.unroll(4):
-                                vl[tx * EM, nt * 4 + e] = ld(v, c0[0] + rw(tx) * 16 + tx % 32 // 4 + e // 2 * 8, c0[1], n_tok, blk // NVB % H, blk % NVB * BV + col(tx, nt * 8 + tx % 4 * 2 + e % 2))
-                        if BF16S:
-                            gemm_s16(SM, Y, tx * EM, af, afb, bqb, lambda i, d: a_k_raw(SM, rw(tx) * 16, i, d),
-                                     N8W, tx % 32, tx)
-                        else:
-                            gemm_s(SM, Y, tx * EM, af, bq, lambda i, d: a_k(SM, rw(tx) * 16, i, d),
-                                   K // 8, N8W, tx % 32, tx)
-                        for nt in T.unroll(N8W):
-                            for e in T.unroll(4):
-                                SM[O_X + (rw(tx) * 16 + tx % 32 // 4 + e // 2 * 8) * RS + col(tx, nt * 8 + tx % 4 * 2 + e % 2)] = SM[O_BT + rw(tx) * 16 + tx % 32 // 4 + e // 2 * 8] * (vl[tx * EM, nt * 4 + e] - Y[tx * EM, nt * 4 + e])
+                                SM[O_X + (tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8) * RS + nt * 8 + tx % 4 * 2 + e % 2] = SM[O_BT + tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8] * (vl[tx * EM, nt * 4 + e] - Y[tx * EM, nt * 4 + e])
                     else:
-                        if BF16S:
-                            gemm_s16(SM, Y, tx * EM, af, afb, bqb, lambda i, d: a_q_raw(SM, (rw(tx) - 4) * 16, i, d),
-                                     N8W, tx % 32, tx)
-                        else:
-                            gemm_s(SM, Y, tx * EM, af, bq, lambda i, d: a_q(SM, (rw(tx) - 4) * 16, i, d),
-                                   K // 8, N8W, tx % 32, tx)
+                        if "p3" not in ABL:
+                            gemm_s(SM, Y, tx * EM, af, bq, lambda i, d: a_q(SM, (tx // 32 - 4) * 16, i, d),
+                                   K // 8, N8, tx % 32)
                 # phase 4: vn_I = D_I^{-1} (R_I − Σ_{J<I} L_IJ vn_J), in place of R; warp wi
                 #          owns the n-tiles wi, wi + 8, … (warps past them idle)
                 if SYNC:
@@ -1043,38 +955,39 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                             copy_rows(SM, tx, cn, O_QR, KS, q, K, blk // NVB % H, n_tok)
                             if SYNC:
                                 ptx.commit()
-                for I in T.unroll(NSUB):
-                    for tx in THR(NT):
-                        af = T.alloc_buffer((4,), "float32", scope="local")
-                        for t in T.unroll(NTW):
-                            if tx // 32 + t * NW < N8:
-                                for e in T.unroll(4):
-                                    Z[tx * EM, t * 4 + e] = vn(SM, I * SUB + tx % 32 // 4 + e // 2 * 8, (tx // 32 + t * NW) * 8 + tx % 4 * 2 + e % 2)
-                                for ks in T.unroll(2 * NSUB - 2):
-                                    if ks < 2 * I:
-                                        frag_a(af, 0, lambda i, j: T.float32(0) - la(SM, j, I * SUB + i), tx % 32, ks * 8)
-                                        mma(Z, tx * EM, t * 4, af, 0, lambda i, j: T.float32(0) - la(SM, j, I * SUB + i),
-                                            lambda j, n: vn(SM, j, n), tx % 32, ks * 8, (tx // 32 + t * NW) * 8)
-                                for e in T.unroll(4):
-                                    SM[O_X + (I * SUB + tx % 32 // 4 + e // 2 * 8) * RS + (tx // 32 + t * NW) * 8 + tx % 4 * 2 + e % 2] = tf32(Z[tx * EM, t * 4 + e])
-                        syncwarp()
-                    for tx in THR(NT):
-                        af = T.alloc_buffer((4,), "float32", scope="local")
-                        for t in T.unroll(NTW):
-                            if tx // 32 + t * NW < N8:
-                                for e in T.unroll(4):
-                                    Z[tx * EM, t * 4 + e] = T.float32(0)
-                                for ks in T.unroll(2):
-                                    frag_a(af, 0, lambda i, j: SM[O_D + (I * SUB + i) * DS + j], tx % 32, ks * 8)
-                                    mma(Z, tx * EM, t * 4, af, 0, lambda i, j: SM[O_D + (I * SUB + i) * DS + j],
-                                        lambda j, n: vn(SM, I * SUB + j, n), tx % 32, ks * 8, (tx // 32 + t * NW) * 8)
-                        syncwarp()
-                    for tx in THR(NT):
-                        for t in T.unroll(NTW):
-                            if tx // 32 + t * NW < N8:
-                                for e in T.unroll(4):
-                                    SM[O_X + (I * SUB + tx % 32 // 4 + e // 2 * 8) * RS + (tx // 32 + t * NW) * 8 + tx % 4 * 2 + e % 2] = tf32(Z[tx * EM, t * 4 + e])
-                        syncwarp()
+                if "p4" not in ABL:
+                    for I in T.unroll(NSUB):
+                        for tx in THR(NT):
+                            af = T.alloc_buffer((4,), "float32", scope="local")
+                            for t in T.unroll(NTW):
+                                if tx // 32 + t * NW < N8:
+                                    for e in T.unroll(4):
+                                        Z[tx * EM, t * 4 + e] = vn(SM, I * SUB + tx % 32 // 4 + e // 2 * 8, (tx // 32 + t * NW) * 8 + tx % 4 * 2 + e % 2)
+                                    for ks in T.unroll(2 * NSUB - 2):
+                                        if ks < 2 * I:
+                                            frag_a(af, 0, lambda i, j: T.float32(0) - la(SM, j, I * SUB + i), tx % 32, ks * 8)
+                                            mma(Z, tx * EM, t * 4, af, 0, lambda i, j: T.float32(0) - la(SM, j, I * SUB + i),
+                                                lambda j, n: vn(SM, j, n), tx % 32, ks * 8, (tx // 32 + t * NW) * 8)
+                                    for e in T.unroll(4):
+                                        SM[O_X + (I * SUB + tx % 32 // 4 + e // 2 * 8) * RS + (tx // 32 + t * NW) * 8 + tx % 4 * 2 + e % 2] = tf32(Z[tx * EM, t * 4 + e])
+                            syncwarp()
+                        for tx in THR(NT):
+                            af = T.alloc_buffer((4,), "float32", scope="local")
+                            for t in T.unroll(NTW):
+                                if tx // 32 + t * NW < N8:
+                                    for e in T.unroll(4):
+                                        Z[tx * EM, t * 4 + e] = T.float32(0)
+                                    for ks in T.unroll(2):
+                                        frag_a(af, 0, lambda i, j: SM[O_D + (I * SUB + i) * DS + j], tx % 32, ks * 8)
+                                        mma(Z, tx * EM, t * 4, af, 0, lambda i, j: SM[O_D + (I * SUB + i) * DS + j],
+                                            lambda j, n: vn(SM, I * SUB + j, n), tx % 32, ks * 8, (tx // 32 + t * NW) * 8)
+                            syncwarp()
+                        for tx in THR(NT):
+                            for t in T.unroll(NTW):
+                                if tx // 32 + t * NW < N8:
+                                    for e in T.unroll(4):
+                                        SM[O_X + (I * SUB + tx % 32 // 4 + e // 2 * 8) * RS + (tx // 32 + t * NW) * 8 + tx % 4 * 2 + e % 2] = tf32(Z[tx * EM, t * 4 + e])
+                            syncwarp()
                 # phase 5: S ← diag(e^{Γ_last}) S + (e^{Γ_last−Γ} k)ᵀ vn (every warp, rows
                 #          16·wi …); o = Y + Aqk vn (warps 4-7, k-steps ≤ the diagonal)
                 if SYNC:
@@ -1084,28 +997,32 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                     af = T.alloc_buffer((AFN,), "float32", scope="local")
                     c0[0] = cu[blk // (H * NVB)] + c * C
                     c0[1] = cu[blk // (H * NVB) + 1]
-                    for nt in T.unroll(N8W):
+                    for nt in T.unroll(N8):
                         for e in T.unroll(4):
-                            Sr[tx * EM, nt * 4 + e] = Sr[tx * EM, nt * 4 + e] * decay(SM, rw(tx) * 16 + tx % 32 // 4 + e // 2 * 8)
-                    gemm(Sr, tx * EM, af,
-                         lambda i, j: a_kd(SM, rw(tx) * 16, i, j),
-                         lambda j, n: vn(SM, j, col(tx, n)), C // 8, N8W, tx % 32, None)
-                    for nt in T.unroll(N8W):
-                        for e in T.unroll(4):
-                            s_copy_store(SM, col(tx, nt * 8 + tx % 4 * 2 + e % 2), rw(tx) * 16 + tx % 32 // 4 + e // 2 * 8, Sr[tx * EM, nt * 4 + e])
-                    if rw(tx) >= 4:
-                        gemm(Y, tx * EM, af,
-                             lambda i, j: T.Select(j <= (rw(tx) - 4) * 16 + i, la(SM, (rw(tx) - 4) * 16 + i, j), T.float32(0)),
-                             lambda j, n: vn(SM, j, col(tx, n)), C // 8, N8W, tx % 32, (rw(tx) - 4) * 2 + 1)
-                        for nt in T.unroll(N8W):
+                            Sr[tx * EM, nt * 4 + e] = Sr[tx * EM, nt * 4 + e] * decay(SM, tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8)
+                    if "s" not in ABL:
+                        gemm(Sr, tx * EM, af,
+                             lambda i, j: a_kd(SM, tx // 32 * 16, i, j),
+                             lambda j, n: vn(SM, j, n), C // 8, N8, tx % 32, None)
+                    if "scopy" not in ABL:
+                        for nt in T.unroll(N8):
                             for e in T.unroll(4):
-                                if c0[0] + (rw(tx) - 4) * 16 + tx % 32 // 4 + e // 2 * 8 < c0[1]:
-                                    o[c0[0] + (rw(tx) - 4) * 16 + tx % 32 // 4 + e // 2 * 8, blk // NVB % H, blk % NVB * BV + col(tx, nt * 8 + tx % 4 * 2 + e % 2)] = Y[tx * EM, nt * 4 + e]
+                                SM[O_SS + (nt * 8 + tx % 4 * 2 + e % 2) * SN + tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8] = tf32(Sr[tx * EM, nt * 4 + e])
+                    if tx // 32 >= 4:
+                        if "o" not in ABL:
+                            gemm(Y, tx * EM, af,
+                                 lambda i, j: T.Select(j <= (tx // 32 - 4) * 16 + i, la(SM, (tx // 32 - 4) * 16 + i, j), T.float32(0)),
+                                 lambda j, n: vn(SM, j, n), C // 8, N8, tx % 32, (tx // 32 - 4) * 2 + 1)
+                        if "ost" not in ABL:
+                            for nt in T.unroll(N8):
+                                for e in T.unroll(4):
+                                    if c0[0] + (tx // 32 - 4) * 16 + tx % 32 // 4 + e // 2 * 8 < c0[1]:
+                                        o[c0[0] + (tx // 32 - 4) * 16 + tx % 32 // 4 + e // 2 * 8, blk // NVB % H, blk % NVB * BV + nt * 8 + tx % 4 * 2 + e % 2] = Y[tx * EM, nt * 4 + e]
             # registers → the pooled state
             for tx in THR(NT):
-                for nt in T.unroll(N8W):
+                for nt in T.unroll(N8):
                     for e in T.unroll(4):
-                        S[layer, slots[blk // (H * NVB)], blk // NVB % H, rw(tx) * 16 + tx % 32 // 4 + e // 2 * 8, blk % NVB * BV + col(tx, nt * 8 + tx % 4 * 2 + e % 2)] = Sr[tx * EM, nt * 4 + e]
+                        S[layer, slots[blk // (H * NVB)], blk // NVB % H, tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8, blk % NVB * BV + nt * 8 + tx % 4 * 2 + e % 2] = Sr[tx * EM, nt * 4 + e]
 
     if stage == "intra" and PRE:
         @T.prim_func(private=True)

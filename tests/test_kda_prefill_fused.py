@@ -56,20 +56,15 @@ def _check_outputs(o, pool, o_ref, ref_pool, slots):
     np.testing.assert_array_equal(pool[untouched], ref_pool[untouched])
 
 
-@pytest.mark.parametrize("block_v,a_batch,lens,initial_state,p2_pairs,warps", [
-    (16, 8, [1, 65, 15, 64], True, False, 8),
-    (64, 4, [63, 129], False, False, 8),
-    (128, 8, [129, 1], True, False, 8),
-    (32, 8, [1, 65, 15, 64], True, True, 8),
-    # 16 warps: two per 16-row block in phases 3 and 5, each on half of the block's columns
-    (128, 4, [1, 65, 15, 64], True, True, 16),
-    (64, 8, [63, 129], False, False, 16),
-    # bf16_s: phase 3's S copy in bf16 at its bf16 indices (emulated as fp32 values there)
-    (128, 4, [1, 65, 15, 64], True, True, "bf16_s"),
+@pytest.mark.parametrize("block_v,a_batch,lens,initial_state,p2_pairs,p2_wide", [
+    (16, 8, [1, 65, 15, 64], True, False, False),
+    (64, 4, [63, 129], False, False, False),
+    (128, 8, [129, 1], True, False, False),
+    (32, 8, [1, 65, 15, 64], True, True, False),
     # p2_wide: phase 2's rounds as pairs of n-tiles per warp (each A fragment loaded once for two)
-    (32, 8, [1, 65, 15, 64, 130], True, True, "p2_wide"),
+    (32, 8, [1, 65, 15, 64, 130], True, True, True),
 ])
-def test_emulated_fused_kernel_matches_reference(block_v, a_batch, lens, initial_state, p2_pairs, warps):
+def test_emulated_fused_kernel_matches_reference(block_v, a_batch, lens, initial_state, p2_pairs, p2_wide):
     import tvm
 
     H, K = 2, 128
@@ -78,9 +73,8 @@ def test_emulated_fused_kernel_matches_reference(block_v, a_batch, lens, initial
         pool[:] = 0
     ref_pool = pool.copy()
     o_ref = kda_prefill_reference(q, k, v, g, beta, cu, slots, ref_pool, 1, K ** -0.5)
-    opts = {warps: True} if isinstance(warps, str) else {"warps": warps}
     f = kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=block_v, a_batch=a_batch,
-                                 p2_pairs=p2_pairs, emulate=True, **opts)
+                                 p2_pairs=p2_pairs, p2_wide=p2_wide, emulate=True)
     lib = _llvm(f)
     A = tvm.runtime.tensor
     pt, o = A(pool), A(np.full(v.shape, np.nan, np.float32))
@@ -92,8 +86,8 @@ def test_emulated_fused_kernel_matches_reference(block_v, a_batch, lens, initial
     (16, [1, 65, 15, 64, 130], True, False, {}),
     (64, [63, 129], False, False, {}),
     (32, [1, 70, 64], True, True, {}),
-    # the intra kernel's phase 2 by pairs of n-tiles, the state kernel's phase 3 on bf16 operands
-    (16, [65, 15, 64], True, True, {"p2_wide": True, "bf16_s": True}),
+    # the intra kernel's phase 2 by pairs of n-tiles
+    (16, [65, 15, 64], True, True, {"p2_wide": True}),
 ])
 def test_emulated_split_form_matches_reference(block_v, lens, initial_state, preprocess, opts):
     """The split form: every chunk's Γ-scaled operands, L / Aqk and D^{-1} by the intra kernel
@@ -114,7 +108,7 @@ def test_emulated_split_form_matches_reference(block_v, lens, initial_state, pre
     intra = _llvm(kda_prefill_split_intra_kernel(H, K, K ** -0.5, lower_bound=lb, emulate=True,
                                                  p2_wide=opts.get("p2_wide", False)))
     state = _llvm(kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=block_v, a_batch=8, split=True,
-                                           lower_bound=lb, emulate=True, bf16_s=opts.get("bf16_s", False)))
+                                           lower_bound=lb, emulate=True))
     A = tvm.runtime.tensor
     B = len(lens)
     ka, qa, kd, gl, la, dinv = _split_scratch(q.shape[0], B, H)
@@ -234,40 +228,6 @@ def test_ldsm_rows_give_the_tf32_b_fragments():
             assert got == want, (n0, k0, t)
         # each 16-byte row read starts 16-byte aligned when the row stride is a multiple of 4
         assert all(k % 4 == 0 for _, k in rows)
-
-
-def test_bf16_fragment_maps_give_the_m16n8k16_operands():
-    """The ``bf16_s`` phase-3 maps replayed lane by lane against the PTX ISA's bf16
-    ``mma.m16n8k16`` fragments: ``bf16_a_elem`` must give thread t (g, q) = (t // 4, t % 4) the
-    A elements a0..a7 = (g, 2q), (g, 2q+1), (g+8, 2q), (g+8, 2q+1), (g, 2q+8), (g, 2q+9),
-    (g+8, 2q+8), (g+8, 2q+9) in registers 0-3 (low half first); ``ldsm_b_row(..., k_half=8)``
-    must make ldmatrix.x4 (b16: matrix m's rows from lanes 8m … 8m+7, thread t gets the two
-    b16 elements 2(t % 4), 2(t % 4) + 1 of its row t // 4) deliver b0b1 = B[k0 + 2q, +1][n0 + g],
-    b2b3 = B[k0 + 2q + 8, +9][n0 + g] of n-tiles n0 and n0 + 8 from a column-major B."""
-    from schedules.kda_prefill_fused import bf16_a_elem, ldsm_b_row
-
-    ptx_a = [(0, 0), (0, 1), (8, 0), (8, 1), (0, 8), (0, 9), (8, 8), (8, 9)]   # a0..a7: (row − g, k − 2q)
-    for t in range(32):
-        g, q = t // 4, t % 4
-        got = [bf16_a_elem(t, r, h) for r in range(4) for h in range(2)]
-        assert got == [(g + dr, 2 * q + dk) for dr, dk in ptx_a], t
-    rng = np.random.default_rng(1)
-    Bm = rng.standard_normal((64, 40))        # B[k, n]
-    colmajor = Bm.T.copy()                    # row n holds B[:, n], k contiguous
-    for n0, k0 in ((0, 0), (16, 16), (24, 48)):
-        rows = [ldsm_b_row(lane, n0, k0, 8) for lane in range(32)]
-        for t in range(32):
-            g, q = t // 4, t % 4
-            got = []
-            for m in range(4):
-                n, k = rows[8 * m + g]
-                got.append((colmajor[n, k + 2 * q], colmajor[n, k + 2 * q + 1]))
-            want = [(Bm[k0 + 2 * q, n0 + g], Bm[k0 + 2 * q + 1, n0 + g]),
-                    (Bm[k0 + 2 * q + 8, n0 + g], Bm[k0 + 2 * q + 9, n0 + g]),
-                    (Bm[k0 + 2 * q, n0 + 8 + g], Bm[k0 + 2 * q + 1, n0 + 8 + g]),
-                    (Bm[k0 + 2 * q + 8, n0 + 8 + g], Bm[k0 + 2 * q + 9, n0 + 8 + g])]
-            assert got == want, (n0, k0, t)
-        assert all(k % 8 == 0 for _, k in rows)   # 16-byte aligned row reads
 
 
 def test_fused_kernel_rejects_unsupported_sizes():

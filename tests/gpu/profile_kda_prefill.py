@@ -8,6 +8,12 @@ GPU machine (runtime-only TVM): ``ncu --kernel-name regex:intra --launch-skip 1 
 --set full python3 tests/gpu/profile_kda_prefill.py run dist/kdaprof [H] [T]`` runs every
 kernel twice on one sequence of ``T`` tokens (8192) with random inputs (q, k unit rows, g in
 (-5, 0), β in (0, 1)). Timing only: nothing is checked (benchmarks/kda.py checks them).
+
+``phases-build DIR [H]`` / ``phases-run DIR [H] RESULT.json``: the fused kernel as dispatched,
+once whole and once without each part of a chunk's work (``ablate``: phase 1's copies, phase
+2, D^{-1}, phase 3's products, phase 4, phase 5's S update, its o; then all of the math), timed
+side by side at 8192 tokens and at 4 × 2048: the time a part saves is what it costs on the
+chunk's critical path (its results are then wrong).
 """
 
 import sys
@@ -88,10 +94,106 @@ def run(out: Path, H: int, T: int) -> None:
     torch.cuda.synchronize()
 
 
+# the ablations of ``phases``: (name, phases left out of the fused kernel); "none" is the kernel
+# as the model dispatches it (relax_modules/kda.py: the L2 norms, gate and β inside)
+ABLATIONS = (("none", ()), ("stage", ("stage",)), ("p2", ("p2",)), ("dinv", ("dinv",)), ("p3", ("p3",)),
+             ("p4", ("p4",)), ("s", ("s",)), ("o", ("o",)),
+             ("all_mma", ("p2", "dinv", "p3", "p4", "s", "o")),
+             # ... and then the rest, part by part, down to the copies and barriers alone
+             ("no_gamma", ("p2", "dinv", "p3", "p4", "s", "o", "gamma")),
+             ("no_vl", ("p2", "dinv", "p3", "p4", "s", "o", "gamma", "vl")),
+             ("no_stores", ("p2", "dinv", "p3", "p4", "s", "o", "gamma", "vl", "scopy", "ost")),
+             ("barriers", ("p2", "dinv", "p3", "p4", "s", "o", "gamma", "vl", "scopy", "ost", "stage")),
+             ("gamma", ("gamma",)))
+LOWER_BOUND = -5.0
+
+
+def build_phases(out: Path, H: int) -> None:
+    """The fused kernel as dispatched at ``H`` heads, once per entry of ABLATIONS
+    (``kda_prefill_phases.so``, functions ``fused_<name>``)."""
+    import tvm
+
+    from k3_compile.device_code import precompiled_cuda
+    from relax_modules.kda import prefill_dispatch
+    from schedules.barriers import respect_manual_barriers
+    from schedules.kda_prefill_fused import kda_prefill_fused_kernel
+    from targets import get_target
+
+    bv, ab = prefill_dispatch(max(H, 48))[1:]
+    fs = {f"fused_{name}": kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=bv, a_batch=ab, p2_pairs=True,
+                                                    ldsm=True, p2_wide=True, lower_bound=LOWER_BOUND,
+                                                    ablate=frozenset(abl))
+          for name, abl in ABLATIONS}
+    mod = tvm.IRModule({n: f.with_attr("global_symbol", n) for n, f in fs.items()})
+    with precompiled_cuda(get_target("cuda-sm90a").nvcc_arch, options=("--ptxas-options=--register-usage-level=5",)), \
+            respect_manual_barriers():
+        lib = tvm.compile(mod, target=get_target("cuda-sm90a").tvm_target())
+    out.mkdir(parents=True, exist_ok=True)
+    lib.export_library(str(out / "kda_prefill_phases.so"))
+    print("built", out / "kda_prefill_phases.so")
+
+
+def run_phases(out: Path, H: int, result: Path) -> None:
+    """Time each ablation at one sequence of 8192 tokens and at 4 × 2048 (CUDA events, median of
+    5 interleaved rounds of 5 calls) → ``result`` (JSON): ms per variant, and per left-out part
+    the time it saves (its cost on the critical path)."""
+    import json
+    import statistics
+    import subprocess
+    import time
+
+    import torch
+    import tvm
+
+    from k3_compile.device_code import load_cuda_runtime
+
+    load_cuda_runtime()
+    lib = tvm.runtime.load_module(str(out / "kda_prefill_phases.so"))
+    dev = torch.device("cuda")
+    t = tvm.runtime.from_dlpack
+    res = {"machine": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
+           "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    cwd=ROOT).stdout.strip() or None,
+           "heads": H, "lower_bound": LOWER_BOUND, "shapes": []}
+    for lens in ((8192,), (2048,) * 4):
+        T, B = sum(lens), len(lens)
+        raw = [torch.randn(T, H, K, device=dev) for _ in range(4)] + [torch.randn(T, H, device=dev)]
+        A_log = torch.log(torch.empty(H, device=dev).uniform_(1, 16))
+        dt_bias = torch.randn(H * K, device=dev) * 0.5
+        cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(B)], dtype=torch.int32, device=dev)
+        slots = torch.arange(B, dtype=torch.int32, device=dev)
+        state = torch.zeros(1, B, H, K, K, device=dev)
+        o = torch.empty(T, H, K, device=dev)
+        args = [t(x) for x in raw] + [t(A_log), t(dt_bias), t(cu), t(slots), t(state), 0, t(o)]
+        times = {name: [] for name, _ in ABLATIONS}
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for name, _ in ABLATIONS:   # warm-up
+            lib[f"fused_{name}"](*args)
+        for _ in range(5):
+            for name, _ in ABLATIONS:
+                f = lib[f"fused_{name}"]
+                start.record()
+                for _ in range(5):
+                    f(*args)
+                end.record()
+                torch.cuda.synchronize()
+                times[name].append(start.elapsed_time(end) / 5)
+        ms = {n: statistics.median(v) for n, v in times.items()}
+        row = {"lens": list(lens), "ms": ms, "saved_ms": {n: ms["none"] - v for n, v in ms.items() if n != "none"},
+               "per_chunk_us": {n: v * 1e3 / (lens[0] // 64) / (3 if B > 1 else 1) for n, v in ms.items()}}
+        print(json.dumps(row))
+        res["shapes"].append(row)
+    result.write_text(json.dumps(res, indent=1))
+
+
 if __name__ == "__main__":
     step, out = sys.argv[1], Path(sys.argv[2])
     H = int(sys.argv[3]) if len(sys.argv) > 3 else 96
     if step == "build":
         build(out, H)
+    elif step == "phases-build":   # the fused kernel with parts left out (ABLATIONS)
+        build_phases(out, H)
+    elif step == "phases-run":     # ... timed: phases-run DIR H RESULT.json
+        run_phases(out, H, Path(sys.argv[4]))
     else:
         run(out, H, int(sys.argv[4]) if len(sys.argv) > 4 else 8192)
