@@ -51,14 +51,16 @@ def prefill_dispatch(heads: int) -> tuple[str, int | None, int | None]:
     (benchmarks/results/kda_prefill_split_h200_2026-11-30.json):
 
     - from 48 heads the fused one-kernel form (schedules/kda_prefill_fused.py, ``p2_pairs``,
-      ``ldsm`` and ``p2_wide``; one block per sequence, head and block_v columns): 128 columns from 96 heads
-      (K3: 2.88 ms at 8192 tokens, 2.17 ms at 4 × 2048; the split form at best 3.51 / 3.20 ms), 64
-      below (not measured at 48);
+      ``ldsm``, ``p2_wide``, ``v_async`` and ``fast_gate``; one block per sequence, head and
+      block_v columns): 128 columns from 96 heads (K3 with the L2 norms, gate and β inside:
+      2.79 ms at 8192 tokens, 2.12 ms at 4 × 2048,
+      benchmarks/results/kda_prefill_final_h200_2026-12-01.json; the split form at best 3.51 /
+      3.20 ms without them), 64 below (not measured at 48);
     - below 48 heads the split form (all chunks' intra part in parallel, then ~5.5 µs per
       chunk of state pass), its block_v chosen at run time by the number of sequences
       (schedules.kda_prefill_fused.split_block_v): 12 heads, one sequence of 8192 tokens 0.92
       ms at 16 columns (32: 0.99; the fused kernel at best 1.79), four of 2048 0.52 ms at 64
-      (32: 0.63, 16: 0.77).
+      (32: 0.63, 16: 0.77); as dispatched now, with the preprocessing, 0.91 / 0.52 ms.
 
     a_batch 4 at 128 columns keeps ptxas at 255 registers without spills."""
     if heads >= 96:
@@ -246,13 +248,13 @@ class KimiDeltaAttention(nn.Module):
 
     def _fused_prefill(self, ins, meta, kda_state, kda_index, lower_bound):
         """Step 5 (with ``lower_bound`` also 2-4) in the fused kernel (``p2_pairs``, ``ldsm``,
-        ``p2_wide``; ``prefill_tiling``): ``ins`` = q, k, v, g, β — or the raw q, k, v, f, b, A_log, dt_bias;
+        ``p2_wide``, ``v_async``, ``fast_gate``; ``prefill_tiling``): ``ins`` = q, k, v, g, β — or the raw q, k, v, f, b, A_log, dt_bias;
         the state in place. Returns ``(kda_state, o [T, H, K] f32)``."""
         T, H, K = ins[0].shape[0], self.H, self.K
         bv, ab = self.prefill_tiling
         return op.tensor_ir_inplace_op(
             kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=bv, a_batch=ab, p2_pairs=True, ldsm=True,
-                                     p2_wide=True, lower_bound=lower_bound),
+                                     p2_wide=True, v_async=True, fast_gate=True, lower_bound=lower_bound),
             "kda_prefill_fused" + ("_pre" if lower_bound is not None else ""),
             ins + [meta.cu_seqlens, meta.seq_slots, kda_state, _i32(kda_index)],
             [len(ins) + 2, -1], [nn.Tensor.placeholder(kda_state.shape, "float32"),
@@ -266,7 +268,8 @@ class KimiDeltaAttention(nn.Module):
         T, H, K = v.shape[0], self.H, self.K
         B = meta.seq_slots.shape[0]
         f32 = "float32"
-        intra = kda_prefill_split_intra_kernel(H, K, K ** -0.5, lower_bound=lower_bound, p2_wide=True)
+        intra = kda_prefill_split_intra_kernel(H, K, K ** -0.5, lower_bound=lower_bound, p2_wide=True,
+                                               fast_gate=True)
         # e^Γ k, scale e^Γ q, e^{Γ_last−Γ} k, e^{Γ_last} per chunk, L / Aqk and D^{-1} rows; ka
         # is written in place into an uninitialized buffer (a call_tir_inplace needs one in-place
         # output; the kernel writes every row of a sequence token)

@@ -85,9 +85,10 @@ fp32 inputs; fla's gated call on bf16 inputs):
   0.50 and 0.96 / 0.57 ms (``kda_prefill_split_early_h200_2026-11-30.json``).
 
 ``p2_pairs`` (3-7% faster, ``kda_prefill_p2_ldsm_h200_2026-11-30.json``), ``ldsm`` (0-2%
-more with ``p2_pairs``, ``kda_prefill_split_v1_h200_2026-11-30.json``) and ``p2_wide`` (3-4%
-more, ``kda_prefill_p2w_h200_2026-12-01.json``: 2.89 / 2.21 ms at 96 heads with the
-preprocessing, 0.94 / 0.55 ms at 12 in the split form) are measured; the model uses all three.
+more with ``p2_pairs``, ``kda_prefill_split_v1_h200_2026-11-30.json``), ``p2_wide`` (3-4%
+more, ``kda_prefill_p2w_h200_2026-12-01.json``) and ``v_async`` with ``fast_gate`` (another
+~4%) are measured; the model uses all five (``kda_prefill_final_h200_2026-12-01.json``: 2.79 /
+2.12 ms at 96 heads with the preprocessing, 0.91 / 0.52 ms at 12 in the split form).
 Where a chunk's time goes (``ablate``, ``kda_prefill_phases_h200_2026-12-01.json``): docs/DESIGN.md.
 
 ``emulate=True`` builds the same loop nest with the block / thread loops serial and every
@@ -109,9 +110,11 @@ from schedules.kda_prefill_tc import mma_tf32_macros
 NT = 256                 # threads per block (8 warps)
 BLOCK_V = (16, 32, 64, 128)   # supported columns of V per block
 # the work ``ablate`` can leave out of the fused kernel (timing diagnostics; the results are then
-# wrong): phase 1's copies, its Γ (with the norms / gate), phase 2, D^{-1}, phase 3's v loads and
+# wrong): phase 1's copies, its Γ with the norms and gate (or the Γ / gate cumsum or the norms
+# alone), phase 2, D^{-1}, phase 3's v loads and
 # products, phase 4, phase 5's S update, S copy, o products and o stores
-ABLATE_PHASES = frozenset({"stage", "gamma", "p2", "dinv", "vl", "p3", "p4", "s", "scopy", "o", "ost"})
+ABLATE_PHASES = frozenset({"stage", "gamma", "cumsum", "norms", "p2", "dinv", "vl", "p3", "p4", "s", "scopy", "o",
+                           "ost"})
 
 SYNCWARP_SRC = r"""
 __device__ __forceinline__ void k3_syncwarp() { __syncwarp(); }
@@ -147,6 +150,13 @@ EX2_SRC = r"""
 __device__ __forceinline__ float k3_ex2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+"""
+RCP_SRC = r"""
+__device__ __forceinline__ float k3_rcp(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
 """
@@ -234,6 +244,16 @@ def _ex2(emulate: bool):
     return lambda x: cuda_func_call("k3_ex2", x, source_code=EX2_SRC, return_type="float32")
 
 
+def _rcp(emulate: bool):
+    """1/x: ``rcp.approx.ftz.f32`` on the GPU (max error 1 ulp, PTX ISA; 1/inf = 0), a division
+    emulated."""
+    if emulate:
+        return lambda x: T.float32(1) / x
+    from tvm.backend.cuda.op import cuda_func_call
+
+    return lambda x: cuda_func_call("k3_rcp", x, source_code=RCP_SRC, return_type="float32")
+
+
 def _warp_sum(emulate: bool):
     """The sum of x over the warp's 32 lanes, in every lane (``shfl.xor`` butterfly); not
     available emulated (callers take another path there)."""
@@ -254,7 +274,8 @@ def ld(buf, t, end, n_tok, h, d):
 def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int = 64,
                              a_batch: int = 8, lower_bound: float | None = None,
                              p2_pairs: bool = False, ldsm: bool = False, split: bool = False,
-                             p2_wide: bool = False, ablate: frozenset = frozenset(), emulate: bool = False):
+                             p2_wide: bool = False, v_async: bool = False, fast_gate: bool = False,
+                             ablate: frozenset = frozenset(), emulate: bool = False):
     """The fused chunked prefill, one block per (sequence, head, ``block_v`` columns of V).
     PrimFunc arguments::
 
@@ -310,6 +331,16 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
     rounds instead of 6 and 14 tiles: ~1300 fewer shared-memory wavefronts per chunk;
     H200: 3-4% faster at 96 heads, ``kda_prefill_p2w_h200_2026-12-01.json``).
 
+    ``v_async``: phase 3's R warps copy their 16 rows of v by 16-byte ``cp.async`` into the vn
+    region (free once phase 2 has read its ka / qa there) at the start of phase 3 and form R
+    in place after their products, instead of 64 scalar loads per thread from L2 into
+    registers.
+
+    ``fast_gate`` (with ``lower_bound``): the gate's σ by ``rcp.approx`` and rows past the
+    sequence end masked by a multiply, so that the Γ cumsum has no IEEE division and no branch
+    per row (nvcc turned the ``div.rn`` of lb / (1 + 2^x) and its row test into a branch per
+    row, serializing the column's 64 rows).
+
     ``ablate`` (a subset of ``ABLATE_PHASES``, a diagnostic): leave that work out, barriers
     kept, so that the time it saves is its cost on the chunk's critical path; the results are
     wrong (``tests/gpu/profile_kda_prefill.py phases``).
@@ -324,7 +355,7 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
     if split:
         return _split_state(H, K, V, scale, lower_bound, ((block_v, a_batch),), ldsm, emulate)
     return _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulate, "fused",
-                  p2_wide=p2_wide, ablate=ablate)
+                  p2_wide=p2_wide, v_async=v_async, fast_gate=fast_gate, ablate=ablate)
 
 
 # the split state kernel's block_v by the number of sequences B (``kda_prefill_split_state_kernel``):
@@ -412,7 +443,8 @@ def _split_state(H, K, V, scale, lower_bound, tilings, ldsm, emulate, early_kq=F
 
 @functools.cache
 def kda_prefill_split_intra_kernel(H: int, K: int, scale: float, lower_bound: float | None = None,
-                                   p2_pairs: bool = True, p2_wide: bool = False, emulate: bool = False):
+                                   p2_pairs: bool = True, p2_wide: bool = False, fast_gate: bool = False,
+                                   emulate: bool = False):
     """The first kernel of the split form: phases 1-2 and D^{-1} of the fused kernel for every
     chunk of every sequence in parallel, one block per (chunk, head) — the state-independent
     part, so that :func:`kda_prefill_fused_kernel` with ``split`` does only phases 3-5 per chunk
@@ -438,11 +470,12 @@ def kda_prefill_split_intra_kernel(H: int, K: int, scale: float, lower_bound: fl
     Rows are tokens (row i of chunk c of sequence b is token cu[b] + 64c + i); rows past a
     sequence's end are not written. Grid: (⌈T/64⌉ + B)·H blocks, those past the last chunk
     idle. Raises ValueError for K ≠ 128 or lb outside [−5.5, 0)."""
-    return _build(H, K, K, scale, 16, 8, lower_bound, p2_pairs, False, emulate, "intra", p2_wide=p2_wide)
+    return _build(H, K, K, scale, 16, 8, lower_bound, p2_pairs, False, emulate, "intra", p2_wide=p2_wide,
+                  fast_gate=fast_gate)
 
 
 def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulate, stage, early_kq=False,
-           p2_wide=False, ablate=frozenset()):
+           p2_wide=False, ablate=frozenset(), v_async=False, fast_gate=False):
     """The kernels of this module (``stage``: "fused", "intra" or "state") over one set of
     shared-memory regions and macros. ``early_kq`` (state): the next chunk's e^Γ k and scale·e^Γ q
     are copied as soon as phase 3 has read this chunk's (start of phase 4), not in phase 1."""
@@ -459,6 +492,8 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
         raise ValueError("p2_wide widens the rounds of p2_pairs: set p2_pairs too")
     P2W = p2_wide
     ABL = frozenset(ablate)
+    VASYNC = v_async and stage == "fused"
+    FAST_GATE = fast_gate
     if not ABL <= ABLATE_PHASES or (ABL and stage != "fused"):
         raise ValueError(f"ablate={sorted(ABL)}: a subset of {sorted(ABLATE_PHASES)}, fused kernel only")
     BV, AB = block_v, a_batch
@@ -500,6 +535,7 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
         raise ValueError(f"block_v={BV} needs {NSM * 4} bytes of shared memory (> 227 KB)")
     frag_a, mma, mma_rb, syncwarp, prefetch = _macros(emulate)
     ex2 = _ex2(emulate)
+    rcp = _rcp(emulate)
     tf32 = _tf32(emulate)
     warp_sum = _warp_sum(emulate)
     if not emulate:
@@ -537,6 +573,9 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
         return SM[O_GL + d] if SPL else ex2(gm(SM, C - 1, d))
 
     def gamma_term(SM, gs, i, tx, c0, end):   # log2(e)·g of row i, column tx (gamma_cumsum)
+        if PRE and FAST_GATE:   # branch-free: σ by rcp.approx, rows past the end masked by a multiply
+            return T.float32(LB * LOG2E) * rcp(T.float32(1) + ex2(
+                T.float32(-LOG2E) * gs[1] * (gm(SM, i, tx) + gs[2]))) * T.Cast("float32", c0 + i < end)
         if PRE:
             return T.Select(c0 + i < end, T.float32(LB * LOG2E) / (T.float32(1) + ex2(
                 T.float32(-LOG2E) * gs[1] * (gm(SM, i, tx) + gs[2]))), T.float32(0))
@@ -724,8 +763,10 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
             T.tvm_storage_sync("shared")
         if PRE:
             for tx in THR(NT):
-                gamma_cumsum(SM, tx, c0s, end, A_log[h], dt_bias, h)
-                row_norms(SM, tx, 0)
+                if "cumsum" not in ABL:
+                    gamma_cumsum(SM, tx, c0s, end, A_log[h], dt_bias, h)
+                if "norms" not in ABL:
+                    row_norms(SM, tx, 0)
             if not SYNC:   # emulated: the norms of every row first, then the scaling
                 for tx in THR(NT):
                     row_norms(SM, tx, 1)
@@ -928,15 +969,35 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                         Y[tx * EM, r] = T.float32(0)
                     if tx // 32 < 4:
                         if "vl" not in ABL:
-                            for nt in T.unroll(N8):
-                                for e in T.unroll(4):
-                                    vl[tx * EM, nt * 4 + e] = ld(v, c0[0] + tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8, c0[1], n_tok, blk // NVB % H, blk % NVB * BV + nt * 8 + tx % 4 * 2 + e % 2)
+                            if VASYNC and SYNC:   # the warp's 16 rows of v → the vn region (R goes there)
+                                for it in T.unroll(16 * BV // 4 // 32):
+                                    ptx.cp_async16(
+                                        T.address_of(SM[O_X + (tx // 32 * 16 + (it * 32 + tx % 32) // (BV // 4)) * RS + (it * 32 + tx % 32) % (BV // 4) * 4]),
+                                        T.address_of(v[T.min(c0[0] + tx // 32 * 16 + (it * 32 + tx % 32) // (BV // 4), c0[1] - 1), blk // NVB % H, blk % NVB * BV + (it * 32 + tx % 32) % (BV // 4) * 4]),
+                                        c0[0] + tx // 32 * 16 + (it * 32 + tx % 32) // (BV // 4) < c0[1])
+                                ptx.commit()
+                            elif VASYNC:   # emulated: the thread's own elements, where R goes
+                                for nt in T.unroll(N8):
+                                    for e in T.unroll(4):
+                                        SM[O_X + (tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8) * RS + nt * 8 + tx % 4 * 2 + e % 2] = ld(v, c0[0] + tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8, c0[1], n_tok, blk // NVB % H, blk % NVB * BV + nt * 8 + tx % 4 * 2 + e % 2)
+                            else:
+                                for nt in T.unroll(N8):
+                                    for e in T.unroll(4):
+                                        vl[tx * EM, nt * 4 + e] = ld(v, c0[0] + tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8, c0[1], n_tok, blk // NVB % H, blk % NVB * BV + nt * 8 + tx % 4 * 2 + e % 2)
                         if "p3" not in ABL:
                             gemm_s(SM, Y, tx * EM, af, bq, lambda i, d: a_k(SM, tx // 32 * 16, i, d),
                                    K // 8, N8, tx % 32)
-                        for nt in T.unroll(N8):
-                            for e in T.unroll(4):
-                                SM[O_X + (tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8) * RS + nt * 8 + tx % 4 * 2 + e % 2] = SM[O_BT + tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8] * (vl[tx * EM, nt * 4 + e] - Y[tx * EM, nt * 4 + e])
+                        if VASYNC:   # R in place of the v rows (the warp's own copies: wait, then a warp sync)
+                            if SYNC:
+                                ptx.wait(0)
+                            syncwarp()
+                            for nt in T.unroll(N8):
+                                for e in T.unroll(4):
+                                    SM[O_X + (tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8) * RS + nt * 8 + tx % 4 * 2 + e % 2] = SM[O_BT + tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8] * (SM[O_X + (tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8) * RS + nt * 8 + tx % 4 * 2 + e % 2] - Y[tx * EM, nt * 4 + e])
+                        else:
+                            for nt in T.unroll(N8):
+                                for e in T.unroll(4):
+                                    SM[O_X + (tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8) * RS + nt * 8 + tx % 4 * 2 + e % 2] = SM[O_BT + tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8] * (vl[tx * EM, nt * 4 + e] - Y[tx * EM, nt * 4 + e])
                     else:
                         if "p3" not in ABL:
                             gemm_s(SM, Y, tx * EM, af, bq, lambda i, d: a_q(SM, (tx // 32 - 4) * 16, i, d),

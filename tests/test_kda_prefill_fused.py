@@ -56,15 +56,16 @@ def _check_outputs(o, pool, o_ref, ref_pool, slots):
     np.testing.assert_array_equal(pool[untouched], ref_pool[untouched])
 
 
-@pytest.mark.parametrize("block_v,a_batch,lens,initial_state,p2_pairs,p2_wide", [
-    (16, 8, [1, 65, 15, 64], True, False, False),
-    (64, 4, [63, 129], False, False, False),
-    (128, 8, [129, 1], True, False, False),
-    (32, 8, [1, 65, 15, 64], True, True, False),
-    # p2_wide: phase 2's rounds as pairs of n-tiles per warp (each A fragment loaded once for two)
-    (32, 8, [1, 65, 15, 64, 130], True, True, True),
+@pytest.mark.parametrize("block_v,a_batch,lens,initial_state,p2_pairs,opts", [
+    (16, 8, [1, 65, 15, 64], True, False, {}),
+    (64, 4, [63, 129], False, False, {}),
+    (128, 8, [129, 1], True, False, {}),
+    (32, 8, [1, 65, 15, 64], True, True, {}),
+    # p2_wide: phase 2's rounds as pairs of n-tiles per warp (each A fragment loaded once for two);
+    # v_async: phase 3's v rows staged in the vn region, R formed in place
+    (32, 8, [1, 65, 15, 64, 130], True, True, {"p2_wide": True, "v_async": True}),
 ])
-def test_emulated_fused_kernel_matches_reference(block_v, a_batch, lens, initial_state, p2_pairs, p2_wide):
+def test_emulated_fused_kernel_matches_reference(block_v, a_batch, lens, initial_state, p2_pairs, opts):
     import tvm
 
     H, K = 2, 128
@@ -74,7 +75,7 @@ def test_emulated_fused_kernel_matches_reference(block_v, a_batch, lens, initial
     ref_pool = pool.copy()
     o_ref = kda_prefill_reference(q, k, v, g, beta, cu, slots, ref_pool, 1, K ** -0.5)
     f = kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=block_v, a_batch=a_batch,
-                                 p2_pairs=p2_pairs, p2_wide=p2_wide, emulate=True)
+                                 p2_pairs=p2_pairs, emulate=True, **opts)
     lib = _llvm(f)
     A = tvm.runtime.tensor
     pt, o = A(pool), A(np.full(v.shape, np.nan, np.float32))
@@ -86,8 +87,8 @@ def test_emulated_fused_kernel_matches_reference(block_v, a_batch, lens, initial
     (16, [1, 65, 15, 64, 130], True, False, {}),
     (64, [63, 129], False, False, {}),
     (32, [1, 70, 64], True, True, {}),
-    # the intra kernel's phase 2 by pairs of n-tiles
-    (16, [65, 15, 64], True, True, {"p2_wide": True}),
+    # the intra kernel's phase 2 by pairs of n-tiles and its gate's σ by a reciprocal
+    (16, [65, 15, 64], True, True, {"p2_wide": True, "fast_gate": True}),
 ])
 def test_emulated_split_form_matches_reference(block_v, lens, initial_state, preprocess, opts):
     """The split form: every chunk's Γ-scaled operands, L / Aqk and D^{-1} by the intra kernel
@@ -106,7 +107,8 @@ def test_emulated_split_form_matches_reference(block_v, lens, initial_state, pre
     o_ref = kda_prefill_reference(q, k, v, g, beta, cu, slots, ref_pool, 1, K ** -0.5)
     lb = -5.0 if preprocess else None
     intra = _llvm(kda_prefill_split_intra_kernel(H, K, K ** -0.5, lower_bound=lb, emulate=True,
-                                                 p2_wide=opts.get("p2_wide", False)))
+                                                 p2_wide=opts.get("p2_wide", False),
+                                                 fast_gate=opts.get("fast_gate", False)))
     state = _llvm(kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=block_v, a_batch=8, split=True,
                                            lower_bound=lb, emulate=True))
     A = tvm.runtime.tensor
@@ -185,8 +187,10 @@ def _raw_inputs(lens, H, K=128, seed=0):
     return raw, pre, cu, slots, pool
 
 
-def test_emulated_fused_kernel_with_preprocessing_matches_reference():
-    """lower_bound mode: L2 norms of q and k, the gate and β inside the kernel."""
+@pytest.mark.parametrize("fast_gate", [False, True])
+def test_emulated_fused_kernel_with_preprocessing_matches_reference(fast_gate):
+    """lower_bound mode: L2 norms of q and k, the gate and β inside the kernel (``fast_gate``:
+    the gate's σ by a reciprocal, rows past the end masked by a multiply)."""
     import tvm
 
     H, K = 2, 128
@@ -194,7 +198,7 @@ def test_emulated_fused_kernel_with_preprocessing_matches_reference():
     ref_pool = pool.copy()
     o_ref = kda_prefill_reference(pre["q"], pre["k"], pre["v"], pre["g"], pre["beta"], cu, slots,
                                   ref_pool, 1, K ** -0.5)
-    f = kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=32, lower_bound=-5.0, emulate=True)
+    f = kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=32, lower_bound=-5.0, fast_gate=fast_gate, emulate=True)
     lib = _llvm(f)
     A = tvm.runtime.tensor
     pt, o = A(pool), A(np.full(raw["v"].shape, np.nan, np.float32))
@@ -239,6 +243,10 @@ def test_fused_kernel_rejects_unsupported_sizes():
         kda_prefill_fused_kernel(2, 128, 128, 0.1, a_batch=3)
     with pytest.raises(ValueError, match="lower_bound=-6"):
         kda_prefill_fused_kernel(2, 128, 128, 0.1, lower_bound=-6.0)
+    with pytest.raises(ValueError, match="p2_wide widens the rounds of p2_pairs"):
+        kda_prefill_fused_kernel(2, 128, 128, 0.1, p2_wide=True)
+    with pytest.raises(ValueError, match=r"ablate=\['p9'\]"):
+        kda_prefill_fused_kernel(2, 128, 128, 0.1, ablate=frozenset({"p9"}))
 
 
 @needs_nvcc

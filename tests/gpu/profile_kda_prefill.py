@@ -104,13 +104,16 @@ ABLATIONS = (("none", ()), ("stage", ("stage",)), ("p2", ("p2",)), ("dinv", ("di
              ("no_vl", ("p2", "dinv", "p3", "p4", "s", "o", "gamma", "vl")),
              ("no_stores", ("p2", "dinv", "p3", "p4", "s", "o", "gamma", "vl", "scopy", "ost")),
              ("barriers", ("p2", "dinv", "p3", "p4", "s", "o", "gamma", "vl", "scopy", "ost", "stage")),
-             ("gamma", ("gamma",)))
+             ("gamma", ("gamma",)), ("cumsum", ("cumsum",)), ("norms", ("norms",)))
+# the same kernel with an option changed, timed beside it (name, options)
+OPTION_VARIANTS = (("v_async", {"v_async": True}), ("fast_gate", {"fast_gate": True}),
+                   ("fast_gate_v_async", {"fast_gate": True, "v_async": True}))
 LOWER_BOUND = -5.0
 
 
 def build_phases(out: Path, H: int) -> None:
-    """The fused kernel as dispatched at ``H`` heads, once per entry of ABLATIONS
-    (``kda_prefill_phases.so``, functions ``fused_<name>``)."""
+    """The fused kernel as dispatched at ``H`` heads, once per entry of ABLATIONS and of
+    OPTION_VARIANTS (``kda_prefill_phases.so``, functions ``fused_<name>``)."""
     import tvm
 
     from k3_compile.device_code import precompiled_cuda
@@ -124,6 +127,9 @@ def build_phases(out: Path, H: int) -> None:
                                                     ldsm=True, p2_wide=True, lower_bound=LOWER_BOUND,
                                                     ablate=frozenset(abl))
           for name, abl in ABLATIONS}
+    fs.update({f"fused_{name}": kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=bv, a_batch=ab, p2_pairs=True,
+                                                         ldsm=True, p2_wide=True, lower_bound=LOWER_BOUND, **opts)
+               for name, opts in OPTION_VARIANTS})
     mod = tvm.IRModule({n: f.with_attr("global_symbol", n) for n, f in fs.items()})
     with precompiled_cuda(get_target("cuda-sm90a").nvcc_arch, options=("--ptxas-options=--register-usage-level=5",)), \
             respect_manual_barriers():
@@ -165,12 +171,13 @@ def run_phases(out: Path, H: int, result: Path) -> None:
         state = torch.zeros(1, B, H, K, K, device=dev)
         o = torch.empty(T, H, K, device=dev)
         args = [t(x) for x in raw] + [t(A_log), t(dt_bias), t(cu), t(slots), t(state), 0, t(o)]
-        times = {name: [] for name, _ in ABLATIONS}
+        names = [n for n, _ in ABLATIONS] + [n for n, _ in OPTION_VARIANTS]
+        times = {name: [] for name in names}
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for name, _ in ABLATIONS:   # warm-up
+        for name in names:   # warm-up
             lib[f"fused_{name}"](*args)
         for _ in range(5):
-            for name, _ in ABLATIONS:
+            for name in names:
                 f = lib[f"fused_{name}"]
                 start.record()
                 for _ in range(5):
@@ -179,7 +186,19 @@ def run_phases(out: Path, H: int, result: Path) -> None:
                 torch.cuda.synchronize()
                 times[name].append(start.elapsed_time(end) / 5)
         ms = {n: statistics.median(v) for n, v in times.items()}
-        row = {"lens": list(lens), "ms": ms, "saved_ms": {n: ms["none"] - v for n, v in ms.items() if n != "none"},
+        # checks: the option variants' o against the dispatched kernel's (same inputs, zero state)
+        o_ref = None
+        diff = {}
+        for name in ["none"] + [n for n, _ in OPTION_VARIANTS]:
+            state.zero_()
+            lib[f"fused_{name}"](*args)
+            torch.cuda.synchronize()
+            if o_ref is None:
+                o_ref = o.clone()
+            else:
+                diff[name] = (o - o_ref).abs().max().item()
+        row = {"lens": list(lens), "ms": ms, "max_abs_diff_vs_none": diff,
+               "saved_ms": {n: ms["none"] - v for n, v in ms.items() if n != "none"},
                "per_chunk_us": {n: v * 1e3 / (lens[0] // 64) / (3 if B > 1 else 1) for n, v in ms.items()}}
         print(json.dumps(row))
         res["shapes"].append(row)
