@@ -87,7 +87,7 @@ fp32 inputs; fla's gated call on bf16 inputs):
 ``p2_pairs`` (3-7% faster, ``kda_prefill_p2_ldsm_h200_2026-11-30.json``), ``ldsm`` (0-2%
 more with ``p2_pairs``, ``kda_prefill_split_v1_h200_2026-11-30.json``), ``p2_wide`` (3-4%
 more, ``kda_prefill_p2w_h200_2026-12-01.json``) and ``v_async`` with ``fast_gate`` (another
-~4%) are measured; the model uses all five (``kda_prefill_final_h200_2026-12-01.json``: 2.79 /
+~4% with the preprocessing) are measured; the model uses all five (``kda_prefill_final_h200_2026-12-01.json``: 2.79 /
 2.12 ms at 96 heads with the preprocessing, 0.91 / 0.52 ms at 12 in the split form).
 Where a chunk's time goes (``ablate``, ``kda_prefill_phases_h200_2026-12-01.json``): docs/DESIGN.md.
 
@@ -336,22 +336,27 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
     in place after their products, instead of 64 scalar loads per thread from L2 into
     registers.
 
-    ``fast_gate`` (with ``lower_bound``): the gate's σ by ``rcp.approx`` and rows past the
-    sequence end masked by a multiply, so that the Γ cumsum has no IEEE division and no branch
-    per row (nvcc turned the ``div.rn`` of lb / (1 + 2^x) and its row test into a branch per
-    row, serializing the column's 64 rows).
+    ``fast_gate`` (with ``lower_bound``): a branch-free gate in the Γ cumsum. Each row's term
+    lb·σ is computed unconditionally (σ by ``rcp.approx``) into a register and then selected
+    (0 for rows past the sequence end, whatever their staged f), instead of selecting the
+    whole expression: nvcc (with TVM's ``--use_fast_math``) had turned that row test around
+    ``lb / (1 + 2^x)`` into a branch per row, which serialized each column's 64 rows. The
+    arithmetic of valid rows is the same (``div.approx`` is a reciprocal and a multiply).
 
-    ``ablate`` (a subset of ``ABLATE_PHASES``, a diagnostic): leave that work out, barriers
-    kept, so that the time it saves is its cost on the chunk's critical path; the results are
-    wrong (``tests/gpu/profile_kda_prefill.py phases``).
+    ``ablate`` (a subset of ``ABLATE_PHASES``, a diagnostic): leave that work out, so that the
+    time it saves is its cost on the chunk's critical path; the results are wrong
+    (``tests/gpu/profile_kda_prefill.py phases``). The barriers are kept except those of the
+    parts "gamma" (1 barrier) and "p2" (4: its two rounds), whose costs include them;
+    "cumsum" and "norms" only act with ``lower_bound``.
 
     ``block_v`` (16, 32, 64 or 128): columns of V per block; fewer columns give more blocks
     (more SMs busy when B·H is small) at the cost of repeating phase 2 in every block.
     ``a_batch`` (4 or 8): k-steps whose A fragments are loaded before their mmas in phases 3
     and 5. Raises ValueError for other head sizes or tilings.
     """
-    if split and p2_pairs:
-        raise ValueError("split: phase 2 belongs to kda_prefill_split_intra_kernel (p2_pairs there)")
+    if split and (p2_pairs or p2_wide or v_async or fast_gate or ablate):
+        raise ValueError("split: p2_pairs, p2_wide, fast_gate belong to kda_prefill_split_intra_kernel; "
+                         "v_async and ablate to the fused kernel")
     if split:
         return _split_state(H, K, V, scale, lower_bound, ((block_v, a_batch),), ldsm, emulate)
     return _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulate, "fused",
@@ -573,9 +578,9 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
         return SM[O_GL + d] if SPL else ex2(gm(SM, C - 1, d))
 
     def gamma_term(SM, gs, i, tx, c0, end):   # log2(e)·g of row i, column tx (gamma_cumsum)
-        if PRE and FAST_GATE:   # branch-free: σ by rcp.approx, rows past the end masked by a multiply
+        if PRE and FAST_GATE:   # every row's term, unconditionally (gamma_cumsum selects after)
             return T.float32(LB * LOG2E) * rcp(T.float32(1) + ex2(
-                T.float32(-LOG2E) * gs[1] * (gm(SM, i, tx) + gs[2]))) * T.Cast("float32", c0 + i < end)
+                T.float32(-LOG2E) * gs[1] * (gm(SM, i, tx) + gs[2])))
         if PRE:
             return T.Select(c0 + i < end, T.float32(LB * LOG2E) / (T.float32(1) + ex2(
                 T.float32(-LOG2E) * gs[1] * (gm(SM, i, tx) + gs[2]))), T.float32(0))
@@ -590,14 +595,18 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
         staged rows are f and g is the gate lb·σ(e^{A_log}(f + dt_bias)) (spec §3 step 3;
         σ(x) = 1 / (1 + 2^{−x·log2 e}) with ``ex2.approx``), 0 for rows at or past ``end``
         (token c0 + i); ``alog`` / ``dt_bias`` / ``h`` are read only then."""
-        gs = T.alloc_buffer((3,), "float32", scope="local")   # running sum, e^{A_log}, dt_bias
+        gs = T.alloc_buffer((4,), "float32", scope="local")   # running sum, e^{A_log}, dt_bias, term
         if tx < K:
             gs[0] = T.float32(0)
             if PRE:
                 gs[1] = T.exp(alog)
                 gs[2] = dt_bias[h * K + tx]
             for i in T.unroll(C):
-                gs[0] = gs[0] + gamma_term(SM, gs, i, tx, c0, end)
+                if PRE and FAST_GATE:   # the term computed first, then selected: a select, not a branch
+                    gs[3] = gamma_term(SM, gs, i, tx, c0, end)
+                    gs[0] = gs[0] + T.Select(c0 + i < end, gs[3], T.float32(0))
+                else:
+                    gs[0] = gs[0] + gamma_term(SM, gs, i, tx, c0, end)
                 SM[O_G + i * KS + tx] = gs[0]
 
     @T.macro

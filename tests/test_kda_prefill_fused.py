@@ -247,6 +247,8 @@ def test_fused_kernel_rejects_unsupported_sizes():
         kda_prefill_fused_kernel(2, 128, 128, 0.1, p2_wide=True)
     with pytest.raises(ValueError, match=r"ablate=\['p9'\]"):
         kda_prefill_fused_kernel(2, 128, 128, 0.1, ablate=frozenset({"p9"}))
+    with pytest.raises(ValueError, match="v_async and ablate to the fused kernel"):
+        kda_prefill_fused_kernel(2, 128, 128, 0.1, split=True, v_async=True)
 
 
 @needs_nvcc
@@ -256,12 +258,17 @@ def test_fused_kernel_compiles_to_fatbin_for_sm90a(tmp_path):
         "from schedules.kda_prefill_fused import kda_prefill_fused_kernel\n"
         "f = kda_prefill_fused_kernel(3, 128, 128, 128 ** -0.5, block_v=128, a_batch=4)\n"
         "p = kda_prefill_fused_kernel(3, 128, 128, 128 ** -0.5, block_v=64, lower_bound=-5.0)\n"
+        # as the model dispatches it from 96 heads (and 48-95: block_v 64, a_batch 8)
+        "d = kda_prefill_fused_kernel(3, 128, 128, 128 ** -0.5, block_v=128, a_batch=4, p2_pairs=True, ldsm=True,\n"
+        "                             p2_wide=True, v_async=True, fast_gate=True, lower_bound=-5.0)\n"
+        "e = kda_prefill_fused_kernel(3, 128, 128, 128 ** -0.5, block_v=64, a_batch=8, p2_pairs=True, ldsm=True,\n"
+        "                             p2_wide=True, v_async=True, fast_gate=True, lower_bound=-5.0)\n"
         "r = kda_prefill_fused_kernel(3, 128, 128, 128 ** -0.5, block_v=16, p2_pairs=True, ldsm=True)\n"
         "from schedules.kda_prefill_fused import kda_prefill_split_intra_kernel, kda_prefill_split_state_kernel\n"
-        "i = kda_prefill_split_intra_kernel(3, 128, 128 ** -0.5, lower_bound=-5.0)\n"
+        "i = kda_prefill_split_intra_kernel(3, 128, 128 ** -0.5, lower_bound=-5.0, p2_wide=True, fast_gate=True)\n"
         "s = kda_prefill_split_state_kernel(3, 128, 128, 128 ** -0.5, lower_bound=-5.0)\n"
         "mod = tvm.IRModule({n: x.with_attr('global_symbol', n) for n, x in\n"
-        "                    (('f', f), ('p', p), ('r', r), ('i', i), ('s', s))})", tmp_path,
+        "                    (('f', f), ('p', p), ('r', r), ('d', d), ('e', e), ('i', i), ('s', s))})", tmp_path,
         contexts="respect_manual_barriers()", keep_src=True)
     assert "fatbin" in out
     src = "".join(p.read_text() for p in (tmp_path / "src").glob("*.cu"))
@@ -273,6 +280,8 @@ def test_fused_kernel_compiles_to_fatbin_for_sm90a(tmp_path):
                 "ldmatrix.sync.aligned.m8n8.x4.shared.b16"):
         assert ptx in src, ptx
     assert src.count("k3_mma_tf32_raw(") > 10
+    # fast_gate: σ by rcp.approx (in d, e and i), no division left in those kernels' gates
+    assert "rcp.approx.ftz.f32" in src and src.count("k3_rcp(") >= 3 * 64
     assert src.count("__syncwarp()") == 1   # one device function, called between warp steps
 
 

@@ -9,7 +9,7 @@ GPU machine (runtime-only TVM): ``ncu --kernel-name regex:intra --launch-skip 1 
 kernel twice on one sequence of ``T`` tokens (8192) with random inputs (q, k unit rows, g in
 (-5, 0), β in (0, 1)). Timing only: nothing is checked (benchmarks/kda.py checks them).
 
-``phases-build DIR [H]`` / ``phases-run DIR [H] RESULT.json``: the fused kernel as dispatched,
+``phases-build DIR [H]`` / ``phases-run DIR H RESULT.json``: the fused kernel as dispatched,
 once whole and once without each part of a chunk's work (``ablate``: phase 1's copies, phase
 2, D^{-1}, phase 3's products, phase 4, phase 5's S update, its o; then all of the math), timed
 side by side at 8192 tokens and at 4 × 2048: the time a part saves is what it costs on the
@@ -95,7 +95,9 @@ def run(out: Path, H: int, T: int) -> None:
 
 
 # the ablations of ``phases``: (name, phases left out of the fused kernel); "none" is the kernel
-# as the model dispatches it (relax_modules/kda.py: the L2 norms, gate and β inside)
+# as the model dispatches it (BASE_OPTIONS, as relax_modules/kda.py: the L2 norms, gate and β
+# inside). The runs of 2026-12-01 (kda_prefill_phases_h200_2026-12-01.json, ``_b_``) were made
+# before v_async and fast_gate were dispatched: their "none" had both off.
 ABLATIONS = (("none", ()), ("stage", ("stage",)), ("p2", ("p2",)), ("dinv", ("dinv",)), ("p3", ("p3",)),
              ("p4", ("p4",)), ("s", ("s",)), ("o", ("o",)),
              ("all_mma", ("p2", "dinv", "p3", "p4", "s", "o")),
@@ -105,10 +107,12 @@ ABLATIONS = (("none", ()), ("stage", ("stage",)), ("p2", ("p2",)), ("dinv", ("di
              ("no_stores", ("p2", "dinv", "p3", "p4", "s", "o", "gamma", "vl", "scopy", "ost")),
              ("barriers", ("p2", "dinv", "p3", "p4", "s", "o", "gamma", "vl", "scopy", "ost", "stage")),
              ("gamma", ("gamma",)), ("cumsum", ("cumsum",)), ("norms", ("norms",)))
-# the same kernel with an option changed, timed beside it (name, options)
-OPTION_VARIANTS = (("v_async", {"v_async": True}), ("fast_gate", {"fast_gate": True}),
-                   ("fast_gate_v_async", {"fast_gate": True, "v_async": True}))
 LOWER_BOUND = -5.0
+BASE_OPTIONS = {"p2_pairs": True, "ldsm": True, "p2_wide": True, "v_async": True, "fast_gate": True,
+                "lower_bound": LOWER_BOUND}
+# the same kernel with options changed, timed beside it and its o compared (name, options)
+OPTION_VARIANTS = (("no_v_async", {"v_async": False}), ("no_fast_gate", {"fast_gate": False}),
+                   ("neither", {"v_async": False, "fast_gate": False}))
 
 
 def build_phases(out: Path, H: int) -> None:
@@ -123,12 +127,11 @@ def build_phases(out: Path, H: int) -> None:
     from targets import get_target
 
     bv, ab = prefill_dispatch(max(H, 48))[1:]
-    fs = {f"fused_{name}": kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=bv, a_batch=ab, p2_pairs=True,
-                                                    ldsm=True, p2_wide=True, lower_bound=LOWER_BOUND,
+    fs = {f"fused_{name}": kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=bv, a_batch=ab, **BASE_OPTIONS,
                                                     ablate=frozenset(abl))
           for name, abl in ABLATIONS}
-    fs.update({f"fused_{name}": kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=bv, a_batch=ab, p2_pairs=True,
-                                                         ldsm=True, p2_wide=True, lower_bound=LOWER_BOUND, **opts)
+    fs.update({f"fused_{name}": kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=bv, a_batch=ab,
+                                                         **{**BASE_OPTIONS, **opts})
                for name, opts in OPTION_VARIANTS})
     mod = tvm.IRModule({n: f.with_attr("global_symbol", n) for n, f in fs.items()})
     with precompiled_cuda(get_target("cuda-sm90a").nvcc_arch, options=("--ptxas-options=--register-usage-level=5",)), \
@@ -157,6 +160,7 @@ def run_phases(out: Path, H: int, result: Path) -> None:
     lib = tvm.runtime.load_module(str(out / "kda_prefill_phases.so"))
     dev = torch.device("cuda")
     t = tvm.runtime.from_dlpack
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     res = {"machine": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                     cwd=ROOT).stdout.strip() or None,
@@ -191,6 +195,7 @@ def run_phases(out: Path, H: int, result: Path) -> None:
         diff = {}
         for name in ["none"] + [n for n, _ in OPTION_VARIANTS]:
             state.zero_()
+            o.fill_(float("nan"))   # a kernel that wrote nothing must not pass
             lib[f"fused_{name}"](*args)
             torch.cuda.synchronize()
             if o_ref is None:
@@ -199,7 +204,8 @@ def run_phases(out: Path, H: int, result: Path) -> None:
                 diff[name] = (o - o_ref).abs().max().item()
         row = {"lens": list(lens), "ms": ms, "max_abs_diff_vs_none": diff,
                "saved_ms": {n: ms["none"] - v for n, v in ms.items() if n != "none"},
-               "per_chunk_us": {n: v * 1e3 / (lens[0] // 64) / (3 if B > 1 else 1) for n, v in ms.items()}}
+               # one block per (sequence, head) at one block per SM: ⌈B·H / SMs⌉ waves of lens[0] / 64 chunks
+               "per_chunk_us": {n: v * 1e3 / (lens[0] // 64) / -(-B * H // sms) for n, v in ms.items()}}
         print(json.dumps(row))
         res["shapes"].append(row)
     result.write_text(json.dumps(res, indent=1))
@@ -212,7 +218,7 @@ if __name__ == "__main__":
         build(out, H)
     elif step == "phases-build":   # the fused kernel with parts left out (ABLATIONS)
         build_phases(out, H)
-    elif step == "phases-run":     # ... timed: phases-run DIR H RESULT.json
+    elif step == "phases-run":     # ... timed: phases-run DIR H RESULT.json (H as at phases-build)
         run_phases(out, H, Path(sys.argv[4]))
     else:
         run(out, H, int(sys.argv[4]) if len(sys.argv) > 4 else 8192)
