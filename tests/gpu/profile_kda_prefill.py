@@ -148,7 +148,6 @@ def run_phases(out: Path, H: int, result: Path) -> None:
     the time it saves (its cost on the critical path)."""
     import json
     import statistics
-    import subprocess
     import time
 
     import torch
@@ -161,9 +160,10 @@ def run_phases(out: Path, H: int, result: Path) -> None:
     dev = torch.device("cuda")
     t = tvm.runtime.from_dlpack
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    res = {"machine": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
-           "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                    cwd=ROOT).stdout.strip() or None,
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from cuda_timing import git_commit   # $K3_COMMIT where set: the GPU machine's .git may be stale
+
+    res = {"machine": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "commit": git_commit(),
            "heads": H, "lower_bound": LOWER_BOUND, "shapes": []}
     for lens in ((8192,), (2048,) * 4):
         T, B = sum(lens), len(lens)
