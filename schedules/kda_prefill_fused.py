@@ -275,7 +275,7 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
                              a_batch: int = 8, lower_bound: float | None = None,
                              p2_pairs: bool = False, ldsm: bool = False, split: bool = False,
                              p2_wide: bool = False, v_async: bool = False, fast_gate: bool = False,
-                             ablate: frozenset = frozenset(), emulate: bool = False):
+                             p2_one: bool = False, ablate: frozenset = frozenset(), emulate: bool = False):
     """The fused chunked prefill, one block per (sequence, head, ``block_v`` columns of V).
     PrimFunc arguments::
 
@@ -331,6 +331,14 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
     rounds instead of 6 and 14 tiles: ~1300 fewer shared-memory wavefronts per chunk;
     H200: 3-4% faster at 96 heads, ``kda_prefill_p2w_h200_2026-12-01.json``).
 
+    ``p2_one`` (instead of ``p2_pairs`` / ``p2_wide``): phase 2 in one round. The staging
+    forms every row's ka = k e^{Γ−r} and scale·q e^{Γ−r} at once, with r = Γ_{16I} of the row's
+    own sub-block I (the reference each 16-row block of L / Aqk uses), one ``ex2`` for both: ka
+    into the ka / qa region (64 rows fit where the pairs staged 2 × 32), scale·q e^{Γ−r} in fp32
+    in place of q (phase 3 then forms scale·q e^Γ from it by e^{Γ_{16I}}). Then the 20 n-tiles
+    of the four sub-blocks are 8 jobs of 3 or 2 n-tiles, one per warp: 2 barriers and one
+    round of jobs per chunk instead of 4 and two rounds of 16 k-steps.
+
     ``v_async``: phase 3's R warps copy their 16 rows of v by 16-byte ``cp.async`` into the vn
     region (free once phase 2 has read its ka / qa there) at the start of phase 3 and form R
     in place after their products, instead of 64 scalar loads per thread from L2 into
@@ -354,13 +362,15 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
     ``a_batch`` (4 or 8): k-steps whose A fragments are loaded before their mmas in phases 3
     and 5. Raises ValueError for other head sizes or tilings.
     """
-    if split and (p2_pairs or p2_wide or v_async or fast_gate or ablate):
-        raise ValueError("split: p2_pairs, p2_wide, fast_gate belong to kda_prefill_split_intra_kernel; "
+    if split and (p2_pairs or p2_wide or v_async or fast_gate or p2_one or ablate):
+        raise ValueError("split: p2_pairs, p2_wide, p2_one, fast_gate belong to kda_prefill_split_intra_kernel; "
                          "v_async and ablate to the fused kernel")
+    if p2_one and (p2_pairs or p2_wide):
+        raise ValueError("p2_one replaces the rounds of p2_pairs / p2_wide: set p2_one alone")
     if split:
         return _split_state(H, K, V, scale, lower_bound, ((block_v, a_batch),), ldsm, emulate)
     return _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulate, "fused",
-                  p2_wide=p2_wide, v_async=v_async, fast_gate=fast_gate, ablate=ablate)
+                  p2_wide=p2_wide, v_async=v_async, fast_gate=fast_gate, p2_one=p2_one, ablate=ablate)
 
 
 # the split state kernel's block_v by the number of sequences B (``kda_prefill_split_state_kernel``):
@@ -449,7 +459,7 @@ def _split_state(H, K, V, scale, lower_bound, tilings, ldsm, emulate, early_kq=F
 @functools.cache
 def kda_prefill_split_intra_kernel(H: int, K: int, scale: float, lower_bound: float | None = None,
                                    p2_pairs: bool = True, p2_wide: bool = False, fast_gate: bool = False,
-                                   emulate: bool = False):
+                                   p2_one: bool = False, emulate: bool = False):
     """The first kernel of the split form: phases 1-2 and D^{-1} of the fused kernel for every
     chunk of every sequence in parallel, one block per (chunk, head) — the state-independent
     part, so that :func:`kda_prefill_fused_kernel` with ``split`` does only phases 3-5 per chunk
@@ -474,13 +484,16 @@ def kda_prefill_split_intra_kernel(H: int, K: int, scale: float, lower_bound: fl
     computed here (the state kernel then takes the logits b: ``split`` with ``lower_bound``).
     Rows are tokens (row i of chunk c of sequence b is token cu[b] + 64c + i); rows past a
     sequence's end are not written. Grid: (⌈T/64⌉ + B)·H blocks, those past the last chunk
-    idle. Raises ValueError for K ≠ 128 or lb outside [−5.5, 0)."""
-    return _build(H, K, K, scale, 16, 8, lower_bound, p2_pairs, False, emulate, "intra", p2_wide=p2_wide,
-                  fast_gate=fast_gate)
+    idle. ``p2_one``: phase 2 in one round as in the fused kernel (``p2_pairs`` and ``p2_wide``
+    then unused; ValueError with ``p2_wide``). Raises ValueError for K ≠ 128 or lb outside [−5.5, 0)."""
+    if p2_one and p2_wide:
+        raise ValueError("p2_one replaces the rounds of p2_pairs / p2_wide: set p2_one alone")
+    return _build(H, K, K, scale, 16, 8, lower_bound, p2_pairs and not p2_one, False, emulate, "intra",
+                  p2_wide=p2_wide, fast_gate=fast_gate, p2_one=p2_one)
 
 
 def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulate, stage, early_kq=False,
-           p2_wide=False, ablate=frozenset(), v_async=False, fast_gate=False):
+           p2_wide=False, ablate=frozenset(), v_async=False, fast_gate=False, p2_one=False):
     """The kernels of this module (``stage``: "fused", "intra" or "state") over one set of
     shared-memory regions and macros. ``early_kq`` (state): the next chunk's e^Γ k and scale·e^Γ q
     are copied as soon as phase 3 has read this chunk's (start of phase 4), not in phase 1."""
@@ -496,6 +509,7 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
     if p2_wide and not p2_pairs:
         raise ValueError("p2_wide widens the rounds of p2_pairs: set p2_pairs too")
     P2W = p2_wide
+    P2ONE = p2_one and stage != "state"
     ABL = frozenset(ablate)
     VASYNC = v_async and stage == "fused"
     FAST_GATE = fast_gate
@@ -527,7 +541,7 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
     O_LA = O_SS + (0 if stage == "intra" else BV * SN)
     O_X = O_LA + C * LS                    # ka | qa in phase 2; vn | D^{-1} afterwards
     O_D = O_X + C * RS
-    XN = max((4 if p2_pairs else 2) * SUB * KS, C * RS + C * DS)
+    XN = max((4 if p2_pairs or P2ONE else 2) * SUB * KS, C * RS + C * DS)
     O_BT = O_X + XN
     O_GL = O_BT + C          # split state kernel: e^{Γ_last} of the chunk's K columns
     O_RN = O_GL + (K if stage == "state" else 0)   # emulated preprocessing: 1/‖k‖, 1/‖q‖ of the rows
@@ -565,8 +579,12 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
     def a_k(SM, r0, i, d):   # phase 3: (e^Γ k)[r0 + i, d]
         return SM[O_KR + (r0 + i) * KS + d] if SPL else tf32(kr(SM, r0 + i, d) * ex2(gm(SM, r0 + i, d)))
 
-    def a_q(SM, r0, i, d):   # phase 3: scale (e^Γ q)[r0 + i, d]
-        return SM[O_QR + (r0 + i) * KS + d] if SPL else tf32(T.float32(scale) * qr(SM, r0 + i, d) * ex2(gm(SM, r0 + i, d)))
+    def a_q(SM, r0, i, d):   # phase 3: scale (e^Γ q)[r0 + i, d] (r0 a multiple of 16)
+        if SPL:
+            return SM[O_QR + (r0 + i) * KS + d]
+        if P2ONE:   # the q region holds scale·q e^{Γ − Γ_{r0}} (phase 2's staging)
+            return tf32(qr(SM, r0 + i, d) * ex2(gm(SM, r0, d)))
+        return tf32(T.float32(scale) * qr(SM, r0 + i, d) * ex2(gm(SM, r0 + i, d)))
 
     def a_kd(SM, r0, i, j):  # phase 5: (e^{Γ_last − Γ} k)[j, r0 + i]
         return SM[O_G + j * KS + r0 + i] if SPL else tf32(kr(SM, j, r0 + i) * ex2(gm(SM, C - 1, r0 + i) - gm(SM, j, r0 + i)))
@@ -638,24 +656,25 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                         SM[O_KR + ((tx // 32 - (NW - 4)) * (2 * C // 4) + rr) * KS + tx % 32 * 4 + u] = SM[O_KR + ((tx // 32 - (NW - 4)) * (2 * C // 4) + rr) * KS + tx % 32 * 4 + u] * SM[O_RN + (tx // 32 - (NW - 4)) * (2 * C // 4) + rr]
 
     @T.macro
-    def l_aqk_tile(SM, acc, af, bf, tx, I, nt, XO, n):
-        """Columns 8·nt … 8·(nt+n)−1 (``n`` = 1 or 2 n-tiles) of L and Aqk for the rows of
-        sub-block I (runtime values), ka / qa staged at SM[XO …]; B = k e^{r−Γ} computed once per
-        k-step and n-tile for both products, each A fragment loaded once for the n n-tiles.
-        acc[4t …]: L of n-tile nt + t, acc[4n + 4t …]: Aqk."""
+    def l_aqk_tile(SM, acc, af, bf, tx, I, nt, KA, QA, n):
+        """Columns 8·nt … 8·(nt+n)−1 (``n`` = 1, 2 or 3 n-tiles) of L and Aqk for the rows of
+        sub-block I (runtime values), the A operands ka / qa of its 16 rows given by ``KA(i, d)`` /
+        ``QA(i, d)`` (TF32); B = k e^{r−Γ} computed once per k-step and n-tile for both products,
+        each A fragment loaded once for the n n-tiles. acc[4t …]: L of n-tile nt + t, acc[4n + 4t
+        …]: Aqk."""
         for r in T.unroll(8 * n):
             acc[tx * EM, r] = T.float32(0)
         for ks in T.unroll(K // 8):
             for t in T.unroll(n):
                 bf[2 * t] = tf32(kr(SM, (nt + t) * 8 + tx % 32 // 4, ks * 8 + tx % 4) * ex2(gm(SM, I * SUB, ks * 8 + tx % 4) - gm(SM, (nt + t) * 8 + tx % 32 // 4, ks * 8 + tx % 4)))
                 bf[2 * t + 1] = tf32(kr(SM, (nt + t) * 8 + tx % 32 // 4, ks * 8 + tx % 4 + 4) * ex2(gm(SM, I * SUB, ks * 8 + tx % 4 + 4) - gm(SM, (nt + t) * 8 + tx % 32 // 4, ks * 8 + tx % 4 + 4)))
-            frag_a(af, 0, lambda i, d: SM[XO + i * KS + d], tx % 32, ks * 8)
+            frag_a(af, 0, KA, tx % 32, ks * 8)
             for t in T.unroll(n):
-                mma_rb(acc, tx * EM, 4 * t, af, 0, bf, 2 * t, lambda i, d: SM[XO + i * KS + d],
+                mma_rb(acc, tx * EM, 4 * t, af, 0, bf, 2 * t, KA,
                        lambda d, j: kr(SM, j, d) * ex2(gm(SM, I * SUB, d) - gm(SM, j, d)), tx % 32, ks * 8, (nt + t) * 8)
-            frag_a(af, 0, lambda i, d: SM[XO + (SUB + i) * KS + d], tx % 32, ks * 8)
+            frag_a(af, 0, QA, tx % 32, ks * 8)
             for t in T.unroll(n):
-                mma_rb(acc, tx * EM, 4 * n + 4 * t, af, 0, bf, 2 * t, lambda i, d: SM[XO + (SUB + i) * KS + d],
+                mma_rb(acc, tx * EM, 4 * n + 4 * t, af, 0, bf, 2 * t, QA,
                        lambda d, j: kr(SM, j, d) * ex2(gm(SM, I * SUB, d) - gm(SM, j, d)), tx % 32, ks * 8, (nt + t) * 8)
         # entry e of n-tile nt + t: row I·16 + gr + 8(e//2), column 8·(nt + t) + 2·tg + e%2
         for t in T.unroll(n):
@@ -786,7 +805,40 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
     @T.macro
     def phase2(SM):
         """Phase 2: the L / Aqk tile of the staged chunk (barrier first)."""
-        if p2_pairs:
+        if P2ONE:
+            # phase 2 in one round: every row's ka = k e^{Γ−r} (TF32) → the ka / qa region and
+            # scale·q e^{Γ−r} (fp32) in place of q, r = Γ_{16I} of the row's own sub-block I, then
+            # all 20 n-tiles as 8 jobs: warps 0, 1, 3, 4 three n-tiles of sub-block 3 or 2, warps
+            # 2, 5, 6, 7 two of sub-block 3, 1, 1, 0
+            if SYNC:
+                T.tvm_storage_sync("shared")
+            for tx in THR(NT):
+                ev = T.alloc_buffer((1,), "float32", scope="local")
+                for it in T.unroll(C * K // NT):
+                    ev[0] = ex2(gm(SM, it * (NT // K) + tx // K, tx % K) - gm(SM, (it * (NT // K) + tx // K) // SUB * SUB, tx % K))
+                    SM[O_X + (it * (NT // K) + tx // K) * KS + tx % K] = tf32(kr(SM, it * (NT // K) + tx // K, tx % K) * ev[0])
+                    SM[O_QR + (it * (NT // K) + tx // K) * KS + tx % K] = T.float32(scale) * qr(SM, it * (NT // K) + tx // K, tx % K) * ev[0]
+            if SYNC:
+                T.tvm_storage_sync("shared")
+            for tx in THR(NT):
+                af = T.alloc_buffer((4,), "float32", scope="local")
+                bf = T.alloc_buffer((6,), "float32", scope="local")
+                ti = T.alloc_buffer((2,), "int32", scope="local")        # sub-block, first n-tile
+                if tx // 32 % 3 < 2 and tx // 32 < 6:   # warps 0, 1, 3, 4
+                    acc = T.alloc_buffer((RT, 24), "float32", scope="local")
+                    ti[0] = T.Select(tx // 32 < 2, 3, 2)
+                    ti[1] = tx // 32 % 3 * 3
+                    l_aqk_tile(SM, acc, af, bf, tx, ti[0], ti[1],
+                               lambda i, d: SM[O_X + (ti[0] * SUB + i) * KS + d],
+                               lambda i, d: tf32(SM[O_QR + (ti[0] * SUB + i) * KS + d]), 3)
+                else:   # warps 2, 5, 6, 7
+                    acc = T.alloc_buffer((RT, 16), "float32", scope="local")
+                    ti[0] = T.Select(tx // 32 == 2, 3, T.Select(tx // 32 == 7, 0, 1))
+                    ti[1] = T.Select(tx // 32 == 2, 6, T.Select(tx // 32 == 6, 2, 0))
+                    l_aqk_tile(SM, acc, af, bf, tx, ti[0], ti[1],
+                               lambda i, d: SM[O_X + (ti[0] * SUB + i) * KS + d],
+                               lambda i, d: tf32(SM[O_QR + (ti[0] * SUB + i) * KS + d]), 2)
+        elif p2_pairs:
             # phase 2, paired: rounds R = 0, 1 of sub-blocks 2R, 2R+1 (reference r =
             # Γ_{16I}); tile t < 8R+6 of a round is (I, nt) = (2R, t) for t < 4R+2, else
             # (2R+1, t − 4R − 2); warp wi takes tiles wi and wi + 8
@@ -809,13 +861,17 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                         if tx // 32 < R * 4 + 3:
                             ti[0] = T.Select(tx // 32 < R * 2 + 1, R * 2, R * 2 + 1)
                             ti[1] = T.Select(tx // 32 < R * 2 + 1, tx // 32, tx // 32 - R * 2 - 1) * 2
-                            l_aqk_tile(SM, acc, af, bf, tx, ti[0], ti[1], O_X + (ti[0] - R * 2) * 2 * SUB * KS, 2)
+                            l_aqk_tile(SM, acc, af, bf, tx, ti[0], ti[1],
+                                       lambda i, d: SM[O_X + (ti[0] - R * 2) * 2 * SUB * KS + i * KS + d],
+                                       lambda i, d: SM[O_X + (ti[0] - R * 2) * 2 * SUB * KS + (SUB + i) * KS + d], 2)
                     else:
                         for tt in range(2):
                             if tx // 32 + tt * NW < R * 8 + 6:
                                 ti[0] = T.Select(tx // 32 + tt * NW < R * 4 + 2, R * 2, R * 2 + 1)
                                 ti[1] = T.Select(tx // 32 + tt * NW < R * 4 + 2, tx // 32 + tt * NW, tx // 32 + tt * NW - R * 4 - 2)
-                                l_aqk_tile(SM, acc, af, bf, tx, ti[0], ti[1], O_X + (ti[0] - R * 2) * 2 * SUB * KS, 1)
+                                l_aqk_tile(SM, acc, af, bf, tx, ti[0], ti[1],
+                                           lambda i, d: SM[O_X + (ti[0] - R * 2) * 2 * SUB * KS + i * KS + d],
+                                           lambda i, d: SM[O_X + (ti[0] - R * 2) * 2 * SUB * KS + (SUB + i) * KS + d], 1)
         else:
             # phase 2: L and Aqk, one 16-row sub-block I at a time (reference r = Γ_{16I})
             for I in range(NSUB):
@@ -832,7 +888,8 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                     acc = T.alloc_buffer((RT, 8), "float32", scope="local")   # L tile, Aqk tile
                     bf = T.alloc_buffer((2,), "float32", scope="local")
                     if tx // 32 <= I * 2 + 1:   # warp wi: columns 8·wi …
-                        l_aqk_tile(SM, acc, af, bf, tx, I, tx // 32, O_X, 1)
+                        l_aqk_tile(SM, acc, af, bf, tx, I, tx // 32, lambda i, d: SM[O_X + i * KS + d],
+                                   lambda i, d: SM[O_X + (SUB + i) * KS + d], 1)
 
     @T.macro
     def d_inverse(SM, tx, x):
@@ -895,7 +952,10 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                 for it in T.unroll(C * K // NT):
                     if meta[0] + (it * NT + tx) // K < meta[1]:
                         ka_g[meta[0] + (it * NT + tx) // K, blk % H, tx % K] = tf32(kr(SM, (it * NT + tx) // K, tx % K) * ex2(gm(SM, (it * NT + tx) // K, tx % K)))
-                        qa_g[meta[0] + (it * NT + tx) // K, blk % H, tx % K] = tf32(T.float32(scale) * qr(SM, (it * NT + tx) // K, tx % K) * ex2(gm(SM, (it * NT + tx) // K, tx % K)))
+                        if P2ONE:
+                            qa_g[meta[0] + (it * NT + tx) // K, blk % H, tx % K] = a_q(SM, (it * NT + tx) // K // SUB * SUB, (it * NT + tx) // K % SUB, tx % K)
+                        else:
+                            qa_g[meta[0] + (it * NT + tx) // K, blk % H, tx % K] = tf32(T.float32(scale) * qr(SM, (it * NT + tx) // K, tx % K) * ex2(gm(SM, (it * NT + tx) // K, tx % K)))
                         kd_g[meta[0] + (it * NT + tx) // K, blk % H, tx % K] = tf32(kr(SM, (it * NT + tx) // K, tx % K) * ex2(gm(SM, C - 1, tx % K) - gm(SM, (it * NT + tx) // K, tx % K)))
                 if tx < K:
                     if meta[0] < meta[1]:

@@ -64,6 +64,8 @@ def _check_outputs(o, pool, o_ref, ref_pool, slots):
     # p2_wide: phase 2's rounds as pairs of n-tiles per warp (each A fragment loaded once for two);
     # v_async: phase 3's v rows staged in the vn region, R formed in place
     (32, 8, [1, 65, 15, 64, 130], True, True, {"p2_wide": True, "v_async": True}),
+    # p2_one: phase 2 in one round (every row's ka / qa at its own sub-block's reference)
+    (128, 4, [1, 65, 15, 64, 130], True, False, {"p2_one": True, "v_async": True}),
 ])
 def test_emulated_fused_kernel_matches_reference(block_v, a_batch, lens, initial_state, p2_pairs, opts):
     import tvm
@@ -89,6 +91,7 @@ def test_emulated_fused_kernel_matches_reference(block_v, a_batch, lens, initial
     (32, [1, 70, 64], True, True, {}),
     # the intra kernel's phase 2 by pairs of n-tiles and its gate's σ by a reciprocal
     (16, [65, 15, 64], True, True, {"p2_wide": True, "fast_gate": True}),
+    (16, [65, 15, 64], True, True, {"p2_one": True, "fast_gate": True}),
 ])
 def test_emulated_split_form_matches_reference(block_v, lens, initial_state, preprocess, opts):
     """The split form: every chunk's Γ-scaled operands, L / Aqk and D^{-1} by the intra kernel
@@ -108,6 +111,7 @@ def test_emulated_split_form_matches_reference(block_v, lens, initial_state, pre
     lb = -5.0 if preprocess else None
     intra = _llvm(kda_prefill_split_intra_kernel(H, K, K ** -0.5, lower_bound=lb, emulate=True,
                                                  p2_wide=opts.get("p2_wide", False),
+                                                 p2_one=opts.get("p2_one", False),
                                                  fast_gate=opts.get("fast_gate", False)))
     state = _llvm(kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=block_v, a_batch=8, split=True,
                                            lower_bound=lb, emulate=True))
