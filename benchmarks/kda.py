@@ -105,7 +105,13 @@ PREFILL_FUSED = ([("fused", bv, ab, {}) for bv, ab in ((128, 4), (64, 8), (32, 8
                  # ... with phase 2 in one round instead of the pairs' two (``p2_one``)
                  + [("fused_p2ov", 128, 4, {"p2_one": True, "ldsm": True, "v_async": True}),
                     ("fusedpre_p2ovf", 128, 4, {"lower_bound": LOWER_BOUND, "p2_one": True, "ldsm": True,
-                                                "v_async": True, "fast_gate": True})])
+                                                "v_async": True, "fast_gate": True}),
+                    # ... its jobs of 3 and 2 n-tiles in two code paths (p2_jobs="mixed"), or its
+                    # k-step loop not unrolled (p2_roll)
+                    ("fusedpre_p2omvf", 128, 4, {"lower_bound": LOWER_BOUND, "p2_one": True, "p2_jobs": "mixed",
+                                                 "ldsm": True, "v_async": True, "fast_gate": True}),
+                    ("fusedpre_p2orvf", 128, 4, {"lower_bound": LOWER_BOUND, "p2_one": True, "p2_roll": True,
+                                                 "ldsm": True, "v_async": True, "fast_gate": True})])
 # the split form (schedules/kda_prefill_fused.py: kda_prefill_split_intra_kernel for every
 # chunk in parallel, then the fused kernel's phases 3-5 with ``split``): (name, block_v,
 # a_batch, options); splitpre_*: L2 norms, gate and β in the intra kernel (raw inputs)
@@ -124,7 +130,9 @@ PREFILL_SPLIT = ([("split", bv, ab, {}) for bv, ab in ((16, 8), (32, 8), (64, 8)
                     ("splitautopre_wf", None, None, {"lower_bound": LOWER_BOUND, "p2_wide": True, "fast_gate": True}),
                     # ... with the intra kernel's phase 2 in one round (p2_one)
                     ("splitauto_o", None, None, {"p2_one": True}),
-                    ("splitautopre_of", None, None, {"lower_bound": LOWER_BOUND, "p2_one": True, "fast_gate": True})])
+                    ("splitautopre_of", None, None, {"lower_bound": LOWER_BOUND, "p2_one": True, "fast_gate": True}),
+                    ("splitautopre_orf", None, None, {"lower_bound": LOWER_BOUND, "p2_one": True, "p2_roll": True,
+                                                      "fast_gate": True})])
 
 
 def _split_name(name: str, bv: int | None, ab: int | None) -> str:
@@ -186,10 +194,11 @@ def build_prefill(out_dir: Path, baseline: bool = True, all_tc: bool = True, onl
             export({"kda_prefill_fused": kda_prefill_fused_kernel(h, K, V, K ** -0.5, block_v=bv, a_batch=ab, **opts)},
                    f"kda_prefill_{name}_h{h}_bv{bv}_ab{ab}.so")
         for name, bv, ab, opts in PREFILL_SPLIT:
-            st = {k: v for k, v in opts.items() if k not in ("p2_wide", "fast_gate", "p2_one")}   # the intra kernel's
+            intra_opts = ("p2_wide", "fast_gate", "p2_one", "p2_roll")
+            st = {k: v for k, v in opts.items() if k not in intra_opts}   # the state kernel's
             export({"kda_prefill_split_intra": kda_prefill_split_intra_kernel(
-                        h, K, K ** -0.5, lower_bound=opts.get("lower_bound"), p2_wide=opts.get("p2_wide", False),
-                        fast_gate=opts.get("fast_gate", False), p2_one=opts.get("p2_one", False)),
+                        h, K, K ** -0.5, lower_bound=opts.get("lower_bound"),
+                        **{k: v for k, v in opts.items() if k in intra_opts}),
                     "kda_prefill_split_state": (
                         kda_prefill_split_state_kernel(h, K, V, K ** -0.5, **st) if bv is None else
                         kda_prefill_fused_kernel(h, K, V, K ** -0.5, block_v=bv, a_batch=ab, split=True, **st))},
