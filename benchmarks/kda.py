@@ -98,20 +98,15 @@ PREFILL_FUSED = ([("fused", bv, ab, {}) for bv, ab in ((128, 4), (64, 8), (32, 8
                     ("fusedpre_p2w", 128, 4, {"lower_bound": LOWER_BOUND, "p2_pairs": True, "ldsm": True,
                                               "p2_wide": True})]
                  # ... with v copied by cp.async into the vn region and the gate's σ by rcp.approx
-                 # (``v_async``, ``fast_gate``): as the model dispatches it
+                 # (``v_async``, ``fast_gate``): as the model dispatched it until 2026-12-01
                  + [("fused_p2wv", 128, 4, {"p2_pairs": True, "ldsm": True, "p2_wide": True, "v_async": True}),
                     ("fusedpre_p2wvf", 128, 4, {"lower_bound": LOWER_BOUND, "p2_pairs": True, "ldsm": True,
                                                 "p2_wide": True, "v_async": True, "fast_gate": True})]
-                 # ... with phase 2 in one round instead of the pairs' two (``p2_one``)
+                 # ... with phase 2 in one round instead of the pairs' two (``p2_one``): as the model
+                 # dispatches it since 2026-12-01 (fusedpre_p2ovf)
                  + [("fused_p2ov", 128, 4, {"p2_one": True, "ldsm": True, "v_async": True}),
                     ("fusedpre_p2ovf", 128, 4, {"lower_bound": LOWER_BOUND, "p2_one": True, "ldsm": True,
-                                                "v_async": True, "fast_gate": True}),
-                    # ... its jobs of 3 and 2 n-tiles in two code paths (p2_jobs="mixed"), or its
-                    # k-step loop not unrolled (p2_roll)
-                    ("fusedpre_p2omvf", 128, 4, {"lower_bound": LOWER_BOUND, "p2_one": True, "p2_jobs": "mixed",
-                                                 "ldsm": True, "v_async": True, "fast_gate": True}),
-                    ("fusedpre_p2orvf", 128, 4, {"lower_bound": LOWER_BOUND, "p2_one": True, "p2_roll": True,
-                                                 "ldsm": True, "v_async": True, "fast_gate": True})])
+                                                "v_async": True, "fast_gate": True})])
 # the split form (schedules/kda_prefill_fused.py: kda_prefill_split_intra_kernel for every
 # chunk in parallel, then the fused kernel's phases 3-5 with ``split``): (name, block_v,
 # a_batch, options); splitpre_*: L2 norms, gate and β in the intra kernel (raw inputs)
@@ -126,13 +121,12 @@ PREFILL_SPLIT = ([("split", bv, ab, {}) for bv, ab in ((16, 8), (32, 8), (64, 8)
                     # ... with the intra kernel's phase 2 by pairs of n-tiles (p2_wide)
                     ("splitauto_w", None, None, {"p2_wide": True}),
                     ("splitautopre_w", None, None, {"lower_bound": LOWER_BOUND, "p2_wide": True}),
-                    # ... and its gate's σ by rcp.approx (fast_gate), as the model dispatches it
+                    # ... and its gate's σ by rcp.approx (fast_gate)
                     ("splitautopre_wf", None, None, {"lower_bound": LOWER_BOUND, "p2_wide": True, "fast_gate": True}),
-                    # ... with the intra kernel's phase 2 in one round (p2_one)
+                    # ... with the intra kernel's phase 2 in one round (p2_one; splitautopre_of as the
+                    # model dispatches it)
                     ("splitauto_o", None, None, {"p2_one": True}),
-                    ("splitautopre_of", None, None, {"lower_bound": LOWER_BOUND, "p2_one": True, "fast_gate": True}),
-                    ("splitautopre_orf", None, None, {"lower_bound": LOWER_BOUND, "p2_one": True, "p2_roll": True,
-                                                      "fast_gate": True})])
+                    ("splitautopre_of", None, None, {"lower_bound": LOWER_BOUND, "p2_one": True, "fast_gate": True})])
 
 
 def _split_name(name: str, bv: int | None, ab: int | None) -> str:
@@ -194,7 +188,7 @@ def build_prefill(out_dir: Path, baseline: bool = True, all_tc: bool = True, onl
             export({"kda_prefill_fused": kda_prefill_fused_kernel(h, K, V, K ** -0.5, block_v=bv, a_batch=ab, **opts)},
                    f"kda_prefill_{name}_h{h}_bv{bv}_ab{ab}.so")
         for name, bv, ab, opts in PREFILL_SPLIT:
-            intra_opts = ("p2_wide", "fast_gate", "p2_one", "p2_roll")
+            intra_opts = ("p2_wide", "fast_gate", "p2_one")
             st = {k: v for k, v in opts.items() if k not in intra_opts}   # the state kernel's
             export({"kda_prefill_split_intra": kda_prefill_split_intra_kernel(
                         h, K, K ** -0.5, lower_bound=opts.get("lower_bound"),

@@ -247,14 +247,14 @@ class KimiDeltaAttention(nn.Module):
                                    self.lower_bound)
 
     def _fused_prefill(self, ins, meta, kda_state, kda_index, lower_bound):
-        """Step 5 (with ``lower_bound`` also 2-4) in the fused kernel (``p2_pairs``, ``ldsm``,
-        ``p2_wide``, ``v_async``, ``fast_gate``; ``prefill_tiling``): ``ins`` = q, k, v, g, β — or the raw q, k, v, f, b, A_log, dt_bias;
+        """Step 5 (with ``lower_bound`` also 2-4) in the fused kernel (``p2_one``, ``ldsm``,
+        ``v_async``, ``fast_gate``; ``prefill_tiling``): ``ins`` = q, k, v, g, β — or the raw q, k, v, f, b, A_log, dt_bias;
         the state in place. Returns ``(kda_state, o [T, H, K] f32)``."""
         T, H, K = ins[0].shape[0], self.H, self.K
         bv, ab = self.prefill_tiling
         return op.tensor_ir_inplace_op(
-            kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=bv, a_batch=ab, p2_pairs=True, ldsm=True,
-                                     p2_wide=True, v_async=True, fast_gate=True, lower_bound=lower_bound),
+            kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=bv, a_batch=ab, p2_one=True, ldsm=True,
+                                     v_async=True, fast_gate=True, lower_bound=lower_bound),
             "kda_prefill_fused" + ("_pre" if lower_bound is not None else ""),
             ins + [meta.cu_seqlens, meta.seq_slots, kda_state, _i32(kda_index)],
             [len(ins) + 2, -1], [nn.Tensor.placeholder(kda_state.shape, "float32"),
@@ -268,7 +268,7 @@ class KimiDeltaAttention(nn.Module):
         T, H, K = v.shape[0], self.H, self.K
         B = meta.seq_slots.shape[0]
         f32 = "float32"
-        intra = kda_prefill_split_intra_kernel(H, K, K ** -0.5, lower_bound=lower_bound, p2_wide=True,
+        intra = kda_prefill_split_intra_kernel(H, K, K ** -0.5, lower_bound=lower_bound, p2_one=True,
                                                fast_gate=True)
         # e^Γ k, scale e^Γ q, e^{Γ_last−Γ} k, e^{Γ_last} per chunk, L / Aqk and D^{-1} rows; ka
         # is written in place into an uninitialized buffer (a call_tir_inplace needs one in-place

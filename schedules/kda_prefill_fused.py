@@ -275,8 +275,7 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
                              a_batch: int = 8, lower_bound: float | None = None,
                              p2_pairs: bool = False, ldsm: bool = False, split: bool = False,
                              p2_wide: bool = False, v_async: bool = False, fast_gate: bool = False,
-                             p2_one: bool = False, p2_jobs: str = "uniform", p2_roll: bool = False,
-                             ablate: frozenset = frozenset(), emulate: bool = False):
+                             p2_one: bool = False, ablate: frozenset = frozenset(), emulate: bool = False):
     """The fused chunked prefill, one block per (sequence, head, ``block_v`` columns of V).
     PrimFunc arguments::
 
@@ -371,8 +370,7 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
     if split:
         return _split_state(H, K, V, scale, lower_bound, ((block_v, a_batch),), ldsm, emulate)
     return _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulate, "fused",
-                  p2_wide=p2_wide, v_async=v_async, fast_gate=fast_gate, p2_one=p2_one, p2_jobs=p2_jobs,
-                  p2_roll=p2_roll, ablate=ablate)
+                  p2_wide=p2_wide, v_async=v_async, fast_gate=fast_gate, p2_one=p2_one, ablate=ablate)
 
 
 # the split state kernel's block_v by the number of sequences B (``kda_prefill_split_state_kernel``):
@@ -461,8 +459,7 @@ def _split_state(H, K, V, scale, lower_bound, tilings, ldsm, emulate, early_kq=F
 @functools.cache
 def kda_prefill_split_intra_kernel(H: int, K: int, scale: float, lower_bound: float | None = None,
                                    p2_pairs: bool = True, p2_wide: bool = False, fast_gate: bool = False,
-                                   p2_one: bool = False, p2_jobs: str = "uniform", p2_roll: bool = False,
-                                   emulate: bool = False):
+                                   p2_one: bool = False, emulate: bool = False):
     """The first kernel of the split form: phases 1-2 and D^{-1} of the fused kernel for every
     chunk of every sequence in parallel, one block per (chunk, head) — the state-independent
     part, so that :func:`kda_prefill_fused_kernel` with ``split`` does only phases 3-5 per chunk
@@ -492,12 +489,11 @@ def kda_prefill_split_intra_kernel(H: int, K: int, scale: float, lower_bound: fl
     if p2_one and p2_wide:
         raise ValueError("p2_one replaces the rounds of p2_pairs / p2_wide: set p2_one alone")
     return _build(H, K, K, scale, 16, 8, lower_bound, p2_pairs and not p2_one, False, emulate, "intra",
-                  p2_wide=p2_wide, fast_gate=fast_gate, p2_one=p2_one, p2_jobs=p2_jobs, p2_roll=p2_roll)
+                  p2_wide=p2_wide, fast_gate=fast_gate, p2_one=p2_one)
 
 
 def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulate, stage, early_kq=False,
-           p2_wide=False, ablate=frozenset(), v_async=False, fast_gate=False, p2_one=False,
-           p2_jobs="uniform", p2_roll=False):
+           p2_wide=False, ablate=frozenset(), v_async=False, fast_gate=False, p2_one=False):
     """The kernels of this module (``stage``: "fused", "intra" or "state") over one set of
     shared-memory regions and macros. ``early_kq`` (state): the next chunk's e^Γ k and scale·e^Γ q
     are copied as soon as phase 3 has read this chunk's (start of phase 4), not in phase 1."""
@@ -514,8 +510,6 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
         raise ValueError("p2_wide widens the rounds of p2_pairs: set p2_pairs too")
     P2W = p2_wide
     P2ONE = p2_one and stage != "state"
-    if p2_jobs not in ("uniform", "mixed"):
-        raise ValueError(f"p2_jobs={p2_jobs!r}: 'uniform' or 'mixed'")
     ABL = frozenset(ablate)
     VASYNC = v_async and stage == "fused"
     FAST_GATE = fast_gate
@@ -670,7 +664,7 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
         …]: Aqk."""
         for r in T.unroll(8 * n):
             acc[tx * EM, r] = T.float32(0)
-        for ks in (T.serial if p2_roll else T.unroll)(K // 8):
+        for ks in T.unroll(K // 8):
             for t in T.unroll(n):
                 bf[2 * t] = tf32(kr(SM, (nt + t) * 8 + tx % 32 // 4, ks * 8 + tx % 4) * ex2(gm(SM, I * SUB, ks * 8 + tx % 4) - gm(SM, (nt + t) * 8 + tx % 32 // 4, ks * 8 + tx % 4)))
                 bf[2 * t + 1] = tf32(kr(SM, (nt + t) * 8 + tx % 32 // 4, ks * 8 + tx % 4 + 4) * ex2(gm(SM, I * SUB, ks * 8 + tx % 4 + 4) - gm(SM, (nt + t) * 8 + tx % 32 // 4, ks * 8 + tx % 4 + 4)))
@@ -814,11 +808,10 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
         if P2ONE:
             # phase 2 in one round: every row's ka = k e^{Γ−r} (TF32) → the ka / qa region and
             # scale·q e^{Γ−r} (fp32) in place of q, r = Γ_{16I} of the row's own sub-block I, then
-            # all 20 n-tiles as 8 jobs of three adjacent n-tiles, one per warp ("uniform": warps 1
-            # and 2 both do n-tile 5 of sub-block 3, warps 5 and 6 n-tiles 1, 2 of sub-block 1 — the
-            # same values stored twice —, warp 7's third n-tile lies above the diagonal, unstored;
-            # "mixed": warps 0, 1, 3, 4 three n-tiles of sub-block 3 or 2, warps 2, 5, 6, 7 two of
-            # sub-block 3, 1, 1, 0, two code paths)
+            # the 20 n-tiles of the four sub-blocks as 8 jobs of three adjacent n-tiles, one per
+            # warp and one code path: warps 1 and 2 both do n-tile 5 of sub-block 3, warps 5 and 6
+            # n-tiles 1 and 2 of sub-block 1 (the same values stored twice), warp 7's third n-tile
+            # lies above the diagonal (not stored)
             if SYNC:
                 T.tvm_storage_sync("shared")
             for tx in THR(NT):
@@ -833,27 +826,13 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                 af = T.alloc_buffer((4,), "float32", scope="local")
                 bf = T.alloc_buffer((6,), "float32", scope="local")
                 ti = T.alloc_buffer((2,), "int32", scope="local")        # sub-block, first n-tile
-                if p2_jobs == "uniform":   # (I, first n-tile) by warp: (3, 0) (3, 3) (3, 5) (2, 0) (2, 3) (1, 0) (1, 1) (0, 0)
-                    acc = T.alloc_buffer((RT, 24), "float32", scope="local")
-                    ti[0] = T.Select(tx // 32 < 3, 3, T.Select(tx // 32 < 5, 2, T.Select(tx // 32 < 7, 1, 0)))
-                    ti[1] = T.Select(tx // 32 == 1 or tx // 32 == 4, 3, T.Select(tx // 32 == 2, 5, T.Select(tx // 32 == 6, 1, 0)))
-                    l_aqk_tile(SM, acc, af, bf, tx, ti[0], ti[1],
-                               lambda i, d: SM[O_X + (ti[0] * SUB + i) * KS + d],
-                               lambda i, d: tf32(SM[O_QR + (ti[0] * SUB + i) * KS + d]), 3)
-                elif tx // 32 % 3 < 2 and tx // 32 < 6:   # mixed: warps 0, 1, 3, 4
-                    acc = T.alloc_buffer((RT, 24), "float32", scope="local")
-                    ti[0] = T.Select(tx // 32 < 2, 3, 2)
-                    ti[1] = tx // 32 % 3 * 3
-                    l_aqk_tile(SM, acc, af, bf, tx, ti[0], ti[1],
-                               lambda i, d: SM[O_X + (ti[0] * SUB + i) * KS + d],
-                               lambda i, d: tf32(SM[O_QR + (ti[0] * SUB + i) * KS + d]), 3)
-                else:   # warps 2, 5, 6, 7
-                    acc = T.alloc_buffer((RT, 16), "float32", scope="local")
-                    ti[0] = T.Select(tx // 32 == 2, 3, T.Select(tx // 32 == 7, 0, 1))
-                    ti[1] = T.Select(tx // 32 == 2, 6, T.Select(tx // 32 == 6, 2, 0))
-                    l_aqk_tile(SM, acc, af, bf, tx, ti[0], ti[1],
-                               lambda i, d: SM[O_X + (ti[0] * SUB + i) * KS + d],
-                               lambda i, d: tf32(SM[O_QR + (ti[0] * SUB + i) * KS + d]), 2)
+                acc = T.alloc_buffer((RT, 24), "float32", scope="local")
+                # (I, first n-tile) by warp: (3, 0) (3, 3) (3, 5) (2, 0) (2, 3) (1, 0) (1, 1) (0, 0)
+                ti[0] = T.Select(tx // 32 < 3, 3, T.Select(tx // 32 < 5, 2, T.Select(tx // 32 < 7, 1, 0)))
+                ti[1] = T.Select(tx // 32 == 1 or tx // 32 == 4, 3, T.Select(tx // 32 == 2, 5, T.Select(tx // 32 == 6, 1, 0)))
+                l_aqk_tile(SM, acc, af, bf, tx, ti[0], ti[1],
+                           lambda i, d: SM[O_X + (ti[0] * SUB + i) * KS + d],
+                           lambda i, d: tf32(SM[O_QR + (ti[0] * SUB + i) * KS + d]), 3)
         elif p2_pairs:
             # phase 2, paired: rounds R = 0, 1 of sub-blocks 2R, 2R+1 (reference r =
             # Γ_{16I}); tile t < 8R+6 of a round is (I, nt) = (2R, t) for t < 4R+2, else

@@ -43,9 +43,11 @@ def build(out: Path, H: int) -> None:
     fs = {"intra": kda_prefill_intra_tc_kernel(H, K, K, K ** -0.5),
           "state": kda_prefill_state_tc_kernel(H, K, K, block_v=bv, a_batch=8),
           # the fused form as relax_modules/kda.py dispatches it (from 48 heads)
-          "fused": kda_prefill_fused_kernel(H, K, K, K ** -0.5, *prefill_dispatch(max(H, 48))[1:], p2_pairs=True, ldsm=True),
+          # (preprocessed inputs: fast_gate only acts on the in-kernel gate)
+          "fused": kda_prefill_fused_kernel(H, K, K, K ** -0.5, *prefill_dispatch(max(H, 48))[1:], p2_one=True, ldsm=True,
+                                            v_async=True),
           # the split form (dispatched below 48 heads), preprocessed inputs
-          "split_intra": kda_prefill_split_intra_kernel(H, K, K ** -0.5),
+          "split_intra": kda_prefill_split_intra_kernel(H, K, K ** -0.5, p2_one=True),
           "split_state": kda_prefill_split_state_kernel(H, K, K, K ** -0.5)}
     mod = tvm.IRModule({n: f.with_attr("global_symbol", n) for n, f in fs.items()})
     with precompiled_cuda(spec.nvcc_arch, options=("--ptxas-options=--register-usage-level=5",)), \
@@ -108,11 +110,12 @@ ABLATIONS = (("none", ()), ("stage", ("stage",)), ("p2", ("p2",)), ("dinv", ("di
              ("barriers", ("p2", "dinv", "p3", "p4", "s", "o", "gamma", "vl", "scopy", "ost", "stage")),
              ("gamma", ("gamma",)), ("cumsum", ("cumsum",)), ("norms", ("norms",)))
 LOWER_BOUND = -5.0
-BASE_OPTIONS = {"p2_pairs": True, "ldsm": True, "p2_wide": True, "v_async": True, "fast_gate": True,
-                "lower_bound": LOWER_BOUND}
-# the same kernel with options changed, timed beside it and its o compared (name, options)
+BASE_OPTIONS = {"p2_one": True, "ldsm": True, "v_async": True, "fast_gate": True, "lower_bound": LOWER_BOUND}
+# the same kernel with options changed, timed beside it and its o compared (name, options);
+# "pairs": phase 2 in the two paired rounds dispatched before p2_one
 OPTION_VARIANTS = (("no_v_async", {"v_async": False}), ("no_fast_gate", {"fast_gate": False}),
-                   ("neither", {"v_async": False, "fast_gate": False}))
+                   ("neither", {"v_async": False, "fast_gate": False}),
+                   ("pairs", {"p2_one": False, "p2_pairs": True, "p2_wide": True}))
 
 
 def build_phases(out: Path, H: int) -> None:
