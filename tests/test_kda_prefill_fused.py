@@ -64,8 +64,10 @@ def _check_outputs(o, pool, o_ref, ref_pool, slots):
     # p2_wide: phase 2's rounds as pairs of n-tiles per warp (each A fragment loaded once for two);
     # v_async: phase 3's v rows staged in the vn region, R formed in place
     (32, 8, [1, 65, 15, 64, 130], True, True, {"p2_wide": True, "v_async": True}),
-    # p2_one: phase 2 in one round (every row's ka / qa at its own sub-block's reference)
+    # p2_one: phase 2 in one round (every row's ka / qa at its own sub-block's reference), at both
+    # tilings the model dispatches (at 64 columns the 64 staged ka rows fill the ka / qa region)
     (128, 4, [1, 65, 15, 64, 130], True, False, {"p2_one": True, "v_async": True}),
+    (64, 8, [63, 129], False, False, {"p2_one": True, "v_async": True}),
 ])
 def test_emulated_fused_kernel_matches_reference(block_v, a_batch, lens, initial_state, p2_pairs, opts):
     import tvm
@@ -194,7 +196,8 @@ def _raw_inputs(lens, H, K=128, seed=0):
 @pytest.mark.parametrize("fast_gate", [False, True])
 def test_emulated_fused_kernel_with_preprocessing_matches_reference(fast_gate):
     """lower_bound mode: L2 norms of q and k, the gate and β inside the kernel (``fast_gate``:
-    the gate's σ by a reciprocal, rows past the end masked by a multiply)."""
+    the gate's σ by a reciprocal, rows past the end masked by a select after it), with phase 2
+    as the model dispatches it (``p2_one``)."""
     import tvm
 
     H, K = 2, 128
@@ -202,7 +205,8 @@ def test_emulated_fused_kernel_with_preprocessing_matches_reference(fast_gate):
     ref_pool = pool.copy()
     o_ref = kda_prefill_reference(pre["q"], pre["k"], pre["v"], pre["g"], pre["beta"], cu, slots,
                                   ref_pool, 1, K ** -0.5)
-    f = kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=32, lower_bound=-5.0, fast_gate=fast_gate, emulate=True)
+    f = kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=32, lower_bound=-5.0, fast_gate=fast_gate, p2_one=True,
+                                 emulate=True)
     lib = _llvm(f)
     A = tvm.runtime.tensor
     pt, o = A(pool), A(np.full(raw["v"].shape, np.nan, np.float32))
@@ -249,6 +253,10 @@ def test_fused_kernel_rejects_unsupported_sizes():
         kda_prefill_fused_kernel(2, 128, 128, 0.1, lower_bound=-6.0)
     with pytest.raises(ValueError, match="p2_wide widens the rounds of p2_pairs"):
         kda_prefill_fused_kernel(2, 128, 128, 0.1, p2_wide=True)
+    with pytest.raises(ValueError, match="p2_one replaces the rounds"):
+        kda_prefill_fused_kernel(2, 128, 128, 0.1, p2_one=True, p2_pairs=True)
+    with pytest.raises(ValueError, match="p2_one replaces the rounds"):
+        kda_prefill_split_intra_kernel(2, 128, 0.1, p2_one=True, p2_wide=True)
     with pytest.raises(ValueError, match=r"ablate=\['p9'\]"):
         kda_prefill_fused_kernel(2, 128, 128, 0.1, ablate=frozenset({"p9"}))
     with pytest.raises(ValueError, match="v_async and ablate to the fused kernel"):
@@ -263,13 +271,13 @@ def test_fused_kernel_compiles_to_fatbin_for_sm90a(tmp_path):
         "f = kda_prefill_fused_kernel(3, 128, 128, 128 ** -0.5, block_v=128, a_batch=4)\n"
         "p = kda_prefill_fused_kernel(3, 128, 128, 128 ** -0.5, block_v=64, lower_bound=-5.0)\n"
         # as the model dispatches it from 96 heads (and 48-95: block_v 64, a_batch 8)
-        "d = kda_prefill_fused_kernel(3, 128, 128, 128 ** -0.5, block_v=128, a_batch=4, p2_pairs=True, ldsm=True,\n"
-        "                             p2_wide=True, v_async=True, fast_gate=True, lower_bound=-5.0)\n"
-        "e = kda_prefill_fused_kernel(3, 128, 128, 128 ** -0.5, block_v=64, a_batch=8, p2_pairs=True, ldsm=True,\n"
-        "                             p2_wide=True, v_async=True, fast_gate=True, lower_bound=-5.0)\n"
+        "d = kda_prefill_fused_kernel(3, 128, 128, 128 ** -0.5, block_v=128, a_batch=4, p2_one=True, ldsm=True,\n"
+        "                             v_async=True, fast_gate=True, lower_bound=-5.0)\n"
+        "e = kda_prefill_fused_kernel(3, 128, 128, 128 ** -0.5, block_v=64, a_batch=8, p2_one=True, ldsm=True,\n"
+        "                             v_async=True, fast_gate=True, lower_bound=-5.0)\n"
         "r = kda_prefill_fused_kernel(3, 128, 128, 128 ** -0.5, block_v=16, p2_pairs=True, ldsm=True)\n"
         "from schedules.kda_prefill_fused import kda_prefill_split_intra_kernel, kda_prefill_split_state_kernel\n"
-        "i = kda_prefill_split_intra_kernel(3, 128, 128 ** -0.5, lower_bound=-5.0, p2_wide=True, fast_gate=True)\n"
+        "i = kda_prefill_split_intra_kernel(3, 128, 128 ** -0.5, lower_bound=-5.0, p2_one=True, fast_gate=True)\n"
         "s = kda_prefill_split_state_kernel(3, 128, 128, 128 ** -0.5, lower_bound=-5.0)\n"
         "mod = tvm.IRModule({n: x.with_attr('global_symbol', n) for n, x in\n"
         "                    (('f', f), ('p', p), ('r', r), ('d', d), ('e', e), ('i', i), ('s', s))})", tmp_path,
