@@ -275,7 +275,8 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
                              a_batch: int = 8, lower_bound: float | None = None,
                              p2_pairs: bool = False, ldsm: bool = False, split: bool = False,
                              p2_wide: bool = False, v_async: bool = False, fast_gate: bool = False,
-                             p2_one: bool = False, ablate: frozenset = frozenset(), emulate: bool = False):
+                             p2_one: bool = False, early_q: bool = False, ablate: frozenset = frozenset(),
+                             emulate: bool = False):
     """The fused chunked prefill, one block per (sequence, head, ``block_v`` columns of V).
     PrimFunc arguments::
 
@@ -339,6 +340,10 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
     of the four sub-blocks are 8 jobs of 3 or 2 n-tiles, one per warp: 2 barriers and one
     round of jobs per chunk instead of 4 and two rounds of 16 k-steps.
 
+    ``early_q``: the next chunk's q rows are copied (``cp.async``) at the start of phase 4,
+    once phase 3 has read this chunk's, instead of in its phase 1 with k and g (as the split
+    form's ``early_kq``).
+
     ``v_async``: phase 3's R warps copy their 16 rows of v by 16-byte ``cp.async`` into the vn
     region (free once phase 2 has read its ka / qa there) at the start of phase 3 and form R
     in place after their products, instead of 64 scalar loads per thread from L2 into
@@ -362,15 +367,16 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
     ``a_batch`` (4 or 8): k-steps whose A fragments are loaded before their mmas in phases 3
     and 5. Raises ValueError for other head sizes or tilings.
     """
-    if split and (p2_pairs or p2_wide or v_async or fast_gate or p2_one or ablate):
+    if split and (p2_pairs or p2_wide or v_async or fast_gate or p2_one or early_q or ablate):
         raise ValueError("split: p2_pairs, p2_wide, p2_one, fast_gate belong to kda_prefill_split_intra_kernel; "
-                         "v_async and ablate to the fused kernel")
+                         "v_async, early_q and ablate to the fused kernel")
     if p2_one and (p2_pairs or p2_wide):
         raise ValueError("p2_one replaces the rounds of p2_pairs / p2_wide: set p2_one alone")
     if split:
         return _split_state(H, K, V, scale, lower_bound, ((block_v, a_batch),), ldsm, emulate)
     return _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulate, "fused",
-                  p2_wide=p2_wide, v_async=v_async, fast_gate=fast_gate, p2_one=p2_one, ablate=ablate)
+                  p2_wide=p2_wide, v_async=v_async, fast_gate=fast_gate, p2_one=p2_one, early_q=early_q,
+                  ablate=ablate)
 
 
 # the split state kernel's block_v by the number of sequences B (``kda_prefill_split_state_kernel``):
@@ -493,11 +499,12 @@ def kda_prefill_split_intra_kernel(H: int, K: int, scale: float, lower_bound: fl
 
 
 def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulate, stage, early_kq=False,
-           p2_wide=False, ablate=frozenset(), v_async=False, fast_gate=False, p2_one=False):
+           p2_wide=False, ablate=frozenset(), v_async=False, fast_gate=False, p2_one=False, early_q=False):
     """The kernels of this module (``stage``: "fused", "intra" or "state") over one set of
     shared-memory regions and macros. ``early_kq`` (state): the next chunk's e^Γ k and scale·e^Γ q
     are copied as soon as phase 3 has read this chunk's (start of phase 4), not in phase 1."""
     EARLY = early_kq and stage == "state"
+    EARLY_Q = early_q and stage == "fused"
     if K != 128 or V != 128:
         raise ValueError(f"the fused KDA prefill is written for K = V = 128, got K={K}, V={V}")
     if lower_bound is not None and not -5.5 <= lower_bound < 0:
@@ -742,6 +749,11 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
         if EARLY:
             if first:
                 copy_rows(SM, tx, c0, O_KR, KS, k, K, h, n_tok)
+                copy_rows(SM, tx, c0, O_QR, KS, q, K, h, n_tok)
+            copy_rows(SM, tx, c0, O_G, KS, g, K, h, n_tok)
+        elif EARLY_Q:
+            copy_rows(SM, tx, c0, O_KR, KS, k, K, h, n_tok)
+            if first:
                 copy_rows(SM, tx, c0, O_QR, KS, q, K, h, n_tok)
             copy_rows(SM, tx, c0, O_G, KS, g, K, h, n_tok)
         else:   # k, q, g interleaved row by row
@@ -1070,13 +1082,14 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                 #          owns the n-tiles wi, wi + 8, … (warps past them idle)
                 if SYNC:
                     T.tvm_storage_sync("shared")
-                if EARLY:   # the next chunk's e^Γ k, scale·e^Γ q (phase 3 has read this one's)
-                    for tx in THR(NT):
+                if EARLY or EARLY_Q:   # the next chunk's e^Γ k, scale·e^Γ q (split) or raw q
+                    for tx in THR(NT):    # (fused): phase 3 has read this one's
                         cn = T.alloc_buffer((3,), "int32", scope="local")
                         cn[0] = cu[blk // (H * NVB)] + (c + 1) * C
                         cn[1] = cu[blk // (H * NVB) + 1]
                         if cn[0] < cn[1]:
-                            copy_rows(SM, tx, cn, O_KR, KS, k, K, blk // NVB % H, n_tok)
+                            if EARLY:
+                                copy_rows(SM, tx, cn, O_KR, KS, k, K, blk // NVB % H, n_tok)
                             copy_rows(SM, tx, cn, O_QR, KS, q, K, blk // NVB % H, n_tok)
                             if SYNC:
                                 ptx.commit()
