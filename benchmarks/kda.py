@@ -109,7 +109,13 @@ PREFILL_FUSED = ([("fused", bv, ab, {}) for bv, ab in ((128, 4), (64, 8), (32, 8
                                                 "v_async": True, "fast_gate": True}),
                     # ... and the next chunk's q copied during phases 4-5 (``early_q``)
                     ("fusedpre_p2ovfq", 128, 4, {"lower_bound": LOWER_BOUND, "p2_one": True, "ldsm": True,
-                                                 "v_async": True, "fast_gate": True, "early_q": True})])
+                                                 "v_async": True, "fast_gate": True, "early_q": True}),
+                    # ... or o stored as 8-byte column pairs (``o_vec``), or both
+                    ("fusedpre_p2ovfv", 128, 4, {"lower_bound": LOWER_BOUND, "p2_one": True, "ldsm": True,
+                                                 "v_async": True, "fast_gate": True, "o_vec": True}),
+                    ("fusedpre_p2ovfqv", 128, 4, {"lower_bound": LOWER_BOUND, "p2_one": True, "ldsm": True,
+                                                  "v_async": True, "fast_gate": True, "early_q": True,
+                                                  "o_vec": True})])
 # the split form (schedules/kda_prefill_fused.py: kda_prefill_split_intra_kernel for every
 # chunk in parallel, then the fused kernel's phases 3-5 with ``split``): (name, block_v,
 # a_batch, options); splitpre_*: L2 norms, gate and β in the intra kernel (raw inputs)

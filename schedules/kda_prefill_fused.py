@@ -160,6 +160,11 @@ __device__ __forceinline__ float k3_rcp(float x) {
   return y;
 }
 """
+ST2_SRC = r"""
+__device__ __forceinline__ void k3_st2(float* p, float a, float b) {
+  *reinterpret_cast<float2*>(p) = make_float2(a, b);
+}
+"""
 WARP_SUM_SRC = r"""
 __device__ __forceinline__ float k3_warp_sum(float x) {
   for (int m = 16; m > 0; m >>= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
@@ -275,8 +280,8 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
                              a_batch: int = 8, lower_bound: float | None = None,
                              p2_pairs: bool = False, ldsm: bool = False, split: bool = False,
                              p2_wide: bool = False, v_async: bool = False, fast_gate: bool = False,
-                             p2_one: bool = False, early_q: bool = False, ablate: frozenset = frozenset(),
-                             emulate: bool = False):
+                             p2_one: bool = False, early_q: bool = False, o_vec: bool = False,
+                             ablate: frozenset = frozenset(), emulate: bool = False):
     """The fused chunked prefill, one block per (sequence, head, ``block_v`` columns of V).
     PrimFunc arguments::
 
@@ -344,6 +349,9 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
     once phase 3 has read this chunk's, instead of in its phase 1 with k and g (as the split
     form's ``early_kq``).
 
+    ``o_vec``: o stored as 8-byte pairs of adjacent columns with one bounds test per row (32
+    stores per thread instead of 64 tests and stores; emulated: plain stores).
+
     ``v_async``: phase 3's R warps copy their 16 rows of v by 16-byte ``cp.async`` into the vn
     region (free once phase 2 has read its ka / qa there) at the start of phase 3 and form R
     in place after their products, instead of 64 scalar loads per thread from L2 into
@@ -367,16 +375,16 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
     ``a_batch`` (4 or 8): k-steps whose A fragments are loaded before their mmas in phases 3
     and 5. Raises ValueError for other head sizes or tilings.
     """
-    if split and (p2_pairs or p2_wide or v_async or fast_gate or p2_one or early_q or ablate):
+    if split and (p2_pairs or p2_wide or v_async or fast_gate or p2_one or early_q or o_vec or ablate):
         raise ValueError("split: p2_pairs, p2_wide, p2_one, fast_gate belong to kda_prefill_split_intra_kernel; "
-                         "v_async, early_q and ablate to the fused kernel")
+                         "v_async, early_q, o_vec and ablate to the fused kernel")
     if p2_one and (p2_pairs or p2_wide):
         raise ValueError("p2_one replaces the rounds of p2_pairs / p2_wide: set p2_one alone")
     if split:
         return _split_state(H, K, V, scale, lower_bound, ((block_v, a_batch),), ldsm, emulate)
     return _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulate, "fused",
                   p2_wide=p2_wide, v_async=v_async, fast_gate=fast_gate, p2_one=p2_one, early_q=early_q,
-                  ablate=ablate)
+                  o_vec=o_vec, ablate=ablate)
 
 
 # the split state kernel's block_v by the number of sequences B (``kda_prefill_split_state_kernel``):
@@ -499,12 +507,14 @@ def kda_prefill_split_intra_kernel(H: int, K: int, scale: float, lower_bound: fl
 
 
 def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulate, stage, early_kq=False,
-           p2_wide=False, ablate=frozenset(), v_async=False, fast_gate=False, p2_one=False, early_q=False):
+           p2_wide=False, ablate=frozenset(), v_async=False, fast_gate=False, p2_one=False, early_q=False,
+           o_vec=False):
     """The kernels of this module (``stage``: "fused", "intra" or "state") over one set of
     shared-memory regions and macros. ``early_kq`` (state): the next chunk's e^Γ k and scale·e^Γ q
     are copied as soon as phase 3 has read this chunk's (start of phase 4), not in phase 1."""
     EARLY = early_kq and stage == "state"
     EARLY_Q = early_q and stage == "fused"
+    O_VEC = o_vec and not emulate and stage == "fused"
     if K != 128 or V != 128:
         raise ValueError(f"the fused KDA prefill is written for K = V = 128, got K={K}, V={V}")
     if lower_bound is not None and not -5.5 <= lower_bound < 0:
@@ -1152,10 +1162,17 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                                  lambda i, j: T.Select(j <= (tx // 32 - 4) * 16 + i, la(SM, (tx // 32 - 4) * 16 + i, j), T.float32(0)),
                                  lambda j, n: vn(SM, j, n), C // 8, N8, tx % 32, (tx // 32 - 4) * 2 + 1)
                         if "ost" not in ABL:
-                            for nt in T.unroll(N8):
-                                for e in T.unroll(4):
-                                    if c0[0] + (tx // 32 - 4) * 16 + tx % 32 // 4 + e // 2 * 8 < c0[1]:
-                                        o[c0[0] + (tx // 32 - 4) * 16 + tx % 32 // 4 + e // 2 * 8, blk // NVB % H, blk % NVB * BV + nt * 8 + tx % 4 * 2 + e % 2] = Y[tx * EM, nt * 4 + e]
+                            if O_VEC:   # entries e, e + 1 (adjacent columns) as one 8-byte store
+                                for hf in T.unroll(2):
+                                    if c0[0] + (tx // 32 - 4) * 16 + tx % 32 // 4 + hf * 8 < c0[1]:
+                                        for nt in T.unroll(N8):
+                                            cuda_func_call("k3_st2", T.address_of(o[c0[0] + (tx // 32 - 4) * 16 + tx % 32 // 4 + hf * 8, blk // NVB % H, blk % NVB * BV + nt * 8 + tx % 4 * 2]),
+                                                           Y[tx * EM, nt * 4 + hf * 2], Y[tx * EM, nt * 4 + hf * 2 + 1], source_code=ST2_SRC)
+                            else:
+                                for nt in T.unroll(N8):
+                                    for e in T.unroll(4):
+                                        if c0[0] + (tx // 32 - 4) * 16 + tx % 32 // 4 + e // 2 * 8 < c0[1]:
+                                            o[c0[0] + (tx // 32 - 4) * 16 + tx % 32 // 4 + e // 2 * 8, blk // NVB % H, blk % NVB * BV + nt * 8 + tx % 4 * 2 + e % 2] = Y[tx * EM, nt * 4 + e]
             # registers → the pooled state
             for tx in THR(NT):
                 for nt in T.unroll(N8):
