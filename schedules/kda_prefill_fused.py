@@ -342,8 +342,13 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
     own sub-block I (the reference each 16-row block of L / Aqk uses), one ``ex2`` for both: ka
     into the ka / qa region (64 rows fit where the pairs staged 2 × 32), scale·q e^{Γ−r} in fp32
     in place of q (phase 3 then forms scale·q e^Γ from it by e^{Γ_{16I}}). Then the 20 n-tiles
-    of the four sub-blocks are 8 jobs of 3 or 2 n-tiles, one per warp: 2 barriers and one
-    round of jobs per chunk instead of 4 and two rounds of 16 k-steps.
+    of the four sub-blocks are 8 jobs of 3 adjacent n-tiles, one per warp and one code path
+    (4 of the 24 computed twice or above the diagonal): 2 barriers and one round of 16 k-steps
+    per chunk instead of 4 and two rounds (H200: 11% faster at 96 heads than ``p2_pairs`` with
+    ``p2_wide``, ``kda_prefill_phases_c_h200_2026-12-01.json``). A first form gave warps 3 or 2
+    n-tiles in two code paths: 1.1k more SASS instructions and 30% slower with the
+    preprocessing (instruction-cache misses, as the two-kernel form's ncu profile showed at
+    11.4k instructions; ``kda_prefill_p2one_h200_2026-12-01.json``).
 
     ``early_q``: the next chunk's q rows are copied (``cp.async``) at the start of phase 4,
     once phase 3 has read this chunk's, instead of in its phase 1 with k and g (as the split
@@ -367,7 +372,7 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
     ``ablate`` (a subset of ``ABLATE_PHASES``, a diagnostic): leave that work out, so that the
     time it saves is its cost on the chunk's critical path; the results are wrong
     (``tests/gpu/profile_kda_prefill.py phases``). The barriers are kept except those of the
-    parts "gamma" (1 barrier) and "p2" (4: its two rounds), whose costs include them;
+    parts "gamma" (1 barrier) and "p2" (4 with ``p2_pairs``, 2 with ``p2_one``), whose costs include them;
     "cumsum" and "norms" only act with ``lower_bound``.
 
     ``block_v`` (16, 32, 64 or 128): columns of V per block; fewer columns give more blocks
