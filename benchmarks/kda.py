@@ -102,20 +102,15 @@ PREFILL_FUSED = ([("fused", bv, ab, {}) for bv, ab in ((128, 4), (64, 8), (32, 8
                  + [("fused_p2wv", 128, 4, {"p2_pairs": True, "ldsm": True, "p2_wide": True, "v_async": True}),
                     ("fusedpre_p2wvf", 128, 4, {"lower_bound": LOWER_BOUND, "p2_pairs": True, "ldsm": True,
                                                 "p2_wide": True, "v_async": True, "fast_gate": True})]
-                 # ... with phase 2 in one round instead of the pairs' two (``p2_one``): as the model
-                 # dispatches it since 2026-12-01 (fusedpre_p2ovf)
+                 # ... with phase 2 in one round instead of the pairs' two (``p2_one``)
                  + [("fused_p2ov", 128, 4, {"p2_one": True, "ldsm": True, "v_async": True}),
                     ("fusedpre_p2ovf", 128, 4, {"lower_bound": LOWER_BOUND, "p2_one": True, "ldsm": True,
                                                 "v_async": True, "fast_gate": True}),
-                    # ... and the next chunk's q copied during phases 4-5 (``early_q``)
-                    ("fusedpre_p2ovfq", 128, 4, {"lower_bound": LOWER_BOUND, "p2_one": True, "ldsm": True,
-                                                 "v_async": True, "fast_gate": True, "early_q": True}),
-                    # ... or o stored as 8-byte column pairs (``o_vec``), or both
+                    # ... and o stored as 8-byte column pairs (``o_vec``): as the model dispatches it
+                    # since 2026-12-01; with the next chunk's q rows copied at phase 4 (early_q, not
+                    # kept) in kda_prefill_ovec_h200_2026-12-01.json
                     ("fusedpre_p2ovfv", 128, 4, {"lower_bound": LOWER_BOUND, "p2_one": True, "ldsm": True,
-                                                 "v_async": True, "fast_gate": True, "o_vec": True}),
-                    ("fusedpre_p2ovfqv", 128, 4, {"lower_bound": LOWER_BOUND, "p2_one": True, "ldsm": True,
-                                                  "v_async": True, "fast_gate": True, "early_q": True,
-                                                  "o_vec": True})])
+                                                 "v_async": True, "fast_gate": True, "o_vec": True})])
 # the split form (schedules/kda_prefill_fused.py: kda_prefill_split_intra_kernel for every
 # chunk in parallel, then the fused kernel's phases 3-5 with ``split``): (name, block_v,
 # a_batch, options); splitpre_*: L2 norms, gate and β in the intra kernel (raw inputs)
@@ -135,7 +130,10 @@ PREFILL_SPLIT = ([("split", bv, ab, {}) for bv, ab in ((16, 8), (32, 8), (64, 8)
                     # ... with the intra kernel's phase 2 in one round (p2_one; splitautopre_of as the
                     # model dispatches it)
                     ("splitauto_o", None, None, {"p2_one": True}),
-                    ("splitautopre_of", None, None, {"lower_bound": LOWER_BOUND, "p2_one": True, "fast_gate": True})])
+                    ("splitautopre_of", None, None, {"lower_bound": LOWER_BOUND, "p2_one": True, "fast_gate": True}),
+                    # ... and the state kernel's o as 8-byte column pairs (o_vec)
+                    ("splitautopre_ofv", None, None, {"lower_bound": LOWER_BOUND, "p2_one": True, "fast_gate": True,
+                                                      "o_vec": True})])
 
 
 def _split_name(name: str, bv: int | None, ab: int | None) -> str:

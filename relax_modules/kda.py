@@ -248,13 +248,13 @@ class KimiDeltaAttention(nn.Module):
 
     def _fused_prefill(self, ins, meta, kda_state, kda_index, lower_bound):
         """Step 5 (with ``lower_bound`` also 2-4) in the fused kernel (``p2_one``, ``ldsm``,
-        ``v_async``, ``fast_gate``; ``prefill_tiling``): ``ins`` = q, k, v, g, β — or the raw q, k, v, f, b, A_log, dt_bias;
+        ``v_async``, ``fast_gate``, ``o_vec``; ``prefill_tiling``): ``ins`` = q, k, v, g, β — or the raw q, k, v, f, b, A_log, dt_bias;
         the state in place. Returns ``(kda_state, o [T, H, K] f32)``."""
         T, H, K = ins[0].shape[0], self.H, self.K
         bv, ab = self.prefill_tiling
         return op.tensor_ir_inplace_op(
             kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=bv, a_batch=ab, p2_one=True, ldsm=True,
-                                     v_async=True, fast_gate=True, lower_bound=lower_bound),
+                                     v_async=True, fast_gate=True, o_vec=True, lower_bound=lower_bound),
             "kda_prefill_fused" + ("_pre" if lower_bound is not None else ""),
             ins + [meta.cu_seqlens, meta.seq_slots, kda_state, _i32(kda_index)],
             [len(ins) + 2, -1], [nn.Tensor.placeholder(kda_state.shape, "float32"),

@@ -280,7 +280,7 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
                              a_batch: int = 8, lower_bound: float | None = None,
                              p2_pairs: bool = False, ldsm: bool = False, split: bool = False,
                              p2_wide: bool = False, v_async: bool = False, fast_gate: bool = False,
-                             p2_one: bool = False, early_q: bool = False, o_vec: bool = False,
+                             p2_one: bool = False, o_vec: bool = False,
                              ablate: frozenset = frozenset(), emulate: bool = False):
     """The fused chunked prefill, one block per (sequence, head, ``block_v`` columns of V).
     PrimFunc arguments::
@@ -350,12 +350,10 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
     preprocessing (instruction-cache misses, as the two-kernel form's ncu profile showed at
     11.4k instructions; ``kda_prefill_p2one_h200_2026-12-01.json``).
 
-    ``early_q``: the next chunk's q rows are copied (``cp.async``) at the start of phase 4,
-    once phase 3 has read this chunk's, instead of in its phase 1 with k and g (as the split
-    form's ``early_kq``).
-
     ``o_vec``: o stored as 8-byte pairs of adjacent columns with one bounds test per row (32
-    stores per thread instead of 64 tests and stores; emulated: plain stores).
+    stores per thread instead of 64 tests and stores; emulated: plain stores). H200: 5% faster
+    at 96 heads (``kda_prefill_ovec_h200_2026-12-01.json``; copying the next chunk's q rows at
+    phase 4 instead, as the split form's ``early_kq``, was 1-2% slower there and is not kept).
 
     ``v_async``: phase 3's R warps copy their 16 rows of v by 16-byte ``cp.async`` into the vn
     region (free once phase 2 has read its ka / qa there) at the start of phase 3 and form R
@@ -380,16 +378,16 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
     ``a_batch`` (4 or 8): k-steps whose A fragments are loaded before their mmas in phases 3
     and 5. Raises ValueError for other head sizes or tilings.
     """
-    if split and (p2_pairs or p2_wide or v_async or fast_gate or p2_one or early_q or o_vec or ablate):
+    if split and (p2_pairs or p2_wide or v_async or fast_gate or p2_one or ablate):
         raise ValueError("split: p2_pairs, p2_wide, p2_one, fast_gate belong to kda_prefill_split_intra_kernel; "
-                         "v_async, early_q, o_vec and ablate to the fused kernel")
+                         "v_async and ablate to the fused kernel")
     if p2_one and (p2_pairs or p2_wide):
         raise ValueError("p2_one replaces the rounds of p2_pairs / p2_wide: set p2_one alone")
     if split:
         return _split_state(H, K, V, scale, lower_bound, ((block_v, a_batch),), ldsm, emulate)
     return _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulate, "fused",
-                  p2_wide=p2_wide, v_async=v_async, fast_gate=fast_gate, p2_one=p2_one, early_q=early_q,
-                  o_vec=o_vec, ablate=ablate)
+                  p2_wide=p2_wide, v_async=v_async, fast_gate=fast_gate, p2_one=p2_one, o_vec=o_vec,
+                  ablate=ablate)
 
 
 # the split state kernel's block_v by the number of sequences B (``kda_prefill_split_state_kernel``):
@@ -414,7 +412,7 @@ def _first_n_seq(block_v: int, H: int, V: int) -> int:
 @functools.cache
 def kda_prefill_split_state_kernel(H: int, K: int, V: int, scale: float,
                                    lower_bound: float | None = None, early_kq: bool = True,
-                                   emulate: bool = False):
+                                   o_vec: bool = False, emulate: bool = False):
     """The split form's state kernel with block_v chosen at run time from the number of
     sequences B = len(cu_seqlens) − 1: the first of ``SPLIT_BLOCK_V`` (64, 32, 16) with
     B·H·V/block_v ≥ ``SPLIT_MIN_BLOCKS`` (96), else 16 — one kernel per block_v, picked by a
@@ -423,17 +421,17 @@ def kda_prefill_split_state_kernel(H: int, K: int, V: int, scale: float,
     (32: 0.63). ``early_kq`` (default): the next chunk's e^Γ k and scale·e^Γ q are copied during
     this chunk's phases 4-5 instead of in its phase 1 — 1.5-3% faster
     (``kda_prefill_split_early_h200_2026-11-30.json``: 0.90 / 0.50 ms at 12 heads, 0.96 / 0.57
-    ms with the preprocessing). Arguments as :func:`kda_prefill_fused_kernel` with ``split``;
-    ValueError as there."""
+    ms with the preprocessing). ``o_vec``: o stored as 8-byte column pairs, as the fused kernel's
+    option. Arguments as :func:`kda_prefill_fused_kernel` with ``split``; ValueError as there."""
     return _split_state(H, K, V, scale, lower_bound, tuple((bv, 8) for bv in SPLIT_BLOCK_V), False, emulate,
-                        early_kq)
+                        early_kq, o_vec)
 
 
-def _split_state(H, K, V, scale, lower_bound, tilings, ldsm, emulate, early_kq=False):
+def _split_state(H, K, V, scale, lower_bound, tilings, ldsm, emulate, early_kq=False, o_vec=False):
     """The split form's state PrimFunc over the bodies of ``tilings`` ((block_v, a_batch), widest
     first): one tiling is launched as is, three (``SPLIT_BLOCK_V``) by a host-side branch on the
     number of sequences."""
-    bodies = [_build(H, K, V, scale, bv, ab, lower_bound, False, ldsm, emulate, "state", early_kq)
+    bodies = [_build(H, K, V, scale, bv, ab, lower_bound, False, ldsm, emulate, "state", early_kq, o_vec=o_vec)
               for bv, ab in tilings]
     if len(bodies) not in (1, 3):
         raise ValueError(f"one or three tilings, got {tilings}")
@@ -512,14 +510,12 @@ def kda_prefill_split_intra_kernel(H: int, K: int, scale: float, lower_bound: fl
 
 
 def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulate, stage, early_kq=False,
-           p2_wide=False, ablate=frozenset(), v_async=False, fast_gate=False, p2_one=False, early_q=False,
-           o_vec=False):
+           p2_wide=False, ablate=frozenset(), v_async=False, fast_gate=False, p2_one=False, o_vec=False):
     """The kernels of this module (``stage``: "fused", "intra" or "state") over one set of
     shared-memory regions and macros. ``early_kq`` (state): the next chunk's e^Γ k and scale·e^Γ q
     are copied as soon as phase 3 has read this chunk's (start of phase 4), not in phase 1."""
     EARLY = early_kq and stage == "state"
-    EARLY_Q = early_q and stage == "fused"
-    O_VEC = o_vec and not emulate and stage == "fused"
+    O_VEC = o_vec and not emulate and stage != "intra"
     if K != 128 or V != 128:
         raise ValueError(f"the fused KDA prefill is written for K = V = 128, got K={K}, V={V}")
     if lower_bound is not None and not -5.5 <= lower_bound < 0:
@@ -764,11 +760,6 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
         if EARLY:
             if first:
                 copy_rows(SM, tx, c0, O_KR, KS, k, K, h, n_tok)
-                copy_rows(SM, tx, c0, O_QR, KS, q, K, h, n_tok)
-            copy_rows(SM, tx, c0, O_G, KS, g, K, h, n_tok)
-        elif EARLY_Q:
-            copy_rows(SM, tx, c0, O_KR, KS, k, K, h, n_tok)
-            if first:
                 copy_rows(SM, tx, c0, O_QR, KS, q, K, h, n_tok)
             copy_rows(SM, tx, c0, O_G, KS, g, K, h, n_tok)
         else:   # k, q, g interleaved row by row
@@ -1097,14 +1088,13 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                 #          owns the n-tiles wi, wi + 8, … (warps past them idle)
                 if SYNC:
                     T.tvm_storage_sync("shared")
-                if EARLY or EARLY_Q:   # the next chunk's e^Γ k, scale·e^Γ q (split) or raw q
-                    for tx in THR(NT):    # (fused): phase 3 has read this one's
+                if EARLY:   # the next chunk's e^Γ k, scale·e^Γ q (phase 3 has read this one's)
+                    for tx in THR(NT):
                         cn = T.alloc_buffer((3,), "int32", scope="local")
                         cn[0] = cu[blk // (H * NVB)] + (c + 1) * C
                         cn[1] = cu[blk // (H * NVB) + 1]
                         if cn[0] < cn[1]:
-                            if EARLY:
-                                copy_rows(SM, tx, cn, O_KR, KS, k, K, blk // NVB % H, n_tok)
+                            copy_rows(SM, tx, cn, O_KR, KS, k, K, blk // NVB % H, n_tok)
                             copy_rows(SM, tx, cn, O_QR, KS, q, K, blk // NVB % H, n_tok)
                             if SYNC:
                                 ptx.commit()

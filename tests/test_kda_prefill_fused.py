@@ -67,8 +67,7 @@ def _check_outputs(o, pool, o_ref, ref_pool, slots):
     # p2_one: phase 2 in one round (every row's ka / qa at its own sub-block's reference), at both
     # tilings the model dispatches (at 64 columns the 64 staged ka rows fill the ka / qa region)
     (128, 4, [1, 65, 15, 64, 130], True, False, {"p2_one": True, "v_async": True}),
-    # (early_q: the next chunk's q rows copied during this one's phases 4-5)
-    (64, 8, [63, 129], False, False, {"p2_one": True, "v_async": True, "early_q": True}),
+    (64, 8, [63, 129], False, False, {"p2_one": True, "v_async": True}),
 ])
 def test_emulated_fused_kernel_matches_reference(block_v, a_batch, lens, initial_state, p2_pairs, opts):
     import tvm
@@ -198,7 +197,7 @@ def _raw_inputs(lens, H, K=128, seed=0):
 def test_emulated_fused_kernel_with_preprocessing_matches_reference(fast_gate):
     """lower_bound mode: L2 norms of q and k, the gate and β inside the kernel (``fast_gate``:
     the gate's σ by a reciprocal, rows past the end masked by a select after it), with phase 2
-    and the q copies as the model dispatches them (``p2_one``, ``early_q``)."""
+    as the model dispatches it (``p2_one``)."""
     import tvm
 
     H, K = 2, 128
@@ -207,7 +206,7 @@ def test_emulated_fused_kernel_with_preprocessing_matches_reference(fast_gate):
     o_ref = kda_prefill_reference(pre["q"], pre["k"], pre["v"], pre["g"], pre["beta"], cu, slots,
                                   ref_pool, 1, K ** -0.5)
     f = kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=32, lower_bound=-5.0, fast_gate=fast_gate, p2_one=True,
-                                 early_q=True, emulate=True)
+                                 emulate=True)
     lib = _llvm(f)
     A = tvm.runtime.tensor
     pt, o = A(pool), A(np.full(raw["v"].shape, np.nan, np.float32))
