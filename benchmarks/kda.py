@@ -538,7 +538,9 @@ def run_prefill(lib_dir: Path, log: Path | None = None, fla_checks: bool = True,
             split_pre = [n for n in per if n.startswith("splitpre_")]
             split_auto = {n: per[n] for n in per if n.startswith("splitauto")}
             # ours on preprocessed inputs (the *pre* variants take raw ones)
-            best = min([n for n in per if "pre" not in n and not n.startswith("fp32")], key=per.get)
+            # (or, where only *pre* variants were built, the fastest of those)
+            plain = [n for n in per if "pre" not in n and not n.startswith("fp32")]
+            best = min(plain or list(per), key=per.get)
             row = {"kind": "time", "heads": H, "lens": list(lens), "ours_ms": per[best], "best": best,
                    "variants_ms": per,
                    "fused_ms": min([per[n] for n in fused], default=None),
