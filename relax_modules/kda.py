@@ -279,7 +279,7 @@ class KimiDeltaAttention(nn.Module):
             intra, "kda_prefill_split_intra" + ("_pre" if lower_bound is not None else ""),
             intra_in + [meta.cu_seqlens, op.empty((T, H, K), f32)], [len(intra_in) + 1] + [-1] * 5, outs)
         if self.prefill_tiling is None:
-            state = kda_prefill_split_state_kernel(H, K, K, K ** -0.5, lower_bound=lower_bound)
+            state = kda_prefill_split_state_kernel(H, K, K, K ** -0.5, lower_bound=lower_bound, o_vec=True)
         else:
             bv, ab = self.prefill_tiling
             state = kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=bv, a_batch=ab, split=True,

@@ -272,13 +272,13 @@ def test_fused_kernel_compiles_to_fatbin_for_sm90a(tmp_path):
         "p = kda_prefill_fused_kernel(3, 128, 128, 128 ** -0.5, block_v=64, lower_bound=-5.0)\n"
         # as the model dispatches it from 96 heads (and 48-95: block_v 64, a_batch 8)
         "d = kda_prefill_fused_kernel(3, 128, 128, 128 ** -0.5, block_v=128, a_batch=4, p2_one=True, ldsm=True,\n"
-        "                             v_async=True, fast_gate=True, lower_bound=-5.0)\n"
+        "                             v_async=True, fast_gate=True, o_vec=True, lower_bound=-5.0)\n"
         "e = kda_prefill_fused_kernel(3, 128, 128, 128 ** -0.5, block_v=64, a_batch=8, p2_one=True, ldsm=True,\n"
-        "                             v_async=True, fast_gate=True, lower_bound=-5.0)\n"
+        "                             v_async=True, fast_gate=True, o_vec=True, lower_bound=-5.0)\n"
         "r = kda_prefill_fused_kernel(3, 128, 128, 128 ** -0.5, block_v=16, p2_pairs=True, ldsm=True)\n"
         "from schedules.kda_prefill_fused import kda_prefill_split_intra_kernel, kda_prefill_split_state_kernel\n"
         "i = kda_prefill_split_intra_kernel(3, 128, 128 ** -0.5, lower_bound=-5.0, p2_one=True, fast_gate=True)\n"
-        "s = kda_prefill_split_state_kernel(3, 128, 128, 128 ** -0.5, lower_bound=-5.0)\n"
+        "s = kda_prefill_split_state_kernel(3, 128, 128, 128 ** -0.5, lower_bound=-5.0, o_vec=True)\n"
         "mod = tvm.IRModule({n: x.with_attr('global_symbol', n) for n, x in\n"
         "                    (('f', f), ('p', p), ('r', r), ('d', d), ('e', e), ('i', i), ('s', s))})", tmp_path,
         contexts="respect_manual_barriers()", keep_src=True)
@@ -295,6 +295,9 @@ def test_fused_kernel_compiles_to_fatbin_for_sm90a(tmp_path):
     # fast_gate: σ by rcp.approx (in d, e and i), no division left in those kernels' gates
     assert "rcp.approx.ftz.f32" in src and src.count("k3_rcp(") >= 3 * 64
     assert src.count("__syncwarp()") == 1   # one device function, called between warp steps
+    # o_vec: o as 8-byte column pairs, one store per row half and n-tile (d: 2 × 16, e: 2 × 8, the
+    # three bodies of s at 64 / 32 / 16 columns: 2 × (8 + 4 + 2)), plus the definition
+    assert "make_float2" in src and src.count("k3_st2(") == 2 * (16 + 8 + 8 + 4 + 2) + 1
 
 
 def test_model_dispatches_prefill_form_by_head_count():
