@@ -50,17 +50,19 @@ def prefill_dispatch(heads: int) -> tuple[str, int | None, int | None]:
     128; block_v None: chosen at run time), from the H200 runs
     (benchmarks/results/kda_prefill_split_h200_2026-11-30.json):
 
-    - from 48 heads the fused one-kernel form (schedules/kda_prefill_fused.py, ``p2_pairs``,
-      ``ldsm``, ``p2_wide``, ``v_async`` and ``fast_gate``; one block per sequence, head and
+    - from 48 heads the fused one-kernel form (schedules/kda_prefill_fused.py, ``p2_one``,
+      ``ldsm``, ``v_async``, ``fast_gate`` and ``o_vec``; one block per sequence, head and
       block_v columns): 128 columns from 96 heads (K3 with the L2 norms, gate and β inside:
-      2.79 ms at 8192 tokens, 2.12 ms at 4 × 2048,
-      benchmarks/results/kda_prefill_final_h200_2026-12-01.json; the split form at best 3.51 /
-      3.20 ms without them), 64 below (not measured at 48);
+      2.36 ms at 8192 tokens, 1.84 ms at 4 × 2048,
+      benchmarks/results/kda_prefill_p2one_final_h200_2026-12-01.json; the split form at best
+      3.51 / 3.20 ms without them, kda_prefill_split_h200_2026-11-30.json), 64 below (not
+      measured at 48);
     - below 48 heads the split form (all chunks' intra part in parallel, then ~5.5 µs per
       chunk of state pass), its block_v chosen at run time by the number of sequences
       (schedules.kda_prefill_fused.split_block_v): 12 heads, one sequence of 8192 tokens 0.92
       ms at 16 columns (32: 0.99; the fused kernel at best 1.79), four of 2048 0.52 ms at 64
-      (32: 0.63, 16: 0.77); as dispatched now, with the preprocessing, 0.91 / 0.52 ms.
+      (32: 0.63, 16: 0.77); as dispatched now (the intra kernel with ``p2_one`` and
+      ``fast_gate``, the state kernel with ``o_vec``), with the preprocessing, 0.89 / 0.48 ms.
 
     a_batch 4 at 128 columns keeps ptxas at 255 registers without spills."""
     if heads >= 96:

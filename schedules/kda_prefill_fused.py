@@ -86,10 +86,13 @@ fp32 inputs; fla's gated call on bf16 inputs):
 
 ``p2_pairs`` (3-7% faster, ``kda_prefill_p2_ldsm_h200_2026-11-30.json``), ``ldsm`` (0-2%
 more with ``p2_pairs``, ``kda_prefill_split_v1_h200_2026-11-30.json``), ``p2_wide`` (3-4%
-more, ``kda_prefill_p2w_h200_2026-12-01.json``) and ``v_async`` with ``fast_gate`` (another
-~4% with the preprocessing) are measured; the model uses all five (``kda_prefill_final_h200_2026-12-01.json``: 2.79 /
-2.12 ms at 96 heads with the preprocessing, 0.91 / 0.52 ms at 12 in the split form).
-Where a chunk's time goes (``ablate``, ``kda_prefill_phases_h200_2026-12-01.json``): docs/DESIGN.md.
+more, ``kda_prefill_p2w_h200_2026-12-01.json``), ``v_async`` with ``fast_gate`` (another ~4%
+with the preprocessing), then ``p2_one`` in place of the pairs (11%) and ``o_vec`` (5%) are
+measured; the model uses ``p2_one``, ``ldsm``, ``v_async``, ``fast_gate`` and ``o_vec``
+(``kda_prefill_p2one_final_h200_2026-12-01.json``: 2.36 / 1.84 ms at 96 heads with the
+preprocessing, from 2.79 / 2.13 ms with the previous dispatch in the same run; 0.89 / 0.48 ms
+at 12 in the split form). Where a chunk's time goes (``ablate``,
+``kda_prefill_phases_c_h200_2026-12-01.json``): docs/DESIGN.md.
 
 ``emulate=True`` builds the same loop nest with the block / thread loops serial and every
 mma replaced by the dot products it computes for the lane (see
