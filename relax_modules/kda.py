@@ -285,7 +285,7 @@ class KimiDeltaAttention(nn.Module):
         else:
             bv, ab = self.prefill_tiling
             state = kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=bv, a_batch=ab, split=True,
-                                             lower_bound=lower_bound)
+                                             lower_bound=lower_bound, o_vec=True)
         return op.tensor_ir_inplace_op(
             state, "kda_prefill_split_state" + ("_pre" if lower_bound is not None else ""),
             [ka, qa, kd, v, gl, la, dinv, beta, meta.cu_seqlens, meta.seq_slots, kda_state, _i32(kda_index)],

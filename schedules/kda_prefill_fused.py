@@ -24,12 +24,13 @@ Per chunk (barriers between phases; warp wi, lane = 4·gr + tg):
    sequence end zero-filled, so they change nothing), β; the next chunk's rows are prefetched
    into L2. Then Γ = log2(e)·cumsum g in place (one column per thread), so that every
    exponential below is one ``ex2.approx``.
-2. For each 16-row sub-block I (reference r = Γ_{16I}, so that every exponential stays in
-   fp32 range with the lower-bound gate): ka = k e^{Γ−r}, qa = scale·q e^{Γ−r} staged (16
-   rows); warp wi ≤ 2I+1 takes columns 8wi … 8wi+7 of ``L = β (ka)(k e^{r−Γ})ᵀ`` (j < i) and
-   ``Aqk = (qa)(k e^{r−Γ})ᵀ`` (j ≤ i), its B fragment k e^{r−Γ} computed once in registers
-   for both. L and Aqk share one tile: Aqk on and below the diagonal at [i][j], L transposed
-   above it at [j][i].
+2. For each 16-row sub-block I (reference r = Γ_{16I}, so that every exponential that is
+   stored stays in fp32 range with the lower-bound gate): ka = k e^{Γ−r}, qa = scale·q e^{Γ−r}
+   staged; warps take n-tiles (8 columns) of ``L = β (ka)(k e^{r−Γ})ᵀ`` (j < i) and ``Aqk =
+   (qa)(k e^{r−Γ})ᵀ`` (j ≤ i), the B fragment k e^{r−Γ} computed once in registers for both.
+   L and Aqk share one tile: Aqk on and below the diagonal at [i][j], L transposed above it
+   at [j][i]. As dispatched (``p2_one``) all 64 rows are staged at once and each warp takes
+   3 adjacent n-tiles in one round; the other forms take one or two sub-blocks per round.
 3. D_I^{-1} (warps 6-7, one column per thread) while every warp computes its rows of
    ``(e^Γ ⊙ k) S`` (warps 0-3, giving R) or ``Y = scale (e^Γ ⊙ q) S`` (warps 4-7, kept
    in registers); A operands computed from the staged k / q and Γ as they are loaded.
@@ -43,7 +44,8 @@ Shared memory: one fp32 buffer with regions at fixed offsets (padded strides kee
 fragment reads free of bank conflicts — the transposed reads of phase 5 and one of the two
 L / Aqk patterns are 2-way —, rows 16-byte aligned for ``cp.async``): raw k, raw q and Γ [C,
 K+4] each, S [block_v, K+4] (column-major: the B operand), the L / Aqk tile [C, C+8] ([C, C+4]
-at block_v 128), one region used as ka / qa [2·16, K+4] in phase 2 and as vn [C, block_v+8]
+at block_v 128), one region used as ka / qa [4·16, K+4] in phase 2 (``p2_pairs``,
+``p2_one``; [2·16, K+4] otherwise) and as vn [C, block_v+8]
 plus D^{-1} [4·16, 20] afterwards, and β [C]: 145,408 bytes at block_v 16, 226,560 at 128 —
 one block per SM (ptxas, --register-usage-level=5: 255 registers at block_v 128 with a_batch 4
 and no spills; 183 at 64).
@@ -89,6 +91,7 @@ more with ``p2_pairs``, ``kda_prefill_split_v1_h200_2026-11-30.json``), ``p2_wid
 more, ``kda_prefill_p2w_h200_2026-12-01.json``), ``v_async`` with ``fast_gate`` (another ~4%
 with the preprocessing), then ``p2_one`` in place of the pairs (11%) and ``o_vec`` (5%) are
 measured; the model uses ``p2_one``, ``ldsm``, ``v_async``, ``fast_gate`` and ``o_vec``
+(and ``o_vec`` in the split state kernel)
 (``kda_prefill_p2one_final_h200_2026-12-01.json``: 2.36 / 1.84 ms at 96 heads with the
 preprocessing, from 2.79 / 2.13 ms with the previous dispatch in the same run; 0.89 / 0.48 ms
 at 12 in the split form). Where a chunk's time goes (``ablate``,
@@ -349,12 +352,14 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
     (4 of the 24 computed twice or above the diagonal): 2 barriers and one round of 16 k-steps
     per chunk instead of 4 and two rounds (H200: 11% faster at 96 heads than ``p2_pairs`` with
     ``p2_wide``, ``kda_prefill_phases_c_h200_2026-12-01.json``). A first form gave warps 3 or 2
-    n-tiles in two code paths: 1.1k more SASS instructions and 30% slower with the
-    preprocessing (instruction-cache misses, as the two-kernel form's ncu profile showed at
-    11.4k instructions; ``kda_prefill_p2one_h200_2026-12-01.json``).
+    n-tiles in two code paths: 1.0k more SASS instructions and 30% slower with the
+    preprocessing (by its size probably instruction-cache misses, which the two-kernel form's
+    ncu profile showed at 11.4k instructions; not profiled here;
+    ``kda_prefill_p2one_h200_2026-12-01.json``).
 
-    ``o_vec``: o stored as 8-byte pairs of adjacent columns with one bounds test per row (32
-    stores per thread instead of 64 tests and stores; emulated: plain stores). H200: 5% faster
+    ``o_vec``: o stored as 8-byte pairs of adjacent columns with one bounds test per row half
+    (32 stores per thread instead of 64 tests and stores; emulated: the same loop with two
+    scalar stores per pair). H200: 5% faster
     at 96 heads (``kda_prefill_ovec_h200_2026-12-01.json``; copying the next chunk's q rows at
     phase 4 instead, as the split form's ``early_kq``, was 1-2% slower there and is not kept).
 
@@ -387,7 +392,7 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
     if p2_one and (p2_pairs or p2_wide):
         raise ValueError("p2_one replaces the rounds of p2_pairs / p2_wide: set p2_one alone")
     if split:
-        return _split_state(H, K, V, scale, lower_bound, ((block_v, a_batch),), ldsm, emulate)
+        return _split_state(H, K, V, scale, lower_bound, ((block_v, a_batch),), ldsm, emulate, o_vec=o_vec)
     return _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulate, "fused",
                   p2_wide=p2_wide, v_async=v_async, fast_gate=fast_gate, p2_one=p2_one, o_vec=o_vec,
                   ablate=ablate)
@@ -518,7 +523,7 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
     shared-memory regions and macros. ``early_kq`` (state): the next chunk's e^Γ k and scale·e^Γ q
     are copied as soon as phase 3 has read this chunk's (start of phase 4), not in phase 1."""
     EARLY = early_kq and stage == "state"
-    O_VEC = o_vec and not emulate and stage != "intra"
+    O_VEC = o_vec and stage != "intra"
     if K != 128 or V != 128:
         raise ValueError(f"the fused KDA prefill is written for K = V = 128, got K={K}, V={V}")
     if lower_bound is not None and not -5.5 <= lower_bound < 0:
@@ -832,7 +837,8 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
             # the 20 n-tiles of the four sub-blocks as 8 jobs of three adjacent n-tiles, one per
             # warp and one code path: warps 1 and 2 both do n-tile 5 of sub-block 3, warps 5 and 6
             # n-tiles 1 and 2 of sub-block 1 (the same values stored twice), warp 7's third n-tile
-            # lies above the diagonal (not stored)
+            # lies above the diagonal (not stored; its B values k e^{r−Γ} for rows 16-23 may
+            # overflow to inf, which only its own, unstored accumulators see)
             if SYNC:
                 T.tvm_storage_sync("shared")
             for tx in THR(NT):
@@ -1160,12 +1166,18 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                                  lambda i, j: T.Select(j <= (tx // 32 - 4) * 16 + i, la(SM, (tx // 32 - 4) * 16 + i, j), T.float32(0)),
                                  lambda j, n: vn(SM, j, n), C // 8, N8, tx % 32, (tx // 32 - 4) * 2 + 1)
                         if "ost" not in ABL:
-                            if O_VEC:   # entries e, e + 1 (adjacent columns) as one 8-byte store
+                            if O_VEC:   # entries e, e + 1 (adjacent columns, 8-byte aligned: the
+                                # column is even and o's rows are V floats) as one 8-byte store;
+                                # emulated: the same loop with two scalar stores
                                 for hf in T.unroll(2):
                                     if c0[0] + (tx // 32 - 4) * 16 + tx % 32 // 4 + hf * 8 < c0[1]:
                                         for nt in T.unroll(N8):
-                                            cuda_func_call("k3_st2", T.address_of(o[c0[0] + (tx // 32 - 4) * 16 + tx % 32 // 4 + hf * 8, blk // NVB % H, blk % NVB * BV + nt * 8 + tx % 4 * 2]),
-                                                           Y[tx * EM, nt * 4 + hf * 2], Y[tx * EM, nt * 4 + hf * 2 + 1], source_code=ST2_SRC)
+                                            if SYNC:
+                                                cuda_func_call("k3_st2", T.address_of(o[c0[0] + (tx // 32 - 4) * 16 + tx % 32 // 4 + hf * 8, blk // NVB % H, blk % NVB * BV + nt * 8 + tx % 4 * 2]),
+                                                               Y[tx * EM, nt * 4 + hf * 2], Y[tx * EM, nt * 4 + hf * 2 + 1], source_code=ST2_SRC)
+                                            else:
+                                                for u in T.unroll(2):
+                                                    o[c0[0] + (tx // 32 - 4) * 16 + tx % 32 // 4 + hf * 8, blk // NVB % H, blk % NVB * BV + nt * 8 + tx % 4 * 2 + u] = Y[tx * EM, nt * 4 + hf * 2 + u]
                             else:
                                 for nt in T.unroll(N8):
                                     for e in T.unroll(4):

@@ -66,7 +66,8 @@ def _check_outputs(o, pool, o_ref, ref_pool, slots):
     (32, 8, [1, 65, 15, 64, 130], True, True, {"p2_wide": True, "v_async": True}),
     # p2_one: phase 2 in one round (every row's ka / qa at its own sub-block's reference), at both
     # tilings the model dispatches (at 64 columns the 64 staged ka rows fill the ka / qa region)
-    (128, 4, [1, 65, 15, 64, 130], True, False, {"p2_one": True, "v_async": True}),
+    # (o_vec: o stored by column pairs, one bounds test per row half)
+    (128, 4, [1, 65, 15, 64, 130], True, False, {"p2_one": True, "v_async": True, "o_vec": True}),
     (64, 8, [63, 129], False, False, {"p2_one": True, "v_async": True}),
 ])
 def test_emulated_fused_kernel_matches_reference(block_v, a_batch, lens, initial_state, p2_pairs, opts):
@@ -93,7 +94,7 @@ def test_emulated_fused_kernel_matches_reference(block_v, a_batch, lens, initial
     (32, [1, 70, 64], True, True, {}),
     # the intra kernel's phase 2 by pairs of n-tiles and its gate's σ by a reciprocal
     (16, [65, 15, 64], True, True, {"p2_wide": True, "fast_gate": True}),
-    (16, [65, 15, 64], True, True, {"p2_one": True, "fast_gate": True}),
+    (16, [65, 15, 64], True, True, {"p2_one": True, "fast_gate": True, "o_vec": True}),
 ])
 def test_emulated_split_form_matches_reference(block_v, lens, initial_state, preprocess, opts):
     """The split form: every chunk's Γ-scaled operands, L / Aqk and D^{-1} by the intra kernel
@@ -116,7 +117,7 @@ def test_emulated_split_form_matches_reference(block_v, lens, initial_state, pre
                                                  p2_one=opts.get("p2_one", False),
                                                  fast_gate=opts.get("fast_gate", False)))
     state = _llvm(kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=block_v, a_batch=8, split=True,
-                                           lower_bound=lb, emulate=True))
+                                           lower_bound=lb, o_vec=opts.get("o_vec", False), emulate=True))
     A = tvm.runtime.tensor
     B = len(lens)
     ka, qa, kd, gl, la, dinv = _split_scratch(q.shape[0], B, H)
@@ -157,7 +158,8 @@ def test_split_block_v_by_sequences():
 def test_emulated_split_state_kernel_with_runtime_block_v_matches_reference(lens, early_kq):
     """kda_prefill_split_state_kernel at 2 heads runs block_v 16, 32, 64 for 1, 12, 24 sequences
     (``split_block_v``); each branch against the reference; with ``early_kq`` (the next chunk's
-    e^Γ k, e^Γ q copied during phase 4)."""
+    e^Γ k, e^Γ q copied during phase 4) and o by column pairs (``o_vec``) as the model
+    dispatches it."""
     import tvm
 
     H, K = 2, 128
@@ -165,7 +167,7 @@ def test_emulated_split_state_kernel_with_runtime_block_v_matches_reference(lens
     ref_pool = pool.copy()
     o_ref = kda_prefill_reference(q, k, v, g, beta, cu, slots, ref_pool, 1, K ** -0.5)
     intra = _llvm(kda_prefill_split_intra_kernel(H, K, K ** -0.5, emulate=True))
-    state = _llvm(kda_prefill_split_state_kernel(H, K, K, K ** -0.5, early_kq=early_kq, emulate=True))
+    state = _llvm(kda_prefill_split_state_kernel(H, K, K, K ** -0.5, early_kq=early_kq, o_vec=True, emulate=True))
     A = tvm.runtime.tensor
     ka, qa, kd, gl, la, dinv = _split_scratch(q.shape[0], len(lens), H)
     intra["f"](A(q), A(k), A(g), A(beta), A(cu), ka, qa, kd, gl, la, dinv)
@@ -197,7 +199,7 @@ def _raw_inputs(lens, H, K=128, seed=0):
 def test_emulated_fused_kernel_with_preprocessing_matches_reference(fast_gate):
     """lower_bound mode: L2 norms of q and k, the gate and β inside the kernel (``fast_gate``:
     the gate's σ by a reciprocal, rows past the end masked by a select after it), with phase 2
-    as the model dispatches it (``p2_one``)."""
+    and the v / o copies as the model dispatches them (``p2_one``, ``v_async``, ``o_vec``)."""
     import tvm
 
     H, K = 2, 128
@@ -206,7 +208,7 @@ def test_emulated_fused_kernel_with_preprocessing_matches_reference(fast_gate):
     o_ref = kda_prefill_reference(pre["q"], pre["k"], pre["v"], pre["g"], pre["beta"], cu, slots,
                                   ref_pool, 1, K ** -0.5)
     f = kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=32, lower_bound=-5.0, fast_gate=fast_gate, p2_one=True,
-                                 emulate=True)
+                                 v_async=True, o_vec=True, emulate=True)
     lib = _llvm(f)
     A = tvm.runtime.tensor
     pt, o = A(pool), A(np.full(raw["v"].shape, np.nan, np.float32))
