@@ -633,6 +633,15 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
     def vn(SM, j, n):
         return SM[O_X + j * RS + n]
 
+    def stage_row(it, tx):   # the chunk row thread tx stages in step it of a C·K / NT loop
+        return it * (NT // K) + tx // K
+
+    def o_row(c0, tx, hf):   # phase 5: the token of row half hf of warp tx // 32 ≥ 4's o tile
+        return c0[0] + (tx // 32 - 4) * 16 + tx % 32 // 4 + hf * 8
+
+    def o_col(blk, tx, nt):  # ... and the first of the thread's two columns in n-tile nt
+        return blk % NVB * BV + nt * 8 + tx % 4 * 2
+
     @T.macro
     def gamma_cumsum(SM, tx, c0, end, alog, dt_bias, h):
         """Γ = log2(e)·cumsum g in place, thread tx < K summing column tx. With ``PRE`` the
@@ -844,9 +853,9 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
             for tx in THR(NT):
                 ev = T.alloc_buffer((1,), "float32", scope="local")
                 for it in T.unroll(C * K // NT):
-                    ev[0] = ex2(gm(SM, it * (NT // K) + tx // K, tx % K) - gm(SM, (it * (NT // K) + tx // K) // SUB * SUB, tx % K))
-                    SM[O_X + (it * (NT // K) + tx // K) * KS + tx % K] = tf32(kr(SM, it * (NT // K) + tx // K, tx % K) * ev[0])
-                    SM[O_QR + (it * (NT // K) + tx // K) * KS + tx % K] = T.float32(scale) * qr(SM, it * (NT // K) + tx // K, tx % K) * ev[0]
+                    ev[0] = ex2(gm(SM, stage_row(it, tx), tx % K) - gm(SM, stage_row(it, tx) // SUB * SUB, tx % K))
+                    SM[O_X + stage_row(it, tx) * KS + tx % K] = tf32(kr(SM, stage_row(it, tx), tx % K) * ev[0])
+                    SM[O_QR + stage_row(it, tx) * KS + tx % K] = T.float32(scale) * qr(SM, stage_row(it, tx), tx % K) * ev[0]
             if SYNC:
                 T.tvm_storage_sync("shared")
             for tx in THR(NT):
@@ -1170,19 +1179,19 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                                 # column is even and o's rows are V floats) as one 8-byte store;
                                 # emulated: the same loop with two scalar stores
                                 for hf in T.unroll(2):
-                                    if c0[0] + (tx // 32 - 4) * 16 + tx % 32 // 4 + hf * 8 < c0[1]:
+                                    if o_row(c0, tx, hf) < c0[1]:
                                         for nt in T.unroll(N8):
                                             if SYNC:
-                                                cuda_func_call("k3_st2", T.address_of(o[c0[0] + (tx // 32 - 4) * 16 + tx % 32 // 4 + hf * 8, blk // NVB % H, blk % NVB * BV + nt * 8 + tx % 4 * 2]),
+                                                cuda_func_call("k3_st2", T.address_of(o[o_row(c0, tx, hf), blk // NVB % H, o_col(blk, tx, nt)]),
                                                                Y[tx * EM, nt * 4 + hf * 2], Y[tx * EM, nt * 4 + hf * 2 + 1], source_code=ST2_SRC)
                                             else:
                                                 for u in T.unroll(2):
-                                                    o[c0[0] + (tx // 32 - 4) * 16 + tx % 32 // 4 + hf * 8, blk // NVB % H, blk % NVB * BV + nt * 8 + tx % 4 * 2 + u] = Y[tx * EM, nt * 4 + hf * 2 + u]
+                                                    o[o_row(c0, tx, hf), blk // NVB % H, o_col(blk, tx, nt) + u] = Y[tx * EM, nt * 4 + hf * 2 + u]
                             else:
                                 for nt in T.unroll(N8):
                                     for e in T.unroll(4):
-                                        if c0[0] + (tx // 32 - 4) * 16 + tx % 32 // 4 + e // 2 * 8 < c0[1]:
-                                            o[c0[0] + (tx // 32 - 4) * 16 + tx % 32 // 4 + e // 2 * 8, blk // NVB % H, blk % NVB * BV + nt * 8 + tx % 4 * 2 + e % 2] = Y[tx * EM, nt * 4 + e]
+                                        if o_row(c0, tx, e // 2) < c0[1]:
+                                            o[o_row(c0, tx, e // 2), blk // NVB % H, o_col(blk, tx, nt) + e % 2] = Y[tx * EM, nt * 4 + e]
             # registers → the pooled state
             for tx in THR(NT):
                 for nt in T.unroll(N8):
