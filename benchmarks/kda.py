@@ -133,7 +133,15 @@ PREFILL_SPLIT = ([("split", bv, ab, {}) for bv, ab in ((16, 8), (32, 8), (64, 8)
                     ("splitautopre_of", None, None, {"lower_bound": LOWER_BOUND, "p2_one": True, "fast_gate": True}),
                     # ... and the state kernel's o as 8-byte column pairs (o_vec)
                     ("splitautopre_ofv", None, None, {"lower_bound": LOWER_BOUND, "p2_one": True, "fast_gate": True,
-                                                      "o_vec": True})])
+                                                      "o_vec": True}),
+                    # ... and phase 4 as the one product vn = T R, T = (I + L)^{-1} formed by the
+                    # intra kernel (tmat)
+                    ("splitauto_ot", None, None, {"p2_one": True, "o_vec": True, "tmat": True}),
+                    ("splitautopre_ofvt", None, None, {"lower_bound": LOWER_BOUND, "p2_one": True, "fast_gate": True,
+                                                       "o_vec": True, "tmat": True}),
+                    # ... and the next chunk's staged operands copied during this one (pipe, block_v ≤ 32)
+                    ("splitautopre_ofvtp", None, None, {"lower_bound": LOWER_BOUND, "p2_one": True, "fast_gate": True,
+                                                        "o_vec": True, "tmat": True, "pipe": True})])
 
 
 def _split_name(name: str, bv: int | None, ab: int | None) -> str:
@@ -195,8 +203,8 @@ def build_prefill(out_dir: Path, baseline: bool = True, all_tc: bool = True, onl
             export({"kda_prefill_fused": kda_prefill_fused_kernel(h, K, V, K ** -0.5, block_v=bv, a_batch=ab, **opts)},
                    f"kda_prefill_{name}_h{h}_bv{bv}_ab{ab}.so")
         for name, bv, ab, opts in PREFILL_SPLIT:
-            intra_opts = ("p2_wide", "fast_gate", "p2_one")
-            st = {k: v for k, v in opts.items() if k not in intra_opts}   # the state kernel's
+            intra_opts = ("p2_wide", "fast_gate", "p2_one", "tmat")
+            st = {k: v for k, v in opts.items() if k not in intra_opts[:3]}   # the state kernel's (tmat: both)
             export({"kda_prefill_split_intra": kda_prefill_split_intra_kernel(
                         h, K, K ** -0.5, lower_bound=opts.get("lower_bound"),
                         **{k: v for k, v in opts.items() if k in intra_opts}),

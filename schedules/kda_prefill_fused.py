@@ -121,6 +121,7 @@ BLOCK_V = (16, 32, 64, 128)   # supported columns of V per block
 # products, phase 4, phase 5's S update, S copy, o products and o stores
 ABLATE_PHASES = frozenset({"stage", "gamma", "cumsum", "norms", "p2", "dinv", "vl", "p3", "p4", "s", "scopy", "o",
                            "ost"})
+ABLATE_STATE = frozenset({"stage", "vl", "p3", "p4", "s", "scopy", "o", "ost"})   # ... of the split state kernel
 
 SYNCWARP_SRC = r"""
 __device__ __forceinline__ void k3_syncwarp() { __syncwarp(); }
@@ -286,8 +287,8 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
                              a_batch: int = 8, lower_bound: float | None = None,
                              p2_pairs: bool = False, ldsm: bool = False, split: bool = False,
                              p2_wide: bool = False, v_async: bool = False, fast_gate: bool = False,
-                             p2_one: bool = False, o_vec: bool = False,
-                             ablate: frozenset = frozenset(), emulate: bool = False):
+                             p2_one: bool = False, o_vec: bool = False, tmat: bool = False,
+                             pipe: bool = False, ablate: frozenset = frozenset(), emulate: bool = False):
     """The fused chunked prefill, one block per (sequence, head, ``block_v`` columns of V).
     PrimFunc arguments::
 
@@ -386,13 +387,16 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
     ``a_batch`` (4 or 8): k-steps whose A fragments are loaded before their mmas in phases 3
     and 5. Raises ValueError for other head sizes or tilings.
     """
-    if split and (p2_pairs or p2_wide or v_async or fast_gate or p2_one or ablate):
+    if split and (p2_pairs or p2_wide or v_async or fast_gate or p2_one):
         raise ValueError("split: p2_pairs, p2_wide, p2_one, fast_gate belong to kda_prefill_split_intra_kernel; "
-                         "v_async and ablate to the fused kernel")
+                         "v_async to the fused kernel")
     if p2_one and (p2_pairs or p2_wide):
         raise ValueError("p2_one replaces the rounds of p2_pairs / p2_wide: set p2_one alone")
+    if (tmat or pipe) and not split:
+        raise ValueError("tmat and pipe belong to the split form: set split (and tmat in its intra kernel)")
     if split:
-        return _split_state(H, K, V, scale, lower_bound, ((block_v, a_batch),), ldsm, emulate, o_vec=o_vec)
+        return _split_state(H, K, V, scale, lower_bound, ((block_v, a_batch),), ldsm, emulate, o_vec=o_vec,
+                            tmat=tmat, pipe=pipe, ablate=ablate)
     return _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulate, "fused",
                   p2_wide=p2_wide, v_async=v_async, fast_gate=fast_gate, p2_one=p2_one, o_vec=o_vec,
                   ablate=ablate)
@@ -420,7 +424,8 @@ def _first_n_seq(block_v: int, H: int, V: int) -> int:
 @functools.cache
 def kda_prefill_split_state_kernel(H: int, K: int, V: int, scale: float,
                                    lower_bound: float | None = None, early_kq: bool = True,
-                                   o_vec: bool = False, emulate: bool = False):
+                                   o_vec: bool = False, tmat: bool = False, pipe: bool = False,
+                                   emulate: bool = False):
     """The split form's state kernel with block_v chosen at run time from the number of
     sequences B = len(cu_seqlens) − 1: the first of ``SPLIT_BLOCK_V`` (64, 32, 16) with
     B·H·V/block_v ≥ ``SPLIT_MIN_BLOCKS`` (96), else 16 — one kernel per block_v, picked by a
@@ -432,14 +437,18 @@ def kda_prefill_split_state_kernel(H: int, K: int, V: int, scale: float,
     ms with the preprocessing). ``o_vec``: o stored as 8-byte column pairs, as the fused kernel's
     option. Arguments as :func:`kda_prefill_fused_kernel` with ``split``; ValueError as there."""
     return _split_state(H, K, V, scale, lower_bound, tuple((bv, 8) for bv in SPLIT_BLOCK_V), False, emulate,
-                        early_kq, o_vec)
+                        early_kq, o_vec, tmat, pipe)
 
 
-def _split_state(H, K, V, scale, lower_bound, tilings, ldsm, emulate, early_kq=False, o_vec=False):
+def _split_state(H, K, V, scale, lower_bound, tilings, ldsm, emulate, early_kq=False, o_vec=False, tmat=False,
+                 pipe=False, ablate=frozenset()):
     """The split form's state PrimFunc over the bodies of ``tilings`` ((block_v, a_batch), widest
     first): one tiling is launched as is, three (``SPLIT_BLOCK_V``) by a host-side branch on the
     number of sequences."""
-    bodies = [_build(H, K, V, scale, bv, ab, lower_bound, False, ldsm, emulate, "state", early_kq, o_vec=o_vec)
+    # pipe (needs early_kq: the next chunk's e^Γ k, e^Γ q come at phase 4) where its second set of
+    # regions fits, at block_v ≤ 32
+    bodies = [_build(H, K, V, scale, bv, ab, lower_bound, False, ldsm, emulate, "state", early_kq or pipe,
+                     o_vec=o_vec, tmat=tmat, pipe=pipe and (bv <= 32 or len(tilings) == 1), ablate=ablate)
               for bv, ab in tilings]
     if len(bodies) not in (1, 3):
         raise ValueError(f"one or three tilings, got {tilings}")
@@ -484,7 +493,7 @@ def _split_state(H, K, V, scale, lower_bound, tilings, ldsm, emulate, early_kq=F
 @functools.cache
 def kda_prefill_split_intra_kernel(H: int, K: int, scale: float, lower_bound: float | None = None,
                                    p2_pairs: bool = True, p2_wide: bool = False, fast_gate: bool = False,
-                                   p2_one: bool = False, emulate: bool = False):
+                                   p2_one: bool = False, tmat: bool = False, emulate: bool = False):
     """The first kernel of the split form: phases 1-2 and D^{-1} of the fused kernel for every
     chunk of every sequence in parallel, one block per (chunk, head) — the state-independent
     part, so that :func:`kda_prefill_fused_kernel` with ``split`` does only phases 3-5 per chunk
@@ -514,15 +523,30 @@ def kda_prefill_split_intra_kernel(H: int, K: int, scale: float, lower_bound: fl
     if p2_one and p2_wide:
         raise ValueError("p2_one replaces the rounds of p2_pairs / p2_wide: set p2_one alone")
     return _build(H, K, K, scale, 16, 8, lower_bound, p2_pairs and not p2_one, False, emulate, "intra",
-                  p2_wide=p2_wide, fast_gate=fast_gate, p2_one=p2_one)
+                  p2_wide=p2_wide, fast_gate=fast_gate, p2_one=p2_one, tmat=tmat)
 
 
 def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulate, stage, early_kq=False,
-           p2_wide=False, ablate=frozenset(), v_async=False, fast_gate=False, p2_one=False, o_vec=False):
+           p2_wide=False, ablate=frozenset(), v_async=False, fast_gate=False, p2_one=False, o_vec=False,
+           tmat=False, pipe=False):
     """The kernels of this module (``stage``: "fused", "intra" or "state") over one set of
     shared-memory regions and macros. ``early_kq`` (state): the next chunk's e^Γ k and scale·e^Γ q
-    are copied as soon as phase 3 has read this chunk's (start of phase 4), not in phase 1."""
+    are copied as soon as phase 3 has read this chunk's (start of phase 4), not in phase 1.
+    ``tmat`` (split form): the intra kernel also forms T = (I + L)^{-1}'s blocks below the
+    diagonal and stores them, transposed, in place of Lᵀ's (``t_blocks``); the state kernel's
+    phase 4 is then the one product vn = T R (``vn_product``). ``pipe`` (state kernel with
+    ``tmat``, block_v ≤ 32): the intra kernel's e^{Γ_last−Γ} k, L / Aqk (T) rows, D^{-1} rows and
+    e^{Γ_last} of chunk c + 1 are copied into a second set of regions during chunk c (chunk c
+    reads set c % 2), and its β logits loaded into a register there and stored at phase 4."""
     EARLY = early_kq and stage == "state"
+    if tmat and stage == "fused":
+        raise ValueError("tmat belongs to the split form (kda_prefill_split_intra_kernel / _state_kernel)")
+    TM_I = tmat and stage == "intra"
+    TM_S = tmat and stage == "state"
+    if pipe and not (TM_S and block_v <= 32):
+        raise ValueError("pipe: the split state kernel with tmat at block_v ≤ 32 (the second set of staged "
+                         "regions does not fit beside 64 columns)")
+    PIPE = pipe
     O_VEC = o_vec and stage != "intra"
     if K != 128 or V != 128:
         raise ValueError(f"the fused KDA prefill is written for K = V = 128, got K={K}, V={V}")
@@ -539,8 +563,9 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
     ABL = frozenset(ablate)
     VASYNC = v_async and stage == "fused"
     FAST_GATE = fast_gate
-    if not ABL <= ABLATE_PHASES or (ABL and stage != "fused"):
-        raise ValueError(f"ablate={sorted(ABL)}: a subset of {sorted(ABLATE_PHASES)}, fused kernel only")
+    if not ABL <= (ABLATE_PHASES if stage == "fused" else ABLATE_STATE if stage == "state" else frozenset()):
+        raise ValueError(f"ablate={sorted(ABL)}: a subset of {sorted(ABLATE_PHASES)} in the fused kernel, of "
+                         f"{sorted(ABLATE_STATE)} in the split state kernel")
     BV, AB = block_v, a_batch
     NVB = V // BV
     N8 = BV // 8             # n-tiles of a row block
@@ -571,11 +596,19 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
     O_BT = O_X + XN
     O_GL = O_BT + C          # split state kernel: e^{Γ_last} of the chunk's K columns
     O_RN = O_GL + (K if stage == "state" else 0)   # emulated preprocessing: 1/‖k‖, 1/‖q‖ of the rows
+    TS = C + 8               # row stride of T (tmat; conflict-free B reads)
+    O_TM = O_D + C * DS      # intra with tmat: T, in the ka / qa region after phase 2 has read it
+    if TM_I and O_TM + C * TS > O_X + XN:
+        raise ValueError("tmat: T does not fit the ka / qa region")   # a layout error, not an input one
     SPL = stage == "state"
     SIGB = lower_bound is not None                 # β = σ(b) from logits
     PRE = SIGB and not SPL                         # L2 norms and gate in this kernel
     LB = float(lower_bound) if PRE else 0.0
-    NSM = O_RN + (2 * C if PRE and emulate else 0)   # the emulated norms go through O_RN
+    O_V = O_RN + (2 * C if PRE and emulate else 0)   # the emulated norms go through O_RN
+    O_G2 = O_V + (C * RS if TM_S else 0)   # state with tmat: vn = T R (R stays in the X region)
+    # pipe: the second set of the state kernel's staged e^{Γ_last−Γ} k, L / Aqk, D^{-1}, e^{Γ_last}
+    O_LA2, O_D2, O_GL2 = O_G2 + C * KS, O_G2 + C * KS + C * LS, O_G2 + C * KS + C * LS + C * DS
+    NSM = O_GL2 + K if PIPE else O_G2
     if not emulate and NSM * 4 > 227 * 1024:
         raise ValueError(f"block_v={BV} needs {NSM * 4} bytes of shared memory (> 227 KB)")
     frag_a, mma, mma_rb, syncwarp, prefetch = _macros(emulate)
@@ -597,8 +630,11 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
     def gm(SM, r, d):
         return SM[O_G + r * KS + d]
 
-    def la(SM, i, j):
-        return SM[O_LA + i * LS + j]
+    def alt(base, second, par):   # pipe: region ``base`` of set ``par`` (0 / 1; the int 0: set 0 as is)
+        return base if isinstance(par, int) and par == 0 else base + par * (second - base)
+
+    def la(SM, i, j, par=0):
+        return SM[alt(O_LA, O_LA2, par) + i * LS + j]
 
     # the mma operands that involve Γ, as computed here (fused) or as the split form's intra
     # kernel stored them (TF32 already, staged in the k / q / Γ regions)
@@ -612,14 +648,14 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
             return tf32(qr(SM, r0 + i, d) * ex2(gm(SM, r0, d)))
         return tf32(T.float32(scale) * qr(SM, r0 + i, d) * ex2(gm(SM, r0 + i, d)))
 
-    def a_kd(SM, r0, i, j):  # phase 5: (e^{Γ_last − Γ} k)[j, r0 + i]
-        return SM[O_G + j * KS + r0 + i] if SPL else tf32(kr(SM, j, r0 + i) * ex2(gm(SM, C - 1, r0 + i) - gm(SM, j, r0 + i)))
+    def a_kd(SM, r0, i, j, par=0):  # phase 5: (e^{Γ_last − Γ} k)[j, r0 + i]
+        return SM[alt(O_G, O_G2, par) + j * KS + r0 + i] if SPL else tf32(kr(SM, j, r0 + i) * ex2(gm(SM, C - 1, r0 + i) - gm(SM, j, r0 + i)))
 
     def chunk_index(cb, tx, c):   # split: row of gl for chunk c of the block's sequence
         return cb[tx * EM, 0] + c if SPL else 0
 
-    def decay(SM, d):        # phase 5: e^{Γ_last} of column d
-        return SM[O_GL + d] if SPL else ex2(gm(SM, C - 1, d))
+    def decay(SM, d, par=0):        # phase 5: e^{Γ_last} of column d
+        return SM[alt(O_GL, O_GL2, par) + d] if SPL else ex2(gm(SM, C - 1, d))
 
     def gamma_term(SM, gs, i, tx, c0, end):   # log2(e)·g of row i, column tx (gamma_cumsum)
         if PRE and FAST_GATE:   # every row's term, unconditionally (gamma_cumsum selects after)
@@ -631,7 +667,7 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
         return gm(SM, i, tx) * T.float32(LOG2E)
 
     def vn(SM, j, n):
-        return SM[O_X + j * RS + n]
+        return SM[(O_V if TM_S else O_X) + j * RS + n]
 
     def stage_row(it, tx):   # the chunk row thread tx stages in step it of a C·K / NT loop
         return it * (NT // K) + tx // K
@@ -816,6 +852,23 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                 SM[O_BT + tx] = T.Select(c0[0] + tx < c0[1], beta[T.min(c0[0] + tx, c0[1] - 1), h], T.float32(0))
 
     @T.macro
+    def stage_next(SM, tx, c1, kd, beta, la_g, dinv_g, gl_g, ci, h, n_tok, bnext, par):
+        """``pipe``: the copies of chunk ``ci`` (token c1[0] of a sequence ending at c1[1]; c1[2]
+        scratch) into set ``par``: e^{Γ_last−Γ} k, L / Aqk, D^{-1} rows, e^{Γ_last}; its β logit of
+        row tx < C into ``bnext`` (stored at phase 4). The caller commits and waits."""
+        copy_rows(SM, tx, c1, alt(O_G, O_G2, par), KS, kd, K, h, n_tok)
+        copy_rows(SM, tx, c1, alt(O_LA, O_LA2, par), LS, la_g, C, h, n_tok)
+        copy_rows(SM, tx, c1, alt(O_D, O_D2, par), DS, dinv_g, SUB, h, n_tok)
+        if tx < K // 4:
+            if SYNC:
+                ptx.cp_async16(T.address_of(SM[alt(O_GL, O_GL2, par) + tx * 4]), T.address_of(gl_g[ci, h, tx * 4]), True)
+            else:
+                for u in range(4):
+                    SM[alt(O_GL, O_GL2, par) + tx * 4 + u] = gl_g[ci, h, tx * 4 + u]
+        if tx < C:
+            bnext[tx * EM, 0] = beta[T.min(c1[0] + tx, c1[1] - 1), h]
+
+    @T.macro
     def gamma_and_norms(SM, c0s, end, h, A_log, dt_bias):
         """Phase 1b of the chunk at token c0s of a sequence ending at end (head h)."""
         # phase 1b: Γ = log2(e)·cumsum g in place (threads tx < K: column tx); with PRE
@@ -936,6 +989,99 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
             for i in T.unroll(SUB):
                 SM[O_D + ((tx - (NT - C)) // SUB * SUB + i) * DS + (tx - (NT - C)) % SUB] = tf32(x[tx * EM, i])
 
+    # tmat's vn = T R: warps per n-tile of vn (1, 2 or 4 as block_v is ≥ 64, 32 or 16) and
+    # n-tiles per warp and row block
+    G4 = NW // N8 if N8 < NW else 1
+    NTJ = max(N8 // NW, 1)
+
+    def vp_tile(tx, t):   # the n-tile of the warp's t-th column tile in vn = T R
+        return tx // 32 + t * NW if G4 == 1 else tx // 32 % N8
+
+    def vp_owns(tx, I):   # whether the warp computes row block I of vn = T R (costs 2I + 2 k-steps)
+        if G4 == 1:
+            return True
+        return tx // 32 // N8 == (T.min(I, NSUB - 1 - I) if G4 == 2 else I)
+
+    def tj(tx):           # t_blocks: the column block J of warp tx // 32 < 6 ...
+        return tx // 64
+
+    def tcol(tx):         # ... and the first of its 8 columns of T
+        return tx // 64 * SUB + tx // 32 % 2 * 8
+
+    def frag_row(tx, e):  # row (in its 16-row tile) of accumulator entry e of lane tx % 32
+        return tx % 32 // 4 + e // 2 * 8
+
+    def frag_col(tx, e):  # ... and its column (in its 8-column n-tile)
+        return tx % 4 * 2 + e % 2
+
+    @T.macro
+    def t_blocks(SM, Pt):
+        """``tmat``, intra kernel, after D^{-1}: the blocks of T = (I + L)^{-1} by block forward
+        substitution, T_JJ = D_J^{-1} and T_IJ = −D_I^{-1} Σ_{J≤K<I} L_IK T_KJ for I > J (the
+        blocked inverse of a unit lower-triangular matrix), column block J = w // 2 and its
+        columns 8·(w % 2) … by warp w < 6 (a column of T depends only on the same column of
+        the blocks above it) → SM[O_TM + r·TS + c] = T[r][c], TF32. Each warp-synchronous step
+        is its own loop over the threads (emulated, the serial run keeps the GPU's order)."""
+        for tx in THR(NT):
+            if tx // 32 < 6:
+                for e in T.unroll(4):
+                    SM[O_TM + (tj(tx) * SUB + frag_row(tx, e)) * TS + tcol(tx) + frag_col(tx, e)] = SM[O_D + (tj(tx) * SUB + frag_row(tx, e)) * DS + tx // 32 % 2 * 8 + frag_col(tx, e)]
+            syncwarp()
+        for I in T.unroll(NSUB):   # (row block 0 has no block left of its diagonal: tj(tx) < I fails)
+            for tx in THR(NT):   # P = Σ_{J≤K<I} L_IK T_KJ → the T_IJ tile (scratch)
+                af = T.alloc_buffer((4,), "float32", scope="local")
+                if tx // 32 < 6 and tj(tx) < I:
+                    for e in T.unroll(4):
+                        Pt[tx * EM, e] = T.float32(0)
+                    for ks in T.unroll(2 * NSUB - 2):
+                        if ks < 2 * I and ks >= tj(tx) * 2:
+                            frag_a(af, 0, lambda i, j: la(SM, j, I * SUB + i), tx % 32, ks * 8)
+                            mma(Pt, tx * EM, 0, af, 0, lambda i, j: la(SM, j, I * SUB + i),
+                                lambda j, n: SM[O_TM + j * TS + n], tx % 32, ks * 8, tcol(tx))
+                    for e in T.unroll(4):
+                        SM[O_TM + (I * SUB + frag_row(tx, e)) * TS + tcol(tx) + frag_col(tx, e)] = tf32(Pt[tx * EM, e])
+                syncwarp()
+            for tx in THR(NT):   # −D_I^{-1} P (registers)
+                af = T.alloc_buffer((4,), "float32", scope="local")
+                if tx // 32 < 6 and tj(tx) < I:
+                    for e in T.unroll(4):
+                        Pt[tx * EM, e] = T.float32(0)
+                    for ks in T.unroll(2):
+                        frag_a(af, 0, lambda i, j: SM[O_D + (I * SUB + i) * DS + j], tx % 32, ks * 8)
+                        mma(Pt, tx * EM, 0, af, 0, lambda i, j: SM[O_D + (I * SUB + i) * DS + j],
+                            lambda j, n: SM[O_TM + (I * SUB + j) * TS + n], tx % 32, ks * 8, tcol(tx))
+                syncwarp()
+            for tx in THR(NT):   # → T_IJ in P's place
+                if tx // 32 < 6 and tj(tx) < I:
+                    for e in T.unroll(4):
+                        SM[O_TM + (I * SUB + frag_row(tx, e)) * TS + tcol(tx) + frag_col(tx, e)] = tf32(T.float32(0) - Pt[tx * EM, e])
+                syncwarp()
+
+    @T.macro
+    def vn_product(SM, tx, Zt, par):
+        """Phase 4 with ``tmat``: vn_I = Σ_{J<I} T_IJ R_J + D_I^{-1} R_I for every row block I
+        (T_IJ[i][j] = la[16J + j][16I + i] as the intra kernel stored it, D_I^{-1} from its rows;
+        R in the X region, vn → the V region): independent accumulations of 2I + 2 k-steps, the
+        warp's n-tiles ``vp_tile`` of its row blocks ``vp_owns``, instead of the 8 dependent steps
+        of the substitution."""
+        af = T.alloc_buffer((4,), "float32", scope="local")
+        for I in T.unroll(NSUB):
+            for t in T.unroll(NTJ):
+                if vp_owns(tx, I):
+                    for e in T.unroll(4):
+                        Zt[tx * EM, (I * NTJ + t) * 4 + e] = T.float32(0)
+                    for ks in T.unroll(2 * NSUB - 2):
+                        if ks < 2 * I:
+                            frag_a(af, 0, lambda i, j: la(SM, j, I * SUB + i, par), tx % 32, ks * 8)
+                            mma(Zt, tx * EM, (I * NTJ + t) * 4, af, 0, lambda i, j: la(SM, j, I * SUB + i, par),
+                                lambda j, n: SM[O_X + j * RS + n], tx % 32, ks * 8, vp_tile(tx, t) * 8)
+                    for ks in T.unroll(2):
+                        frag_a(af, 0, lambda i, j: SM[alt(O_D, O_D2, par) + (I * SUB + i) * DS + j], tx % 32, ks * 8)
+                        mma(Zt, tx * EM, (I * NTJ + t) * 4, af, 0, lambda i, j: SM[alt(O_D, O_D2, par) + (I * SUB + i) * DS + j],
+                            lambda j, n: SM[O_X + (I * SUB + j) * RS + n], tx % 32, ks * 8, vp_tile(tx, t) * 8)
+                    for e in T.unroll(4):
+                        SM[O_V + (I * SUB + frag_row(tx, e)) * RS + vp_tile(tx, t) * 8 + frag_col(tx, e)] = tf32(Zt[tx * EM, (I * NTJ + t) * 4 + e])
+
     @T.macro
     def intra_body(q, k, g, beta, A_log, dt_bias, cu, ka_g, qa_g, kd_g, gl_g, la_g, dinv_g, n_tok, n_cu):
         """The split form's first kernel over its buffers: one block per (chunk, head)."""
@@ -975,6 +1121,11 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
             for tx in THR(NT):
                 x = T.alloc_buffer((RT, SUB), "float32", scope="local")
                 d_inverse(SM, tx, x)
+            if TM_I:
+                Pt = T.alloc_buffer((RT, 4), "float32", scope="local")
+                if SYNC:
+                    T.tvm_storage_sync("shared")
+                t_blocks(SM, Pt)
             # out: the chunk's rows of e^Γ k, scale e^Γ q, e^{Γ_last−Γ} k (TF32, as the fused
             # kernel computes its operands), L / Aqk and D^{-1}; e^{Γ_last} as row blk // H of gl
             if SYNC:
@@ -993,7 +1144,12 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                         gl_g[blk // H, blk % H, tx] = ex2(gm(SM, C - 1, tx))
                 for it in T.unroll(C * C // NT):
                     if meta[0] + (it * NT + tx) // C < meta[1]:
-                        la_g[meta[0] + (it * NT + tx) // C, blk % H, tx % C] = la(SM, (it * NT + tx) // C, tx % C)
+                        if TM_I:   # T_IJ (I > J) transposed in place of Lᵀ above the diagonal blocks
+                            la_g[meta[0] + (it * NT + tx) // C, blk % H, tx % C] = T.Select(
+                                tx % C // SUB > (it * NT + tx) // C // SUB, SM[O_TM + tx % C * TS + (it * NT + tx) // C],
+                                la(SM, (it * NT + tx) // C, tx % C))
+                        else:
+                            la_g[meta[0] + (it * NT + tx) // C, blk % H, tx % C] = la(SM, (it * NT + tx) // C, tx % C)
                 for it in T.unroll(C * SUB // NT):
                     if meta[0] + (it * NT + tx) // SUB < meta[1]:
                         dinv_g[meta[0] + (it * NT + tx) // SUB, blk % H, tx % SUB] = SM[O_D + (it * NT + tx) // SUB * DS + tx % SUB]
@@ -1007,7 +1163,9 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
             Sr = T.alloc_buffer((RT, NR), "float32", scope="local")  # S rows 16·wi …, fp32
             Y = T.alloc_buffer((RT, NR), "float32", scope="local")   # (e^Γ k) S rows / Y, then o
             Z = T.alloc_buffer((RT, 4 * NTW), "float32", scope="local")  # vn tiles between warp steps
+            Zt = T.alloc_buffer((RT, 4 * NSUB * NTJ if TM_S else 4), "float32", scope="local")  # tmat: vn = T R
             cb = T.alloc_buffer((RT, 1), "int32", scope="local")   # split: chunks before the sequence
+            bnext = T.alloc_buffer((RT, 1), "float32", scope="local")   # pipe: the next chunk's β logit
             if not SYNC:   # emulated: a read of shared memory that nothing wrote gives NaN
                 for i in range(NSM):
                     SM[i] = T.float32("nan")
@@ -1030,19 +1188,44 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                     c0 = T.alloc_buffer((3,), "int32", scope="local")  # chunk start, sequence end, row
                     c0[0] = cu[blk // (H * NVB)] + c * C
                     c0[1] = cu[blk // (H * NVB) + 1]
-                    if "stage" not in ABL:
-                        stage_chunk(SM, tx, c0, q, k, g, beta, la_g, dinv_g, gl_g, chunk_index(cb, tx, c),
-                                    blk // NVB % H, n_tok, c == 0)
-                    if c0[0] + C + tx // 4 < c0[1]:
-                        prefetch(q[c0[0] + C + tx // 4, blk // NVB % H, tx % 4 * 32])
-                        prefetch(k[c0[0] + C + tx // 4, blk // NVB % H, tx % 4 * 32])
-                        prefetch(g[c0[0] + C + tx // 4, blk // NVB % H, tx % 4 * 32])
-                        if tx % 4 * 32 < BV:
-                            prefetch(v[c0[0] + C + tx // 4, blk // NVB % H, blk % NVB * BV + tx % 4 * 32])
-                        if stage == "state" and tx % 4 < 2:
-                            prefetch(la_g[c0[0] + C + tx // 4, blk // NVB % H, tx % 4 * 32])
-                    if SYNC:
-                        ptx.wait(0)
+                    if PIPE:   # chunk 0's copies here, then chunk c + 1's into set (c + 1) % 2
+                        c1 = T.alloc_buffer((3,), "int32", scope="local")
+                        c1[0] = c0[0] + C
+                        c1[1] = c0[1]
+                        if "stage" not in ABL:
+                            if c == 0:
+                                stage_chunk(SM, tx, c0, q, k, g, beta, la_g, dinv_g, gl_g, chunk_index(cb, tx, c),
+                                            blk // NVB % H, n_tok, True)
+                            if c1[0] < c1[1]:
+                                stage_next(SM, tx, c1, g, beta, la_g, dinv_g, gl_g, chunk_index(cb, tx, c + 1),
+                                           blk // NVB % H, n_tok, bnext, (c + 1) % 2)
+                            if SYNC:
+                                ptx.commit()
+                        if c0[0] + 2 * C + tx // 4 < c0[1]:
+                            prefetch(g[c0[0] + 2 * C + tx // 4, blk // NVB % H, tx % 4 * 32])
+                            if tx % 4 < 2:
+                                prefetch(la_g[c0[0] + 2 * C + tx // 4, blk // NVB % H, tx % 4 * 32])
+                        if c1[0] + tx // 4 < c0[1]:
+                            prefetch(q[c1[0] + tx // 4, blk // NVB % H, tx % 4 * 32])
+                            prefetch(k[c1[0] + tx // 4, blk // NVB % H, tx % 4 * 32])
+                            if tx % 4 * 32 < BV:
+                                prefetch(v[c1[0] + tx // 4, blk // NVB % H, blk % NVB * BV + tx % 4 * 32])
+                        if SYNC:   # all but the group just committed: chunk c's copies (and early_kq's)
+                            ptx.wait(1)
+                    else:
+                        if "stage" not in ABL:
+                            stage_chunk(SM, tx, c0, q, k, g, beta, la_g, dinv_g, gl_g, chunk_index(cb, tx, c),
+                                        blk // NVB % H, n_tok, c == 0)
+                        if c0[0] + C + tx // 4 < c0[1]:
+                            prefetch(q[c0[0] + C + tx // 4, blk // NVB % H, tx % 4 * 32])
+                            prefetch(k[c0[0] + C + tx // 4, blk // NVB % H, tx % 4 * 32])
+                            prefetch(g[c0[0] + C + tx // 4, blk // NVB % H, tx % 4 * 32])
+                            if tx % 4 * 32 < BV:
+                                prefetch(v[c0[0] + C + tx // 4, blk // NVB % H, blk % NVB * BV + tx % 4 * 32])
+                            if stage == "state" and tx % 4 < 2:
+                                prefetch(la_g[c0[0] + C + tx // 4, blk // NVB % H, tx % 4 * 32])
+                        if SYNC:
+                            ptx.wait(0)
                 if stage == "fused":
                     if "gamma" not in ABL:
                         gamma_and_norms(SM, cu[blk // (H * NVB)] + c * C, cu[blk // (H * NVB) + 1], blk // NVB % H,
@@ -1116,7 +1299,15 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                             copy_rows(SM, tx, cn, O_QR, KS, q, K, blk // NVB % H, n_tok)
                             if SYNC:
                                 ptx.commit()
-                if "p4" not in ABL:
+                if TM_S:
+                    for tx in THR(NT):
+                        if "p4" not in ABL:
+                            vn_product(SM, tx, Zt, c % 2 if PIPE else 0)
+                        if PIPE:   # the next chunk's β (phase 3, its only reader, is done)
+                            if tx < C and cu[blk // (H * NVB)] + (c + 1) * C < cu[blk // (H * NVB) + 1]:
+                                SM[O_BT + tx] = T.Select(cu[blk // (H * NVB)] + (c + 1) * C + tx < cu[blk // (H * NVB) + 1],
+                                                         T.sigmoid(bnext[tx * EM, 0]) if SIGB else bnext[tx * EM, 0], T.float32(0))
+                elif not TM_S and "p4" not in ABL:
                     for I in T.unroll(NSUB):
                         for tx in THR(NT):
                             af = T.alloc_buffer((4,), "float32", scope="local")
@@ -1160,10 +1351,10 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                     c0[1] = cu[blk // (H * NVB) + 1]
                     for nt in T.unroll(N8):
                         for e in T.unroll(4):
-                            Sr[tx * EM, nt * 4 + e] = Sr[tx * EM, nt * 4 + e] * decay(SM, tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8)
+                            Sr[tx * EM, nt * 4 + e] = Sr[tx * EM, nt * 4 + e] * decay(SM, tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8, c % 2 if PIPE else 0)
                     if "s" not in ABL:
                         gemm(Sr, tx * EM, af,
-                             lambda i, j: a_kd(SM, tx // 32 * 16, i, j),
+                             lambda i, j: a_kd(SM, tx // 32 * 16, i, j, c % 2 if PIPE else 0),
                              lambda j, n: vn(SM, j, n), C // 8, N8, tx % 32, None)
                     if "scopy" not in ABL:
                         for nt in T.unroll(N8):
@@ -1172,7 +1363,7 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                     if tx // 32 >= 4:
                         if "o" not in ABL:
                             gemm(Y, tx * EM, af,
-                                 lambda i, j: T.Select(j <= (tx // 32 - 4) * 16 + i, la(SM, (tx // 32 - 4) * 16 + i, j), T.float32(0)),
+                                 lambda i, j: T.Select(j <= (tx // 32 - 4) * 16 + i, la(SM, (tx // 32 - 4) * 16 + i, j, c % 2 if PIPE else 0), T.float32(0)),
                                  lambda j, n: vn(SM, j, n), C // 8, N8, tx % 32, (tx // 32 - 4) * 2 + 1)
                         if "ost" not in ABL:
                             if O_VEC:   # entries e, e + 1 (adjacent columns, 8-byte aligned: the

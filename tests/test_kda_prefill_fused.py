@@ -95,6 +95,15 @@ def test_emulated_fused_kernel_matches_reference(block_v, a_batch, lens, initial
     # the intra kernel's phase 2 by pairs of n-tiles and its gate's σ by a reciprocal
     (16, [65, 15, 64], True, True, {"p2_wide": True, "fast_gate": True}),
     (16, [65, 15, 64], True, True, {"p2_one": True, "fast_gate": True, "o_vec": True}),
+    # tmat: T = (I + L)^{-1}'s blocks below the diagonal by the intra kernel, phase 4 as vn = T R,
+    # at each of its warp layouts (4, 2 and 1 warps per n-tile of vn at 16, 32 and 64 columns)
+    (16, [65, 15, 64], True, True, {"p2_one": True, "fast_gate": True, "o_vec": True, "tmat": True}),
+    (32, [1, 70, 64], True, False, {"tmat": True}),
+    (64, [63, 129], False, False, {"p2_one": True, "tmat": True}),
+    # pipe: the next chunk's staged operands copied into a second set of regions during this one
+    (16, [65, 15, 64, 130], True, True, {"p2_one": True, "fast_gate": True, "o_vec": True, "tmat": True,
+                                         "pipe": True}),
+    (32, [1, 70, 200], True, False, {"tmat": True, "pipe": True}),
 ])
 def test_emulated_split_form_matches_reference(block_v, lens, initial_state, preprocess, opts):
     """The split form: every chunk's Γ-scaled operands, L / Aqk and D^{-1} by the intra kernel
@@ -115,9 +124,12 @@ def test_emulated_split_form_matches_reference(block_v, lens, initial_state, pre
     intra = _llvm(kda_prefill_split_intra_kernel(H, K, K ** -0.5, lower_bound=lb, emulate=True,
                                                  p2_wide=opts.get("p2_wide", False),
                                                  p2_one=opts.get("p2_one", False),
-                                                 fast_gate=opts.get("fast_gate", False)))
+                                                 fast_gate=opts.get("fast_gate", False),
+                                                 tmat=opts.get("tmat", False)))
     state = _llvm(kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=block_v, a_batch=8, split=True,
-                                           lower_bound=lb, o_vec=opts.get("o_vec", False), emulate=True))
+                                           lower_bound=lb, o_vec=opts.get("o_vec", False),
+                                           tmat=opts.get("tmat", False), pipe=opts.get("pipe", False),
+                                           emulate=True))
     A = tvm.runtime.tensor
     B = len(lens)
     ka, qa, kd, gl, la, dinv = _split_scratch(q.shape[0], B, H)
@@ -135,9 +147,27 @@ def test_emulated_split_form_matches_reference(block_v, lens, initial_state, pre
     np.testing.assert_allclose(kd.numpy(), k * np.exp(last - gam), rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(gl.numpy()[:len(chunks)], np.exp(gam[[e - 1 for _, e in chunks]]), rtol=1e-4, atol=1e-30)
     assert not np.isnan(la.numpy()).any() and not np.isnan(dinv.numpy()).any()
+    if opts.get("tmat"):   # T's blocks below the diagonal = those of NumPy's inverse of I + L
+        _check_t_blocks(la.numpy(), chunks, cu[0], k, beta, gam)
     pt, o = A(pool), A(np.full(v.shape, np.nan, np.float32))
     state["f"](ka, qa, kd, A(v), gl, la, dinv, A(raw["b"] if preprocess else beta), A(cu), A(slots), pt, 1, o)
     _check_outputs(o.numpy(), pt.numpy(), o_ref, ref_pool, slots)
+
+
+def _check_t_blocks(la, chunks, t0, k, beta, gam):
+    """``tmat``: in each chunk (rows a … e−1), la[i][j] for j // 16 > i // 16 holds T[j][i] of
+    T = (I + L)^{-1}, L[i][j] = β_i (k_i e^{Γ_i − Γ_j}) · k_j for j < i (the WY form's strictly
+    lower triangle, spec §3; formed here in float64 from the inputs)."""
+    for a, e in chunks:
+        n = e - a
+        kk, gg, bb = k[a - t0:e - t0].astype(np.float64), gam[a - t0:e - t0], beta[a - t0:e - t0].astype(np.float64)
+        L = np.zeros((n, n))
+        for i in range(n):
+            for j in range(i):
+                L[i, j] = bb[i, 0] * np.dot(kk[i, 0] * np.exp(gg[i, 0] - gg[j, 0]), kk[j, 0])
+        Tm = np.linalg.inv(np.eye(n) + L)
+        blk = np.arange(n)[None, :] // 16 > np.arange(n)[:, None] // 16   # [i][j]: block of j right of i's
+        np.testing.assert_allclose(la[a - t0:e - t0, 0, :n][blk], Tm.T[blk], rtol=2e-3, atol=2e-5)
 
 
 def test_split_block_v_by_sequences():
@@ -153,9 +183,11 @@ def test_split_block_v_by_sequences():
             assert split_block_v(b, H) == (64 if b >= n_wide else 32 if b >= n_mid else 16), (H, b)
 
 
-@pytest.mark.parametrize("lens,early_kq", [([70], False), ([5] * 11 + [66], False), ([3] * 23 + [65], False),
-                                           ([130, 1, 64, 70], True)])
-def test_emulated_split_state_kernel_with_runtime_block_v_matches_reference(lens, early_kq):
+@pytest.mark.parametrize("lens,early_kq,tmat", [([70], False, False), ([5] * 11 + [66], False, False),
+                                                ([3] * 23 + [65], False, False), ([130, 1, 64, 70], True, False),
+                                                ([70], True, True), ([5] * 11 + [66], True, True),
+                                                ([3] * 23 + [65], True, True)])
+def test_emulated_split_state_kernel_with_runtime_block_v_matches_reference(lens, early_kq, tmat):
     """kda_prefill_split_state_kernel at 2 heads runs block_v 16, 32, 64 for 1, 12, 24 sequences
     (``split_block_v``); each branch against the reference; with ``early_kq`` (the next chunk's
     e^Γ k, e^Γ q copied during phase 4) and o by column pairs (``o_vec``) as the model
@@ -166,8 +198,10 @@ def test_emulated_split_state_kernel_with_runtime_block_v_matches_reference(lens
     q, k, v, g, beta, cu, slots, pool = _inputs(lens, H, seed=len(lens))
     ref_pool = pool.copy()
     o_ref = kda_prefill_reference(q, k, v, g, beta, cu, slots, ref_pool, 1, K ** -0.5)
-    intra = _llvm(kda_prefill_split_intra_kernel(H, K, K ** -0.5, emulate=True))
-    state = _llvm(kda_prefill_split_state_kernel(H, K, K, K ** -0.5, early_kq=early_kq, o_vec=True, emulate=True))
+    intra = _llvm(kda_prefill_split_intra_kernel(H, K, K ** -0.5, tmat=tmat, emulate=True))
+    # with tmat also pipe (at block_v 16 and 32; 64 has no room for its second set of regions)
+    state = _llvm(kda_prefill_split_state_kernel(H, K, K, K ** -0.5, early_kq=early_kq, o_vec=True, tmat=tmat,
+                                                 pipe=tmat, emulate=True))
     A = tvm.runtime.tensor
     ka, qa, kd, gl, la, dinv = _split_scratch(q.shape[0], len(lens), H)
     intra["f"](A(q), A(k), A(g), A(beta), A(cu), ka, qa, kd, gl, la, dinv)
@@ -261,8 +295,14 @@ def test_fused_kernel_rejects_unsupported_sizes():
         kda_prefill_split_intra_kernel(2, 128, 0.1, p2_one=True, p2_wide=True)
     with pytest.raises(ValueError, match=r"ablate=\['p9'\]"):
         kda_prefill_fused_kernel(2, 128, 128, 0.1, ablate=frozenset({"p9"}))
-    with pytest.raises(ValueError, match="v_async and ablate to the fused kernel"):
+    with pytest.raises(ValueError, match="v_async to the fused kernel"):
         kda_prefill_fused_kernel(2, 128, 128, 0.1, split=True, v_async=True)
+    with pytest.raises(ValueError, match=r"ablate=\['p2'\].*split state kernel"):   # the state kernel has no phase 2
+        kda_prefill_fused_kernel(2, 128, 128, 0.1, split=True, ablate=frozenset({"p2"}))
+    with pytest.raises(ValueError, match="tmat and pipe belong to the split form"):
+        kda_prefill_fused_kernel(2, 128, 128, 0.1, tmat=True)
+    with pytest.raises(ValueError, match="pipe: the split state kernel with tmat at block_v ≤ 32"):
+        kda_prefill_fused_kernel(2, 128, 128, 0.1, split=True, tmat=True, pipe=True, block_v=64)
 
 
 @needs_nvcc

@@ -14,6 +14,10 @@ once whole and once without each part of a chunk's work (``ablate``: phase 1's c
 2, D^{-1}, phase 3's products, phase 4, phase 5's S update, its o; then all of the math), timed
 side by side at 8192 tokens and at 4 × 2048: the time a part saves is what it costs on the
 chunk's critical path (its results are then wrong).
+
+``split-build DIR [H]`` / ``split-run DIR H RESULT.json``: the split form's intra and state kernels
+timed apart (as dispatched and with ``tmat``), and its state kernel at block_v 16 and 64 without
+each part.
 """
 
 import sys
@@ -216,6 +220,129 @@ def run_phases(out: Path, H: int, result: Path) -> None:
     result.write_text(json.dumps(res, indent=1))
 
 
+# the split form at ``split-build`` / ``split-run``: its two kernels as dispatched (``ofv``) and
+# with ``tmat`` (phase 4 as vn = T R), and the state kernel at a fixed block_v with parts left out
+SPLIT_INTRA = {"ofv": {"p2_one": True, "fast_gate": True}, "ofvt": {"p2_one": True, "fast_gate": True, "tmat": True}}
+SPLIT_STATE = {"ofv": {"o_vec": True}, "ofvt": {"o_vec": True, "tmat": True},
+               "ofvtp": {"o_vec": True, "tmat": True, "pipe": True}}
+SPLIT_ABLATIONS = (("none", ()), ("stage", ("stage",)), ("vl", ("vl",)), ("p3", ("p3",)), ("p4", ("p4",)),
+                   ("s", ("s",)), ("o", ("o",)), ("ost", ("ost",)), ("all_mma", ("p3", "p4", "s", "o")),
+                   ("barriers", ("stage", "vl", "p3", "p4", "s", "scopy", "o", "ost")))
+SPLIT_ABLATION_BV = (16, 64)   # the run-time block_v at 12 heads for one sequence / four
+
+
+def build_split(out: Path, H: int) -> None:
+    """``kda_prefill_split_parts.so``: ``intra_<v>`` / ``state_<v>`` per SPLIT_INTRA / SPLIT_STATE
+    entry (L2 norms, gate and β in the intra kernel) and ``state_bv<BV>_<name>`` per
+    SPLIT_ABLATIONS entry (``tmat``)."""
+    import tvm
+
+    from k3_compile.device_code import precompiled_cuda
+    from schedules.barriers import respect_manual_barriers
+    from schedules.kda_prefill_fused import (
+        kda_prefill_fused_kernel,
+        kda_prefill_split_intra_kernel,
+        kda_prefill_split_state_kernel,
+    )
+    from targets import get_target
+
+    fs = {}
+    for v, o in SPLIT_INTRA.items():
+        fs[f"intra_{v}"] = kda_prefill_split_intra_kernel(H, K, K ** -0.5, lower_bound=LOWER_BOUND, **o)
+    for v, o in SPLIT_STATE.items():   # (a state variant runs on the outputs of intra_<its first 4 letters>)
+        fs[f"state_{v}"] = kda_prefill_split_state_kernel(H, K, K, K ** -0.5, lower_bound=LOWER_BOUND, **o)
+    for bv in SPLIT_ABLATION_BV:
+        for name, abl in SPLIT_ABLATIONS:
+            fs[f"state_bv{bv}_{name}"] = kda_prefill_fused_kernel(
+                H, K, K, K ** -0.5, block_v=bv, a_batch=8, split=True, lower_bound=LOWER_BOUND,
+                ablate=frozenset(abl), **SPLIT_STATE["ofvt"])
+    mod = tvm.IRModule({n: f.with_attr("global_symbol", n) for n, f in fs.items()})
+    with precompiled_cuda(get_target("cuda-sm90a").nvcc_arch, options=("--ptxas-options=--register-usage-level=5",)), \
+            respect_manual_barriers():
+        lib = tvm.compile(mod, target=get_target("cuda-sm90a").tvm_target())
+    out.mkdir(parents=True, exist_ok=True)
+    lib.export_library(str(out / "kda_prefill_split_parts.so"))
+    print("built", out / "kda_prefill_split_parts.so")
+
+
+def run_split(out: Path, H: int, result: Path) -> None:
+    """Each kernel of ``build_split`` timed alone (CUDA events, median of 5 interleaved rounds of 5
+    calls) at one sequence of 8192 tokens and at 4 × 2048 → ``result`` (JSON), and the dispatched
+    pair's o against the ``tmat`` pair's (same inputs, zero state)."""
+    import json
+    import statistics
+    import time
+
+    import torch
+    import tvm
+
+    from k3_compile.device_code import load_cuda_runtime
+
+    load_cuda_runtime()
+    lib = tvm.runtime.load_module(str(out / "kda_prefill_split_parts.so"))
+    dev = torch.device("cuda")
+    t = tvm.runtime.from_dlpack
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from cuda_timing import git_commit
+
+    C = 64
+    res = {"machine": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "commit": git_commit(),
+           "heads": H, "lower_bound": LOWER_BOUND, "shapes": []}
+    for lens in ((8192,), (2048,) * 4):
+        T, B = sum(lens), len(lens)
+        q, k, v, f = (torch.randn(T, H, K, device=dev) for _ in range(4))
+        b = torch.randn(T, H, device=dev)
+        A_log = torch.log(torch.empty(H, device=dev).uniform_(1, 16))
+        dt_bias = torch.randn(H * K, device=dev) * 0.5
+        cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(B)], dtype=torch.int32, device=dev)
+        slots = torch.arange(B, dtype=torch.int32, device=dev)
+        state = torch.zeros(1, B, H, K, K, device=dev)
+        o = torch.empty(T, H, K, device=dev)
+        nc = T // C + B
+        scratch = {v_: [t(torch.empty(T, H, n, device=dev)) for n in (K, K, K)] + [t(torch.empty(nc, H, K, device=dev))]
+                   + [t(torch.empty(T, H, n, device=dev)) for n in (C, 16)] for v_ in SPLIT_INTRA}
+        intra_args = {v_: [t(x) for x in (q, k, f, b, A_log, dt_bias, cu)] + scratch[v_] for v_ in SPLIT_INTRA}
+
+        def state_args(v_):
+            ka, qa, kd, gl, la, dinv = scratch[v_]
+            return [ka, qa, kd, t(v), gl, la, dinv, t(b), t(cu), t(slots), t(state), 0, t(o)]
+
+        calls = {f"intra_{v_}": (lambda v_=v_: lib[f"intra_{v_}"](*intra_args[v_])) for v_ in SPLIT_INTRA}
+        calls.update({f"state_{v_}": (lambda v_=v_: lib[f"state_{v_}"](*state_args(v_[:4]))) for v_ in SPLIT_STATE})
+        calls.update({f"state_bv{bv}_{n}": (lambda n=n, bv=bv: lib[f"state_bv{bv}_{n}"](*state_args("ofvt")))
+                      for bv in SPLIT_ABLATION_BV for n, _ in SPLIT_ABLATIONS})
+        outs = {}
+        for v_ in SPLIT_STATE:   # each pair once on a zero state: the o to compare
+            state.zero_()
+            o.fill_(float("nan"))
+            calls[f"intra_{v_[:4]}"]()
+            calls[f"state_{v_}"]()
+            torch.cuda.synchronize()
+            outs[v_] = o.clone()
+        times = {n: [] for n in calls}
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(5):
+            for n, fn in calls.items():
+                start.record()
+                for _ in range(5):
+                    fn()
+                end.record()
+                torch.cuda.synchronize()
+                times[n].append(start.elapsed_time(end) / 5)
+        ms = {n: statistics.median(x) for n, x in times.items()}
+        row = {"lens": list(lens), "ms": ms,
+               "pair_ms": {v_: ms[f"intra_{v_[:4]}"] + ms[f"state_{v_}"] for v_ in SPLIT_STATE},
+               "max_abs_diff_vs_ofv": {v_: (outs[v_] - outs["ofv"]).abs().max().item() for v_ in SPLIT_STATE if v_ != "ofv"},
+               "max_abs_o": outs["ofv"].abs().max().item(),
+               "saved_ms": {f"bv{bv}_{n}": ms[f"state_bv{bv}_none"] - ms[f"state_bv{bv}_{n}"]
+                            for bv in SPLIT_ABLATION_BV for n, _ in SPLIT_ABLATIONS if n != "none"},
+               "per_chunk_us": {f"bv{bv}_{n}": ms[f"state_bv{bv}_{n}"] * 1e3 / (lens[0] // C)
+                                for bv in SPLIT_ABLATION_BV for n, _ in SPLIT_ABLATIONS}}
+        print(json.dumps(row))
+        res["shapes"].append(row)
+    result.write_text(json.dumps(res, indent=1))
+
+
 if __name__ == "__main__":
     step, out = sys.argv[1], Path(sys.argv[2])
     H = int(sys.argv[3]) if len(sys.argv) > 3 else 96
@@ -225,5 +352,9 @@ if __name__ == "__main__":
         build_phases(out, H)
     elif step == "phases-run":     # ... timed: phases-run DIR H RESULT.json (H as at phases-build)
         run_phases(out, H, Path(sys.argv[4]))
+    elif step == "split-build":    # the split form's kernels alone, and its state kernel's parts
+        build_split(out, H)
+    elif step == "split-run":      # ... timed: split-run DIR H RESULT.json
+        run_split(out, H, Path(sys.argv[4]))
     else:
         run(out, H, int(sys.argv[4]) if len(sys.argv) > 4 else 8192)
