@@ -104,6 +104,10 @@ def test_emulated_fused_kernel_matches_reference(block_v, a_batch, lens, initial
     (16, [65, 15, 64, 130], True, True, {"p2_one": True, "fast_gate": True, "o_vec": True, "tmat": True,
                                          "pipe": True}),
     (32, [1, 70, 200], True, False, {"tmat": True, "pipe": True}),
+    # wu: W = T β e^Γ k and U = T β v by the intra kernel, phase 3 gives vn = U − W S
+    (16, [65, 15, 64, 130], True, True, {"p2_one": True, "fast_gate": True, "o_vec": True, "wu": True,
+                                         "pipe": True}),
+    (64, [1, 70, 129], True, False, {"p2_one": True, "wu": True}),
 ])
 def test_emulated_split_form_matches_reference(block_v, lens, initial_state, preprocess, opts):
     """The split form: every chunk's Γ-scaled operands, L / Aqk and D^{-1} by the intra kernel
@@ -125,33 +129,60 @@ def test_emulated_split_form_matches_reference(block_v, lens, initial_state, pre
                                                  p2_wide=opts.get("p2_wide", False),
                                                  p2_one=opts.get("p2_one", False),
                                                  fast_gate=opts.get("fast_gate", False),
-                                                 tmat=opts.get("tmat", False)))
+                                                 tmat=opts.get("tmat", False), wu=opts.get("wu", False)))
     state = _llvm(kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=block_v, a_batch=8, split=True,
                                            lower_bound=lb, o_vec=opts.get("o_vec", False),
                                            tmat=opts.get("tmat", False), pipe=opts.get("pipe", False),
-                                           emulate=True))
+                                           wu=opts.get("wu", False), emulate=True))
     A = tvm.runtime.tensor
     B = len(lens)
     ka, qa, kd, gl, la, dinv = _split_scratch(q.shape[0], B, H)
+    wu = opts.get("wu", False)
     if preprocess:
-        ins = [A(raw[n]) for n in ("q", "k", "f", "b", "A_log", "dt_bias")]
+        ins = [A(raw[n]) for n in ("q", "k") + ("v",) * wu + ("f", "b", "A_log", "dt_bias")]
     else:
-        ins = [A(q), A(k), A(g), A(beta)]
-    intra["f"](*ins, A(cu), ka, qa, kd, gl, la, dinv)
+        ins = [A(q), A(k)] + [A(v)] * wu + [A(g), A(beta)]
+    u = A(np.full(v.shape, np.nan, np.float32))
+    intra["f"](*ins, A(cu), ka, qa, kd, gl, la, dinv, *[u] * wu)
     # the Γ-scaled operands against NumPy (Γ = cumsum of g within each chunk)
     chunks = [(c, min(c + 64, cu[b + 1])) for b in range(B) for c in range(cu[b], cu[b + 1], 64)]
     gam = np.concatenate([np.cumsum(g[a:e].astype(np.float64), axis=0) for a, e in chunks])
     last = np.concatenate([np.repeat(gam[e - 1 - cu[0]:e - cu[0]], e - a, axis=0) for a, e in chunks])
-    np.testing.assert_allclose(ka.numpy(), k * np.exp(gam), rtol=1e-4, atol=1e-6)
+    if wu:   # ka holds W = T β e^Γ k, and U = T β v (T from the inputs in float64)
+        _check_w_u(ka.numpy(), u.numpy(), chunks, cu[0], k, v, beta, gam)
+    else:
+        np.testing.assert_allclose(ka.numpy(), k * np.exp(gam), rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(qa.numpy(), K ** -0.5 * q * np.exp(gam), rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(kd.numpy(), k * np.exp(last - gam), rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(gl.numpy()[:len(chunks)], np.exp(gam[[e - 1 for _, e in chunks]]), rtol=1e-4, atol=1e-30)
     assert not np.isnan(la.numpy()).any() and not np.isnan(dinv.numpy()).any()
-    if opts.get("tmat"):   # T's blocks below the diagonal = those of NumPy's inverse of I + L
+    if opts.get("tmat") or wu:   # T's blocks below the diagonal = those of NumPy's inverse of I + L
         _check_t_blocks(la.numpy(), chunks, cu[0], k, beta, gam)
     pt, o = A(pool), A(np.full(v.shape, np.nan, np.float32))
-    state["f"](ka, qa, kd, A(v), gl, la, dinv, A(raw["b"] if preprocess else beta), A(cu), A(slots), pt, 1, o)
+    state["f"](ka, qa, kd, u if wu else A(v), gl, la, dinv, A(raw["b"] if preprocess else beta), A(cu), A(slots), pt, 1, o)
     _check_outputs(o.numpy(), pt.numpy(), o_ref, ref_pool, slots)
+
+
+def _t_matrix(kk, gg, bb):
+    """T = (I + L)^{-1} of one chunk in float64, L[i][j] = β_i (k_i e^{Γ_i − Γ_j}) · k_j for j < i
+    (the WY form's strictly lower triangle, spec §3); kk, gg [n, K], bb [n]."""
+    n = len(kk)
+    L = np.zeros((n, n))
+    for i in range(n):
+        for j in range(i):
+            L[i, j] = bb[i] * np.dot(kk[i] * np.exp(gg[i] - gg[j]), kk[j])
+    return np.linalg.inv(np.eye(n) + L)
+
+
+def _check_w_u(w, u, chunks, t0, k, v, beta, gam):
+    """``wu``: per chunk (rows a … e−1) and head, W = T diag(β) (k e^Γ) and U = T diag(β) v."""
+    for a, e in chunks:
+        for h in range(k.shape[1]):
+            sl = slice(a - t0, e - t0)
+            kk, gg, bb = k[sl, h].astype(np.float64), gam[sl, h], beta[sl, h].astype(np.float64)
+            Tm = _t_matrix(kk, gg, bb)
+            np.testing.assert_allclose(w[sl, h], Tm @ (bb[:, None] * kk * np.exp(gg)), rtol=2e-3, atol=2e-5)
+            np.testing.assert_allclose(u[sl, h], Tm @ (bb[:, None] * v[sl, h].astype(np.float64)), rtol=2e-3, atol=2e-5)
 
 
 def _check_t_blocks(la, chunks, t0, k, beta, gam):
@@ -160,12 +191,8 @@ def _check_t_blocks(la, chunks, t0, k, beta, gam):
     lower triangle, spec §3; formed here in float64 from the inputs)."""
     for a, e in chunks:
         n = e - a
-        kk, gg, bb = k[a - t0:e - t0].astype(np.float64), gam[a - t0:e - t0], beta[a - t0:e - t0].astype(np.float64)
-        L = np.zeros((n, n))
-        for i in range(n):
-            for j in range(i):
-                L[i, j] = bb[i, 0] * np.dot(kk[i, 0] * np.exp(gg[i, 0] - gg[j, 0]), kk[j, 0])
-        Tm = np.linalg.inv(np.eye(n) + L)
+        Tm = _t_matrix(k[a - t0:e - t0, 0].astype(np.float64), gam[a - t0:e - t0, 0],
+                       beta[a - t0:e - t0, 0].astype(np.float64))
         blk = np.arange(n)[None, :] // 16 > np.arange(n)[:, None] // 16   # [i][j]: block of j right of i's
         np.testing.assert_allclose(la[a - t0:e - t0, 0, :n][blk], Tm.T[blk], rtol=2e-3, atol=2e-5)
 
@@ -183,11 +210,12 @@ def test_split_block_v_by_sequences():
             assert split_block_v(b, H) == (64 if b >= n_wide else 32 if b >= n_mid else 16), (H, b)
 
 
-@pytest.mark.parametrize("lens,early_kq,tmat", [([70], False, False), ([5] * 11 + [66], False, False),
-                                                ([3] * 23 + [65], False, False), ([130, 1, 64, 70], True, False),
-                                                ([70], True, True), ([5] * 11 + [66], True, True),
-                                                ([3] * 23 + [65], True, True)])
-def test_emulated_split_state_kernel_with_runtime_block_v_matches_reference(lens, early_kq, tmat):
+@pytest.mark.parametrize("lens,early_kq,form", [([70], False, ""), ([5] * 11 + [66], False, ""),
+                                                ([3] * 23 + [65], False, ""), ([130, 1, 64, 70], True, ""),
+                                                ([70], True, "tmat"), ([5] * 11 + [66], True, "tmat"),
+                                                ([3] * 23 + [65], True, "tmat"), ([70, 64], True, "wu"),
+                                                ([5] * 11 + [66], True, "wu"), ([3] * 23 + [65], True, "wu")])
+def test_emulated_split_state_kernel_with_runtime_block_v_matches_reference(lens, early_kq, form):
     """kda_prefill_split_state_kernel at 2 heads runs block_v 16, 32, 64 for 1, 12, 24 sequences
     (``split_block_v``); each branch against the reference; with ``early_kq`` (the next chunk's
     e^Γ k, e^Γ q copied during phase 4) and o by column pairs (``o_vec``) as the model
@@ -198,15 +226,17 @@ def test_emulated_split_state_kernel_with_runtime_block_v_matches_reference(lens
     q, k, v, g, beta, cu, slots, pool = _inputs(lens, H, seed=len(lens))
     ref_pool = pool.copy()
     o_ref = kda_prefill_reference(q, k, v, g, beta, cu, slots, ref_pool, 1, K ** -0.5)
-    intra = _llvm(kda_prefill_split_intra_kernel(H, K, K ** -0.5, tmat=tmat, emulate=True))
-    # with tmat also pipe (at block_v 16 and 32; 64 has no room for its second set of regions)
+    tmat, wu = form == "tmat", form == "wu"
+    intra = _llvm(kda_prefill_split_intra_kernel(H, K, K ** -0.5, tmat=tmat, wu=wu, emulate=True))
+    # with tmat or wu also pipe (at block_v 16 and 32; 64 has no room for its second set of regions)
     state = _llvm(kda_prefill_split_state_kernel(H, K, K, K ** -0.5, early_kq=early_kq, o_vec=True, tmat=tmat,
-                                                 pipe=tmat, emulate=True))
+                                                 wu=wu, pipe=bool(form), emulate=True))
     A = tvm.runtime.tensor
     ka, qa, kd, gl, la, dinv = _split_scratch(q.shape[0], len(lens), H)
-    intra["f"](A(q), A(k), A(g), A(beta), A(cu), ka, qa, kd, gl, la, dinv)
+    u = A(np.full(v.shape, np.nan, np.float32))
+    intra["f"](A(q), A(k), *[A(v)] * wu, A(g), A(beta), A(cu), ka, qa, kd, gl, la, dinv, *[u] * wu)
     pt, o = A(pool), A(np.full(v.shape, np.nan, np.float32))
-    state["f"](ka, qa, kd, A(v), gl, la, dinv, A(beta), A(cu), A(slots), pt, 1, o)
+    state["f"](ka, qa, kd, u if wu else A(v), gl, la, dinv, A(beta), A(cu), A(slots), pt, 1, o)
     _check_outputs(o.numpy(), pt.numpy(), o_ref, ref_pool, slots)
 
 
@@ -319,8 +349,11 @@ def test_fused_kernel_compiles_to_fatbin_for_sm90a(tmp_path):
         "                             v_async=True, fast_gate=True, o_vec=True, lower_bound=-5.0)\n"
         "r = kda_prefill_fused_kernel(3, 128, 128, 128 ** -0.5, block_v=16, p2_pairs=True, ldsm=True)\n"
         "from schedules.kda_prefill_fused import kda_prefill_split_intra_kernel, kda_prefill_split_state_kernel\n"
-        "i = kda_prefill_split_intra_kernel(3, 128, 128 ** -0.5, lower_bound=-5.0, p2_one=True, fast_gate=True)\n"
-        "s = kda_prefill_split_state_kernel(3, 128, 128, 128 ** -0.5, lower_bound=-5.0, o_vec=True)\n"
+        # the split form as dispatched below 48 heads
+        "i = kda_prefill_split_intra_kernel(3, 128, 128 ** -0.5, lower_bound=-5.0, p2_one=True, fast_gate=True,\n"
+        "                                   tmat=True)\n"
+        "s = kda_prefill_split_state_kernel(3, 128, 128, 128 ** -0.5, lower_bound=-5.0, o_vec=True, tmat=True,\n"
+        "                                   pipe=True)\n"
         "mod = tvm.IRModule({n: x.with_attr('global_symbol', n) for n, x in\n"
         "                    (('f', f), ('p', p), ('r', r), ('d', d), ('e', e), ('i', i), ('s', s))})", tmp_path,
         contexts="respect_manual_barriers()", keep_src=True)
@@ -340,6 +373,8 @@ def test_fused_kernel_compiles_to_fatbin_for_sm90a(tmp_path):
     # o_vec: o as 8-byte column pairs, one store per row half and n-tile (d: 2 × 16, e: 2 × 8, the
     # three bodies of s at 64 / 32 / 16 columns: 2 × (8 + 4 + 2)), plus the definition
     assert "make_float2" in src and src.count("k3_st2(") == 2 * (16 + 8 + 8 + 4 + 2) + 1
+    # pipe (s at 32 and 16 columns): chunk c waits for all but the group of chunk c + 1's copies
+    assert "cp.async.wait_group 1" in src
 
 
 def test_model_dispatches_prefill_form_by_head_count():
