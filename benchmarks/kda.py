@@ -142,12 +142,9 @@ PREFILL_SPLIT = ([("split", bv, ab, {}) for bv, ab in ((16, 8), (32, 8), (64, 8)
                     # ... and the next chunk's staged operands copied during this one (pipe, block_v ≤ 32)
                     ("splitautopre_ofvtp", None, None, {"lower_bound": LOWER_BOUND, "p2_one": True, "fast_gate": True,
                                                         "o_vec": True, "tmat": True, "pipe": True}),
-                    # ... W = T β e^Γ k and U = T β v by the intra kernel instead (wu: no phase 4, no β in
-                    # the state kernel), with and without pipe
-                    ("splitautopre_ofvw", None, None, {"lower_bound": LOWER_BOUND, "p2_one": True, "fast_gate": True,
-                                                       "o_vec": True, "wu": True}),
-                    ("splitautopre_ofvwp", None, None, {"lower_bound": LOWER_BOUND, "p2_one": True, "fast_gate": True,
-                                                        "o_vec": True, "wu": True, "pipe": True})])
+                    # (wu: W = T β e^Γ k, U = T β v by the intra kernel, measured as splitautopre_ofvw /
+                    # _ofvwp in kda_prefill_wu_h200_2026-12-01.json, removed after commit b1c4675)
+                    ])
 
 
 def _split_name(name: str, bv: int | None, ab: int | None) -> str:
@@ -209,8 +206,8 @@ def build_prefill(out_dir: Path, baseline: bool = True, all_tc: bool = True, onl
             export({"kda_prefill_fused": kda_prefill_fused_kernel(h, K, V, K ** -0.5, block_v=bv, a_batch=ab, **opts)},
                    f"kda_prefill_{name}_h{h}_bv{bv}_ab{ab}.so")
         for name, bv, ab, opts in PREFILL_SPLIT:
-            intra_opts = ("p2_wide", "fast_gate", "p2_one", "tmat", "wu")
-            st = {k: v for k, v in opts.items() if k not in intra_opts[:3]}   # the state kernel's (tmat, wu: both)
+            intra_opts = ("p2_wide", "fast_gate", "p2_one", "tmat")
+            st = {k: v for k, v in opts.items() if k not in intra_opts[:3]}   # the state kernel's (tmat: both)
             export({"kda_prefill_split_intra": kda_prefill_split_intra_kernel(
                         h, K, K ** -0.5, lower_bound=opts.get("lower_bound"),
                         **{k: v for k, v in opts.items() if k in intra_opts}),
@@ -420,8 +417,7 @@ def run_prefill(lib_dir: Path, log: Path | None = None, fla_checks: bool = True,
             if path.exists():
                 m = tvm.runtime.load_module(str(path))
                 fns[_split_name(name, bv, ab)] = (m["kda_prefill_split_intra"],
-                                                ("split", m["kda_prefill_split_state"], "lower_bound" in opts,
-                                                 opts.get("wu", False)))
+                                                ("split", m["kda_prefill_split_state"], "lower_bound" in opts))
         for bv, ab in PREFILL_TC:
             path = lib_dir / f"kda_prefill_tc_h{H}_bv{bv}_ab{ab}.so"
             if not path.exists():   # the build decides which variants there are
@@ -454,20 +450,17 @@ def run_prefill(lib_dir: Path, log: Path | None = None, fla_checks: bool = True,
                         + [A(cu), A(slots), A(pool), 0, A(o)])
                 return lambda: fi(*args)
             if isinstance(fs, tuple):   # the split form: intra for all chunks, then phases 3-5
-                _, fs, raw_in, wu = fs
+                _, fs, raw_in = fs
                 Tn, B = pre["q"].shape[0], cu.shape[0] - 1
-                # e^Γ k (wu: W), scale e^Γ q, e^{Γ_last−Γ} k, L / Aqk, D^{-1}; e^{Γ_last} per chunk;
-                # wu: U, which the state kernel takes for v
+                # e^Γ k, scale e^Γ q, e^{Γ_last−Γ} k, L / Aqk (tmat: Aqk / Tᵀ), D^{-1}; e^{Γ_last} per chunk
                 ka, qa, kd, la, dinv = (torch.empty(Tn, H, n, device=dev) for n in (K, K, K, 64, 16))
                 gl = torch.empty(Tn // 64 + B, H, K, device=dev)
-                u = torch.empty(Tn, H, V, device=dev) if wu else pre["v"]
-                outs = [A(x) for x in (ka, qa, kd, gl, la, dinv)] + [A(u)] * wu
-                vin = ("v",) * wu
+                outs = [A(x) for x in (ka, qa, kd, gl, la, dinv)]
                 if raw_in:
-                    a_i = [A(raw[n]) for n in ("q", "k") + vin + ("f", "b")] + [A(A_log), A(dt_bias), A(cu)] + outs
+                    a_i = [A(raw[n]) for n in ("q", "k", "f", "b")] + [A(A_log), A(dt_bias), A(cu)] + outs
                 else:
-                    a_i = [A(pre[n]) for n in ("q", "k") + vin + ("g", "beta")] + [A(cu)] + outs
-                a_s = ([A(x) for x in (ka, qa, kd)] + [A(u)] + [A(x) for x in (gl, la, dinv)]
+                    a_i = [A(pre[n]) for n in ("q", "k", "g", "beta")] + [A(cu)] + outs
+                a_s = ([A(x) for x in (ka, qa, kd)] + [A(pre["v"])] + [A(x) for x in (gl, la, dinv)]
                        + [A(raw["b"] if raw_in else pre["beta"]), A(cu), A(slots), A(pool), 0, A(o)])
                 if part == "intra":
                     return lambda: fi(*a_i)

@@ -288,8 +288,7 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
                              p2_pairs: bool = False, ldsm: bool = False, split: bool = False,
                              p2_wide: bool = False, v_async: bool = False, fast_gate: bool = False,
                              p2_one: bool = False, o_vec: bool = False, tmat: bool = False,
-                             pipe: bool = False, wu: bool = False, ablate: frozenset = frozenset(),
-                             emulate: bool = False):
+                             pipe: bool = False, ablate: frozenset = frozenset(), emulate: bool = False):
     """The fused chunked prefill, one block per (sequence, head, ``block_v`` columns of V).
     PrimFunc arguments::
 
@@ -393,12 +392,11 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
                          "v_async to the fused kernel")
     if p2_one and (p2_pairs or p2_wide):
         raise ValueError("p2_one replaces the rounds of p2_pairs / p2_wide: set p2_one alone")
-    if (tmat or pipe or wu) and not split:
-        raise ValueError("tmat, pipe and wu belong to the split form: set split (and tmat / wu in its intra "
-                         "kernel)")
+    if (tmat or pipe) and not split:
+        raise ValueError("tmat and pipe belong to the split form: set split (and tmat in its intra kernel)")
     if split:
         return _split_state(H, K, V, scale, lower_bound, ((block_v, a_batch),), ldsm, emulate, o_vec=o_vec,
-                            tmat=tmat, pipe=pipe, wu=wu, ablate=ablate)
+                            tmat=tmat, pipe=pipe, ablate=ablate)
     return _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulate, "fused",
                   p2_wide=p2_wide, v_async=v_async, fast_gate=fast_gate, p2_one=p2_one, o_vec=o_vec,
                   ablate=ablate)
@@ -427,7 +425,7 @@ def _first_n_seq(block_v: int, H: int, V: int) -> int:
 def kda_prefill_split_state_kernel(H: int, K: int, V: int, scale: float,
                                    lower_bound: float | None = None, early_kq: bool = True,
                                    o_vec: bool = False, tmat: bool = False, pipe: bool = False,
-                                   wu: bool = False, emulate: bool = False):
+                                   emulate: bool = False):
     """The split form's state kernel with block_v chosen at run time from the number of
     sequences B = len(cu_seqlens) − 1: the first of ``SPLIT_BLOCK_V`` (64, 32, 16) with
     B·H·V/block_v ≥ ``SPLIT_MIN_BLOCKS`` (96), else 16 — one kernel per block_v, picked by a
@@ -439,18 +437,18 @@ def kda_prefill_split_state_kernel(H: int, K: int, V: int, scale: float,
     ms with the preprocessing). ``o_vec``: o stored as 8-byte column pairs, as the fused kernel's
     option. Arguments as :func:`kda_prefill_fused_kernel` with ``split``; ValueError as there."""
     return _split_state(H, K, V, scale, lower_bound, tuple((bv, 8) for bv in SPLIT_BLOCK_V), False, emulate,
-                        early_kq, o_vec, tmat, pipe, wu)
+                        early_kq, o_vec, tmat, pipe)
 
 
 def _split_state(H, K, V, scale, lower_bound, tilings, ldsm, emulate, early_kq=False, o_vec=False, tmat=False,
-                 pipe=False, wu=False, ablate=frozenset()):
+                 pipe=False, ablate=frozenset()):
     """The split form's state PrimFunc over the bodies of ``tilings`` ((block_v, a_batch), widest
     first): one tiling is launched as is, three (``SPLIT_BLOCK_V``) by a host-side branch on the
     number of sequences."""
     # pipe (needs early_kq: the next chunk's e^Γ k, e^Γ q come at phase 4) where its second set of
     # regions fits, at block_v ≤ 32
     bodies = [_build(H, K, V, scale, bv, ab, lower_bound, False, ldsm, emulate, "state", early_kq or pipe,
-                     o_vec=o_vec, tmat=tmat, pipe=pipe and (bv <= 32 or len(tilings) == 1), wu=wu, ablate=ablate)
+                     o_vec=o_vec, tmat=tmat, pipe=pipe and (bv <= 32 or len(tilings) == 1), ablate=ablate)
               for bv, ab in tilings]
     if len(bodies) not in (1, 3):
         raise ValueError(f"one or three tilings, got {tilings}")
@@ -495,8 +493,7 @@ def _split_state(H, K, V, scale, lower_bound, tilings, ldsm, emulate, early_kq=F
 @functools.cache
 def kda_prefill_split_intra_kernel(H: int, K: int, scale: float, lower_bound: float | None = None,
                                    p2_pairs: bool = True, p2_wide: bool = False, fast_gate: bool = False,
-                                   p2_one: bool = False, tmat: bool = False, wu: bool = False,
-                                   emulate: bool = False):
+                                   p2_one: bool = False, tmat: bool = False, emulate: bool = False):
     """The first kernel of the split form: phases 1-2 and D^{-1} of the fused kernel for every
     chunk of every sequence in parallel, one block per (chunk, head) — the state-independent
     part, so that :func:`kda_prefill_fused_kernel` with ``split`` does only phases 3-5 per chunk
@@ -526,12 +523,12 @@ def kda_prefill_split_intra_kernel(H: int, K: int, scale: float, lower_bound: fl
     if p2_one and p2_wide:
         raise ValueError("p2_one replaces the rounds of p2_pairs / p2_wide: set p2_one alone")
     return _build(H, K, K, scale, 16, 8, lower_bound, p2_pairs and not p2_one, False, emulate, "intra",
-                  p2_wide=p2_wide, fast_gate=fast_gate, p2_one=p2_one, tmat=tmat, wu=wu)
+                  p2_wide=p2_wide, fast_gate=fast_gate, p2_one=p2_one, tmat=tmat)
 
 
 def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulate, stage, early_kq=False,
            p2_wide=False, ablate=frozenset(), v_async=False, fast_gate=False, p2_one=False, o_vec=False,
-           tmat=False, pipe=False, wu=False):
+           tmat=False, pipe=False):
     """The kernels of this module (``stage``: "fused", "intra" or "state") over one set of
     shared-memory regions and macros. ``early_kq`` (state): the next chunk's e^Γ k and scale·e^Γ q
     are copied as soon as phase 3 has read this chunk's (start of phase 4), not in phase 1.
@@ -540,22 +537,15 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
     phase 4 is then the one product vn = T R (``vn_product``). ``pipe`` (state kernel with
     ``tmat``, block_v ≤ 32): the intra kernel's e^{Γ_last−Γ} k, L / Aqk (T) rows, D^{-1} rows and
     e^{Γ_last} of chunk c + 1 are copied into a second set of regions during chunk c (chunk c
-    reads set c % 2), and its β logits loaded into a register there and stored at phase 4.
-    ``wu`` (split form): the intra kernel also forms W = T diag(β) e^Γ k and U = T diag(β) v (the WY
-    form's w and u) and stores W in place of e^Γ k and U; the state kernel then takes W for e^Γ k
-    and U for v, and its phase 3 gives vn = U − W S directly (no β, no phase 4)."""
+    reads set c % 2), and its β logits loaded into a register there and stored at phase 4."""
     EARLY = early_kq and stage == "state"
     if tmat and stage == "fused":
         raise ValueError("tmat belongs to the split form (kda_prefill_split_intra_kernel / _state_kernel)")
-    if tmat and wu:
-        raise ValueError("wu replaces tmat's phase 4 (its intra kernel forms T too): set one of them")
-    TM_I = (tmat or wu) and stage == "intra"
+    TM_I = tmat and stage == "intra"
     TM_S = tmat and stage == "state"
-    WU_I = wu and stage == "intra"
-    WU_S = wu and stage == "state"
-    if pipe and not ((TM_S or WU_S) and block_v <= 32):
-        raise ValueError("pipe: the split state kernel with tmat or wu at block_v ≤ 32 (the second set of "
-                         "staged regions does not fit beside 64 columns)")
+    if pipe and not (TM_S and block_v <= 32):
+        raise ValueError("pipe: the split state kernel with tmat at block_v ≤ 32 (the second set of staged "
+                         "regions does not fit beside 64 columns)")
     PIPE = pipe
     O_VEC = o_vec and stage != "intra"
     if K != 128 or V != 128:
@@ -618,10 +608,7 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
     O_G2 = O_V + (C * RS if TM_S else 0)   # state with tmat: vn = T R (R stays in the X region)
     # pipe: the second set of the state kernel's staged e^{Γ_last−Γ} k, L / Aqk, D^{-1}, e^{Γ_last}
     O_LA2, O_D2, O_GL2 = O_G2 + C * KS, O_G2 + C * KS + C * LS, O_G2 + C * KS + C * LS + C * DS
-    # intra with wu: β e^Γ k (TF32) and the chunk's v rows, the B operands of W and U
-    O_BK = O_GL2 + K if PIPE else O_G2
-    O_VS = O_BK + C * KS
-    NSM = O_VS + C * KS if WU_I else O_BK
+    NSM = O_GL2 + K if PIPE else O_G2
     if not emulate and NSM * 4 > 227 * 1024:
         raise ValueError(f"block_v={BV} needs {NSM * 4} bytes of shared memory (> 227 KB)")
     frag_a, mma, mma_rb, syncwarp, prefetch = _macros(emulate)
@@ -871,15 +858,14 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
         row tx < C into ``bnext`` (stored at phase 4). The caller commits and waits."""
         copy_rows(SM, tx, c1, alt(O_G, O_G2, par), KS, kd, K, h, n_tok)
         copy_rows(SM, tx, c1, alt(O_LA, O_LA2, par), LS, la_g, C, h, n_tok)
-        if not WU_S:
-            copy_rows(SM, tx, c1, alt(O_D, O_D2, par), DS, dinv_g, SUB, h, n_tok)
+        copy_rows(SM, tx, c1, alt(O_D, O_D2, par), DS, dinv_g, SUB, h, n_tok)
         if tx < K // 4:
             if SYNC:
                 ptx.cp_async16(T.address_of(SM[alt(O_GL, O_GL2, par) + tx * 4]), T.address_of(gl_g[ci, h, tx * 4]), True)
             else:
                 for u in range(4):
                     SM[alt(O_GL, O_GL2, par) + tx * 4 + u] = gl_g[ci, h, tx * 4 + u]
-        if tx < C and not WU_S:
+        if tx < C:
             bnext[tx * EM, 0] = beta[T.min(c1[0] + tx, c1[1] - 1), h]
 
     @T.macro
@@ -1016,7 +1002,7 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
             return True
         return tx // 32 // N8 == (T.min(I, NSUB - 1 - I) if G4 == 2 else I)
 
-    def tj(tx):           # t_blocks: the column block J of warp tx // 32 ...
+    def tj(tx):           # t_blocks: the column block J of warp tx // 32 < 6 ...
         return tx // 64
 
     def tcol(tx):         # ... and the first of its 8 columns of T
@@ -1036,9 +1022,10 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
         columns 8·(w % 2) … by warp w < 6 (a column of T depends only on the same column of
         the blocks above it) → SM[O_TM + r·TS + c] = T[r][c], TF32. Each warp-synchronous step
         is its own loop over the threads (emulated, the serial run keeps the GPU's order)."""
-        for tx in THR(NT):   # (all four diagonal blocks: wu's products read T_33 too)
-            for e in T.unroll(4):
-                SM[O_TM + (tj(tx) * SUB + frag_row(tx, e)) * TS + tcol(tx) + frag_col(tx, e)] = SM[O_D + (tj(tx) * SUB + frag_row(tx, e)) * DS + tx // 32 % 2 * 8 + frag_col(tx, e)]
+        for tx in THR(NT):
+            if tx // 32 < 6:
+                for e in T.unroll(4):
+                    SM[O_TM + (tj(tx) * SUB + frag_row(tx, e)) * TS + tcol(tx) + frag_col(tx, e)] = SM[O_D + (tj(tx) * SUB + frag_row(tx, e)) * DS + tx // 32 % 2 * 8 + frag_col(tx, e)]
             syncwarp()
         for I in T.unroll(NSUB):   # (row block 0 has no block left of its diagonal: tj(tx) < I fails)
             for tx in THR(NT):   # P = Σ_{J≤K<I} L_IK T_KJ → the T_IJ tile (scratch)
@@ -1096,36 +1083,8 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                         SM[O_V + (I * SUB + frag_row(tx, e)) * RS + vp_tile(tx, t) * 8 + frag_col(tx, e)] = tf32(Zt[tx * EM, (I * NTJ + t) * 4 + e])
 
     @T.macro
-    def wu_products(SM, tx, w_g, u_g, meta, h):
-        """``wu``, intra kernel: W = T (β e^Γ k) and U = T (β v) (T lower block-triangular, T_II =
-        D_I^{-1}; the WY form's w and u, spec §3), warp w taking the n-tiles 2w, 2w + 1 of both for
-        the four row blocks (2I + 2 k-steps each; one A fragment of T feeds 4 mmas) → W (TF32) into
-        ``w_g``, U into ``u_g`` (rows before meta[1])."""
-        af = T.alloc_buffer((4,), "float32", scope="local")
-        acc = T.alloc_buffer((RT, 64), "float32", scope="local")   # [I][t][W / U][e]
-        for r in T.unroll(64):
-            acc[tx * EM, r] = T.float32(0)
-        for I in T.unroll(NSUB):
-            for ks in T.unroll(2 * NSUB):
-                if ks < 2 * I + 2:
-                    frag_a(af, 0, lambda i, j: SM[O_TM + (I * SUB + i) * TS + j], tx % 32, ks * 8)
-                    for t in T.unroll(2):
-                        mma(acc, tx * EM, (I * 4 + t * 2) * 4, af, 0, lambda i, j: SM[O_TM + (I * SUB + i) * TS + j],
-                            lambda j, n: SM[O_BK + j * KS + n], tx % 32, ks * 8, (tx // 32 * 2 + t) * 8)
-                        mma(acc, tx * EM, (I * 4 + t * 2 + 1) * 4, af, 0, lambda i, j: SM[O_TM + (I * SUB + i) * TS + j],
-                            lambda j, n: tf32(SM[O_BT + j] * SM[O_VS + j * KS + n]), tx % 32, ks * 8, (tx // 32 * 2 + t) * 8)
-        for I in T.unroll(NSUB):
-            for t in T.unroll(2):
-                for e in T.unroll(4):
-                    if meta[0] + I * SUB + frag_row(tx, e) < meta[1]:
-                        w_g[meta[0] + I * SUB + frag_row(tx, e), h, (tx // 32 * 2 + t) * 8 + frag_col(tx, e)] = tf32(acc[tx * EM, (I * 4 + t * 2) * 4 + e])
-                        u_g[meta[0] + I * SUB + frag_row(tx, e), h, (tx // 32 * 2 + t) * 8 + frag_col(tx, e)] = acc[tx * EM, (I * 4 + t * 2 + 1) * 4 + e]
-
-    @T.macro
-    def intra_body(q, k, g, beta, A_log, dt_bias, cu, ka_g, qa_g, kd_g, gl_g, la_g, dinv_g, n_tok, n_cu,
-                   v=None, u_g=None):
-        """The split form's first kernel over its buffers: one block per (chunk, head); ``v`` /
-        ``u_g`` with ``wu`` (then ``ka_g`` receives W)."""
+    def intra_body(q, k, g, beta, A_log, dt_bias, cu, ka_g, qa_g, kd_g, gl_g, la_g, dinv_g, n_tok, n_cu):
+        """The split form's first kernel over its buffers: one block per (chunk, head)."""
         for blk in BLK(((n_tok + C - 1) // C + n_cu - 1) * H):
             SM = T.alloc_buffer((NSM,), "float32", scope=SH)
             meta = T.alloc_buffer((2,), "int32", scope=SH)   # chunk start, sequence end (0, 0: none)
@@ -1153,10 +1112,6 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                 c0[1] = meta[1]
                 if c0[0] < c0[1]:
                     stage_chunk(SM, tx, c0, q, k, g, beta, None, None, None, 0, blk % H, n_tok, True)
-                    if WU_I:   # the chunk's v rows (U's operand)
-                        copy_rows(SM, tx, c0, O_VS, KS, v, K, blk % H, n_tok)
-                        if SYNC:
-                            ptx.commit()
                 if SYNC:
                     ptx.wait(0)
             gamma_and_norms(SM, meta[0], meta[1], blk % H, A_log, dt_bias)
@@ -1177,11 +1132,8 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                 T.tvm_storage_sync("shared")
             for tx in THR(NT):
                 for it in T.unroll(C * K // NT):
-                    if WU_I:   # β e^Γ k → shared memory (W's operand; rows past the end have β = 0)
-                        SM[O_BK + (it * NT + tx) // K * KS + tx % K] = tf32(SM[O_BT + (it * NT + tx) // K] * kr(SM, (it * NT + tx) // K, tx % K) * ex2(gm(SM, (it * NT + tx) // K, tx % K)))
                     if meta[0] + (it * NT + tx) // K < meta[1]:
-                        if not WU_I:
-                            ka_g[meta[0] + (it * NT + tx) // K, blk % H, tx % K] = tf32(kr(SM, (it * NT + tx) // K, tx % K) * ex2(gm(SM, (it * NT + tx) // K, tx % K)))
+                        ka_g[meta[0] + (it * NT + tx) // K, blk % H, tx % K] = tf32(kr(SM, (it * NT + tx) // K, tx % K) * ex2(gm(SM, (it * NT + tx) // K, tx % K)))
                         if P2ONE:
                             qa_g[meta[0] + (it * NT + tx) // K, blk % H, tx % K] = a_q(SM, (it * NT + tx) // K // SUB * SUB, (it * NT + tx) // K % SUB, tx % K)
                         else:
@@ -1201,11 +1153,6 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                 for it in T.unroll(C * SUB // NT):
                     if meta[0] + (it * NT + tx) // SUB < meta[1]:
                         dinv_g[meta[0] + (it * NT + tx) // SUB, blk % H, tx % SUB] = SM[O_D + (it * NT + tx) // SUB * DS + tx % SUB]
-            if WU_I:
-                if SYNC:
-                    T.tvm_storage_sync("shared")
-                for tx in THR(NT):
-                    wu_products(SM, tx, ka_g, u_g, meta, blk % H)
 
     @T.macro
     def fused_body(q, k, v, g, beta, A_log, dt_bias, la_g, dinv_g, gl_g, cu, slots, S, layer, o, n_tok, n_cu):
@@ -1330,10 +1277,6 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                             for nt in T.unroll(N8):
                                 for e in T.unroll(4):
                                     SM[O_X + (tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8) * RS + nt * 8 + tx % 4 * 2 + e % 2] = SM[O_BT + tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8] * (SM[O_X + (tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8) * RS + nt * 8 + tx % 4 * 2 + e % 2] - Y[tx * EM, nt * 4 + e])
-                        elif WU_S:   # vn = U − W S (TF32: phase 5's B operand)
-                            for nt in T.unroll(N8):
-                                for e in T.unroll(4):
-                                    SM[O_X + (tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8) * RS + nt * 8 + tx % 4 * 2 + e % 2] = tf32(vl[tx * EM, nt * 4 + e] - Y[tx * EM, nt * 4 + e])
                         else:
                             for nt in T.unroll(N8):
                                 for e in T.unroll(4):
@@ -1364,7 +1307,7 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                             if tx < C and cu[blk // (H * NVB)] + (c + 1) * C < cu[blk // (H * NVB) + 1]:
                                 SM[O_BT + tx] = T.Select(cu[blk // (H * NVB)] + (c + 1) * C + tx < cu[blk // (H * NVB) + 1],
                                                          T.sigmoid(bnext[tx * EM, 0]) if SIGB else bnext[tx * EM, 0], T.float32(0))
-                elif not TM_S and not WU_S and "p4" not in ABL:
+                elif not TM_S and "p4" not in ABL:
                     for I in T.unroll(NSUB):
                         for tx in THR(NT):
                             af = T.alloc_buffer((4,), "float32", scope="local")
@@ -1398,9 +1341,8 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                                         SM[O_X + (I * SUB + tx % 32 // 4 + e // 2 * 8) * RS + (tx // 32 + t * NW) * 8 + tx % 4 * 2 + e % 2] = tf32(Z[tx * EM, t * 4 + e])
                             syncwarp()
                 # phase 5: S ← diag(e^{Γ_last}) S + (e^{Γ_last−Γ} k)ᵀ vn (every warp, rows
-                #          16·wi …); o = Y + Aqk vn (warps 4-7, k-steps ≤ the diagonal);
-                #          with wu, phase 4's barrier already made vn (phase 3's) visible
-                if SYNC and not WU_S:
+                #          16·wi …); o = Y + Aqk vn (warps 4-7, k-steps ≤ the diagonal)
+                if SYNC:
                     T.tvm_storage_sync("shared")
                 for tx in THR(NT):
                     c0 = T.alloc_buffer((2,), "int32", scope="local")
@@ -1447,55 +1389,7 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                     for e in T.unroll(4):
                         S[layer, slots[blk // (H * NVB)], blk // NVB % H, tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8, blk % NVB * BV + nt * 8 + tx % 4 * 2 + e % 2] = Sr[tx * EM, nt * 4 + e]
 
-    if WU_I and PRE:
-        @T.prim_func(private=True)
-        def kda_prefill_split_intra_wu_pre(q_h: T.handle, k_h: T.handle, v_h: T.handle, f_h: T.handle,
-                                           b_h: T.handle, alog_h: T.handle, dtb_h: T.handle, cu_h: T.handle,
-                                           w_h: T.handle, qa_h: T.handle, kd_h: T.handle, gl_h: T.handle,
-                                           la_h: T.handle, dinv_h: T.handle, u_h: T.handle):
-            T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
-            n_tok, n_cu, n_ch = T.int64(), T.int64(), T.int64()
-            q = T.match_buffer(q_h, (n_tok, H, K), "float32")
-            k = T.match_buffer(k_h, (n_tok, H, K), "float32")
-            v = T.match_buffer(v_h, (n_tok, H, K), "float32")
-            f = T.match_buffer(f_h, (n_tok, H, K), "float32")
-            b = T.match_buffer(b_h, (n_tok, H), "float32")
-            A_log = T.match_buffer(alog_h, (H,), "float32")
-            dt_bias = T.match_buffer(dtb_h, (H * K,), "float32")
-            cu = T.match_buffer(cu_h, (n_cu,), "int32")
-            w = T.match_buffer(w_h, (n_tok, H, K), "float32")
-            qa = T.match_buffer(qa_h, (n_tok, H, K), "float32")
-            kd = T.match_buffer(kd_h, (n_tok, H, K), "float32")
-            gl = T.match_buffer(gl_h, (n_ch, H, K), "float32")
-            la_g = T.match_buffer(la_h, (n_tok, H, C), "float32")
-            dinv_g = T.match_buffer(dinv_h, (n_tok, H, SUB), "float32")
-            u = T.match_buffer(u_h, (n_tok, H, K), "float32")
-            intra_body(q, k, f, b, A_log, dt_bias, cu, w, qa, kd, gl, la_g, dinv_g, n_tok, n_cu, v, u)
-        fn = kda_prefill_split_intra_wu_pre
-    elif WU_I:
-        @T.prim_func(private=True)
-        def kda_prefill_split_intra_wu(q_h: T.handle, k_h: T.handle, v_h: T.handle, g_h: T.handle,
-                                       beta_h: T.handle, cu_h: T.handle, w_h: T.handle, qa_h: T.handle,
-                                       kd_h: T.handle, gl_h: T.handle, la_h: T.handle, dinv_h: T.handle,
-                                       u_h: T.handle):
-            T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
-            n_tok, n_cu, n_ch = T.int64(), T.int64(), T.int64()
-            q = T.match_buffer(q_h, (n_tok, H, K), "float32")
-            k = T.match_buffer(k_h, (n_tok, H, K), "float32")
-            v = T.match_buffer(v_h, (n_tok, H, K), "float32")
-            g = T.match_buffer(g_h, (n_tok, H, K), "float32")
-            beta = T.match_buffer(beta_h, (n_tok, H), "float32")
-            cu = T.match_buffer(cu_h, (n_cu,), "int32")
-            w = T.match_buffer(w_h, (n_tok, H, K), "float32")
-            qa = T.match_buffer(qa_h, (n_tok, H, K), "float32")
-            kd = T.match_buffer(kd_h, (n_tok, H, K), "float32")
-            gl = T.match_buffer(gl_h, (n_ch, H, K), "float32")
-            la_g = T.match_buffer(la_h, (n_tok, H, C), "float32")
-            dinv_g = T.match_buffer(dinv_h, (n_tok, H, SUB), "float32")
-            u = T.match_buffer(u_h, (n_tok, H, K), "float32")
-            intra_body(q, k, g, beta, None, None, cu, w, qa, kd, gl, la_g, dinv_g, n_tok, n_cu, v, u)
-        fn = kda_prefill_split_intra_wu
-    elif stage == "intra" and PRE:
+    if stage == "intra" and PRE:
         @T.prim_func(private=True)
         def kda_prefill_split_intra_pre(q_h: T.handle, k_h: T.handle, f_h: T.handle, b_h: T.handle,
                                         alog_h: T.handle, dtb_h: T.handle, cu_h: T.handle,

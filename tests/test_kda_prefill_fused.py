@@ -104,10 +104,6 @@ def test_emulated_fused_kernel_matches_reference(block_v, a_batch, lens, initial
     (16, [65, 15, 64, 130], True, True, {"p2_one": True, "fast_gate": True, "o_vec": True, "tmat": True,
                                          "pipe": True}),
     (32, [1, 70, 200], True, False, {"tmat": True, "pipe": True}),
-    # wu: W = T β e^Γ k and U = T β v by the intra kernel, phase 3 gives vn = U − W S
-    (16, [65, 15, 64, 130], True, True, {"p2_one": True, "fast_gate": True, "o_vec": True, "wu": True,
-                                         "pipe": True}),
-    (64, [1, 70, 129], True, False, {"p2_one": True, "wu": True}),
 ])
 def test_emulated_split_form_matches_reference(block_v, lens, initial_state, preprocess, opts):
     """The split form: every chunk's Γ-scaled operands, L / Aqk and D^{-1} by the intra kernel
@@ -129,37 +125,32 @@ def test_emulated_split_form_matches_reference(block_v, lens, initial_state, pre
                                                  p2_wide=opts.get("p2_wide", False),
                                                  p2_one=opts.get("p2_one", False),
                                                  fast_gate=opts.get("fast_gate", False),
-                                                 tmat=opts.get("tmat", False), wu=opts.get("wu", False)))
+                                                 tmat=opts.get("tmat", False)))
     state = _llvm(kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=block_v, a_batch=8, split=True,
                                            lower_bound=lb, o_vec=opts.get("o_vec", False),
                                            tmat=opts.get("tmat", False), pipe=opts.get("pipe", False),
-                                           wu=opts.get("wu", False), emulate=True))
+                                           emulate=True))
     A = tvm.runtime.tensor
     B = len(lens)
     ka, qa, kd, gl, la, dinv = _split_scratch(q.shape[0], B, H)
-    wu = opts.get("wu", False)
     if preprocess:
-        ins = [A(raw[n]) for n in ("q", "k") + ("v",) * wu + ("f", "b", "A_log", "dt_bias")]
+        ins = [A(raw[n]) for n in ("q", "k", "f", "b", "A_log", "dt_bias")]
     else:
-        ins = [A(q), A(k)] + [A(v)] * wu + [A(g), A(beta)]
-    u = A(np.full(v.shape, np.nan, np.float32))
-    intra["f"](*ins, A(cu), ka, qa, kd, gl, la, dinv, *[u] * wu)
+        ins = [A(q), A(k), A(g), A(beta)]
+    intra["f"](*ins, A(cu), ka, qa, kd, gl, la, dinv)
     # the Γ-scaled operands against NumPy (Γ = cumsum of g within each chunk)
     chunks = [(c, min(c + 64, cu[b + 1])) for b in range(B) for c in range(cu[b], cu[b + 1], 64)]
     gam = np.concatenate([np.cumsum(g[a:e].astype(np.float64), axis=0) for a, e in chunks])
     last = np.concatenate([np.repeat(gam[e - 1 - cu[0]:e - cu[0]], e - a, axis=0) for a, e in chunks])
-    if wu:   # ka holds W = T β e^Γ k, and U = T β v (T from the inputs in float64)
-        _check_w_u(ka.numpy(), u.numpy(), chunks, cu[0], k, v, beta, gam)
-    else:
-        np.testing.assert_allclose(ka.numpy(), k * np.exp(gam), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(ka.numpy(), k * np.exp(gam), rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(qa.numpy(), K ** -0.5 * q * np.exp(gam), rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(kd.numpy(), k * np.exp(last - gam), rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(gl.numpy()[:len(chunks)], np.exp(gam[[e - 1 for _, e in chunks]]), rtol=1e-4, atol=1e-30)
     assert not np.isnan(la.numpy()).any() and not np.isnan(dinv.numpy()).any()
-    if opts.get("tmat") or wu:   # T's blocks below the diagonal = those of NumPy's inverse of I + L
+    if opts.get("tmat"):   # T's blocks below the diagonal = those of NumPy's inverse of I + L
         _check_t_blocks(la.numpy(), chunks, cu[0], k, beta, gam)
     pt, o = A(pool), A(np.full(v.shape, np.nan, np.float32))
-    state["f"](ka, qa, kd, u if wu else A(v), gl, la, dinv, A(raw["b"] if preprocess else beta), A(cu), A(slots), pt, 1, o)
+    state["f"](ka, qa, kd, A(v), gl, la, dinv, A(raw["b"] if preprocess else beta), A(cu), A(slots), pt, 1, o)
     _check_outputs(o.numpy(), pt.numpy(), o_ref, ref_pool, slots)
 
 
@@ -172,17 +163,6 @@ def _t_matrix(kk, gg, bb):
         for j in range(i):
             L[i, j] = bb[i] * np.dot(kk[i] * np.exp(gg[i] - gg[j]), kk[j])
     return np.linalg.inv(np.eye(n) + L)
-
-
-def _check_w_u(w, u, chunks, t0, k, v, beta, gam):
-    """``wu``: per chunk (rows a … e−1) and head, W = T diag(β) (k e^Γ) and U = T diag(β) v."""
-    for a, e in chunks:
-        for h in range(k.shape[1]):
-            sl = slice(a - t0, e - t0)
-            kk, gg, bb = k[sl, h].astype(np.float64), gam[sl, h], beta[sl, h].astype(np.float64)
-            Tm = _t_matrix(kk, gg, bb)
-            np.testing.assert_allclose(w[sl, h], Tm @ (bb[:, None] * kk * np.exp(gg)), rtol=2e-3, atol=2e-5)
-            np.testing.assert_allclose(u[sl, h], Tm @ (bb[:, None] * v[sl, h].astype(np.float64)), rtol=2e-3, atol=2e-5)
 
 
 def _check_t_blocks(la, chunks, t0, k, beta, gam):
@@ -213,8 +193,7 @@ def test_split_block_v_by_sequences():
 @pytest.mark.parametrize("lens,early_kq,form", [([70], False, ""), ([5] * 11 + [66], False, ""),
                                                 ([3] * 23 + [65], False, ""), ([130, 1, 64, 70], True, ""),
                                                 ([70], True, "tmat"), ([5] * 11 + [66], True, "tmat"),
-                                                ([3] * 23 + [65], True, "tmat"), ([70, 64], True, "wu"),
-                                                ([5] * 11 + [66], True, "wu"), ([3] * 23 + [65], True, "wu")])
+                                                ([3] * 23 + [65], True, "tmat")])
 def test_emulated_split_state_kernel_with_runtime_block_v_matches_reference(lens, early_kq, form):
     """kda_prefill_split_state_kernel at 2 heads runs block_v 16, 32, 64 for 1, 12, 24 sequences
     (``split_block_v``); each branch against the reference; with ``early_kq`` (the next chunk's
@@ -226,17 +205,16 @@ def test_emulated_split_state_kernel_with_runtime_block_v_matches_reference(lens
     q, k, v, g, beta, cu, slots, pool = _inputs(lens, H, seed=len(lens))
     ref_pool = pool.copy()
     o_ref = kda_prefill_reference(q, k, v, g, beta, cu, slots, ref_pool, 1, K ** -0.5)
-    tmat, wu = form == "tmat", form == "wu"
-    intra = _llvm(kda_prefill_split_intra_kernel(H, K, K ** -0.5, tmat=tmat, wu=wu, emulate=True))
-    # with tmat or wu also pipe (at block_v 16 and 32; 64 has no room for its second set of regions)
+    tmat = form == "tmat"
+    intra = _llvm(kda_prefill_split_intra_kernel(H, K, K ** -0.5, tmat=tmat, emulate=True))
+    # with tmat also pipe (at block_v 16 and 32; 64 has no room for its second set of regions)
     state = _llvm(kda_prefill_split_state_kernel(H, K, K, K ** -0.5, early_kq=early_kq, o_vec=True, tmat=tmat,
-                                                 wu=wu, pipe=bool(form), emulate=True))
+                                                 pipe=tmat, emulate=True))
     A = tvm.runtime.tensor
     ka, qa, kd, gl, la, dinv = _split_scratch(q.shape[0], len(lens), H)
-    u = A(np.full(v.shape, np.nan, np.float32))
-    intra["f"](A(q), A(k), *[A(v)] * wu, A(g), A(beta), A(cu), ka, qa, kd, gl, la, dinv, *[u] * wu)
+    intra["f"](A(q), A(k), A(g), A(beta), A(cu), ka, qa, kd, gl, la, dinv)
     pt, o = A(pool), A(np.full(v.shape, np.nan, np.float32))
-    state["f"](ka, qa, kd, u if wu else A(v), gl, la, dinv, A(beta), A(cu), A(slots), pt, 1, o)
+    state["f"](ka, qa, kd, A(v), gl, la, dinv, A(beta), A(cu), A(slots), pt, 1, o)
     _check_outputs(o.numpy(), pt.numpy(), o_ref, ref_pool, slots)
 
 

@@ -222,11 +222,10 @@ def run_phases(out: Path, H: int, result: Path) -> None:
 
 # the split form at ``split-build`` / ``split-run``: its two kernels as dispatched (``ofv``) and
 # with ``tmat`` (phase 4 as vn = T R), and the state kernel at a fixed block_v with parts left out
-SPLIT_INTRA = {"ofv": {"p2_one": True, "fast_gate": True}, "ofvt": {"p2_one": True, "fast_gate": True, "tmat": True},
-               "ofvw": {"p2_one": True, "fast_gate": True, "wu": True}}
+# (wu's "ofvw" / "ofvwp", removed after commit b1c4675: kda_prefill_split_parts_wu_h200_2026-12-01.json)
+SPLIT_INTRA = {"ofv": {"p2_one": True, "fast_gate": True}, "ofvt": {"p2_one": True, "fast_gate": True, "tmat": True}}
 SPLIT_STATE = {"ofv": {"o_vec": True}, "ofvt": {"o_vec": True, "tmat": True},
-               "ofvtp": {"o_vec": True, "tmat": True, "pipe": True}, "ofvw": {"o_vec": True, "wu": True},
-               "ofvwp": {"o_vec": True, "wu": True, "pipe": True}}
+               "ofvtp": {"o_vec": True, "tmat": True, "pipe": True}}
 SPLIT_ABLATIONS = (("none", ()), ("stage", ("stage",)), ("vl", ("vl",)), ("p3", ("p3",)), ("p4", ("p4",)),
                    ("s", ("s",)), ("o", ("o",)), ("ost", ("ost",)), ("all_mma", ("p3", "p4", "s", "o")),
                    ("barriers", ("stage", "vl", "p3", "p4", "s", "scopy", "o", "ost")))
@@ -301,17 +300,14 @@ def run_split(out: Path, H: int, result: Path) -> None:
         state = torch.zeros(1, B, H, K, K, device=dev)
         o = torch.empty(T, H, K, device=dev)
         nc = T // C + B
-        # ka (wu: W), qa, kd, gl, la, dinv (and wu: U)
+        # ka, qa, kd, gl, la, dinv
         scratch = {v_: [t(torch.empty(T, H, n, device=dev)) for n in (K, K, K)] + [t(torch.empty(nc, H, K, device=dev))]
-                   + [t(torch.empty(T, H, n, device=dev)) for n in (C, 16)]
-                   + [t(torch.empty(T, H, K, device=dev))] * ("wu" in o_) for v_, o_ in SPLIT_INTRA.items()}
-        intra_args = {v_: [t(x) for x in (q, k) + (v,) * ("wu" in o_) + (f, b, A_log, dt_bias, cu)] + scratch[v_]
-                      for v_, o_ in SPLIT_INTRA.items()}
+                   + [t(torch.empty(T, H, n, device=dev)) for n in (C, 16)] for v_ in SPLIT_INTRA}
+        intra_args = {v_: [t(x) for x in (q, k, f, b, A_log, dt_bias, cu)] + scratch[v_] for v_ in SPLIT_INTRA}
 
         def state_args(v_):
-            ka, qa, kd, gl, la, dinv = scratch[v_][:6]
-            u = scratch[v_][6] if len(scratch[v_]) > 6 else t(v)   # wu: U for v
-            return [ka, qa, kd, u, gl, la, dinv, t(b), t(cu), t(slots), t(state), 0, t(o)]
+            ka, qa, kd, gl, la, dinv = scratch[v_]
+            return [ka, qa, kd, t(v), gl, la, dinv, t(b), t(cu), t(slots), t(state), 0, t(o)]
 
         calls = {f"intra_{v_}": (lambda v_=v_: lib[f"intra_{v_}"](*intra_args[v_])) for v_ in SPLIT_INTRA}
         calls.update({f"state_{v_}": (lambda v_=v_: lib[f"state_{v_}"](*state_args(v_[:4]))) for v_ in SPLIT_STATE})
