@@ -144,7 +144,13 @@ PREFILL_SPLIT = ([("split", bv, ab, {}) for bv, ab in ((16, 8), (32, 8), (64, 8)
                                                         "o_vec": True, "tmat": True, "pipe": True}),
                     # (wu: W = T β e^Γ k, U = T β v by the intra kernel, measured as splitautopre_ofvw /
                     # _ofvwp in kda_prefill_wu_h200_2026-12-01.json, removed after commit b1c4675)
-                    ])
+                    # (the intra kernel prefetching into L2 the rows of the chunk 11 ahead, its block
+                    # one wave later: 0.5% in kda_prefill_l2ahead_nofla_h200_2026-12-01.json, not kept)
+                    ]
+                 # as dispatched at fixed block_v 16 / 32 (one kernel each; 32 is 18% slower at one
+                 # sequence of 8192 tokens and 12 heads, kda_prefill_l2ahead_nofla_h200_2026-12-01.json)
+                 + [("splitpre_ofvtp", bv, 8, {"lower_bound": LOWER_BOUND, "p2_one": True, "fast_gate": True,
+                                               "o_vec": True, "tmat": True, "pipe": True}) for bv in (16, 32)])
 
 
 def _split_name(name: str, bv: int | None, ab: int | None) -> str:

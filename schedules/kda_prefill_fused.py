@@ -376,9 +376,25 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
     ``lb / (1 + 2^x)`` into a branch per row, which serialized each column's 64 rows. The
     arithmetic of valid rows is the same (``div.approx`` is a reciprocal and a multiply).
 
-    ``ablate`` (a subset of ``ABLATE_PHASES``, a diagnostic): leave that work out, so that the
-    time it saves is its cost on the chunk's critical path; the results are wrong
-    (``tests/gpu/profile_kda_prefill.py phases``). The barriers are kept except those of the
+    ``tmat`` (with ``split``; the intra kernel built with ``tmat`` too): la holds T = (I + L)^{-1}'s
+    blocks below the diagonal, transposed, where Lᵀ was, and phase 4 is vn_I = Σ_{J<I} T_IJ R_J +
+    D_I^{-1} R_I as independent accumulations into a region of its own (``vn_product``; 1, 2 or 4
+    warps per n-tile as block_v is ≥ 64, 32 or 16, so that every warp works) instead of the 8
+    dependent steps of the substitution. H200, 12 heads, 8192 tokens: state kernel 0.69 → 0.63 ms,
+    intra kernel 0.200 → 0.212 ms (``kda_prefill_split_parts_b_h200_2026-12-01.json``).
+
+    ``pipe`` (with ``split`` and ``tmat``, block_v ≤ 32): chunk c + 1's e^{Γ_last−Γ} k, Aqk / Tᵀ and
+    D^{-1} rows and e^{Γ_last} are copied during chunk c into a second set of regions (chunk c
+    reads set c % 2; ``cp.async.wait_group 1``), its β logits loaded into a register and stored
+    at phase 4; e^Γ k and scale·e^Γ q come at phase 4 as with ``early_kq`` (implied). The copies
+    had cost 2.1 of a chunk's 5.0 µs at 16 columns, waited for right after their issue: state
+    kernel 0.63 → 0.57 ms at 12 heads and 8192 tokens. At 64 columns the second set does not
+    fit (ValueError).
+
+    ``ablate`` (a subset of ``ABLATE_PHASES``, or of ``ABLATE_STATE`` with ``split``; a
+    diagnostic): leave that work out, so that the time it saves is its cost on the chunk's
+    critical path; the results are wrong (``tests/gpu/profile_kda_prefill.py phases`` and
+    ``split-run``). The barriers are kept except those of the
     parts "gamma" (1 barrier) and "p2" (4 with ``p2_pairs``, 2 with ``p2_one``), whose costs include them;
     "cumsum" and "norms" only act with ``lower_bound``.
 
@@ -434,8 +450,12 @@ def kda_prefill_split_state_kernel(H: int, K: int, V: int, scale: float,
     (32: 0.63). ``early_kq`` (default): the next chunk's e^Γ k and scale·e^Γ q are copied during
     this chunk's phases 4-5 instead of in its phase 1 — 1.5-3% faster
     (``kda_prefill_split_early_h200_2026-11-30.json``: 0.90 / 0.50 ms at 12 heads, 0.96 / 0.57
-    ms with the preprocessing). ``o_vec``: o stored as 8-byte column pairs, as the fused kernel's
-    option. Arguments as :func:`kda_prefill_fused_kernel` with ``split``; ValueError as there."""
+    ms with the preprocessing). ``o_vec``: o stored as 8-byte column pairs, ``tmat``: phase 4 as
+    vn = T R, ``pipe``: the next chunk's operands copied during this one (at block_v 16 and 32;
+    the 64-column kernel runs without), as the fused kernel's options (the model dispatches all
+    three: 0.78 / 0.50 ms at 12 heads with the preprocessing,
+    ``kda_prefill_wu_h200_2026-12-01.json``). Arguments as :func:`kda_prefill_fused_kernel` with
+    ``split``; ValueError as there."""
     return _split_state(H, K, V, scale, lower_bound, tuple((bv, 8) for bv in SPLIT_BLOCK_V), False, emulate,
                         early_kq, o_vec, tmat, pipe)
 
@@ -519,7 +539,9 @@ def kda_prefill_split_intra_kernel(H: int, K: int, scale: float, lower_bound: fl
     Rows are tokens (row i of chunk c of sequence b is token cu[b] + 64c + i); rows past a
     sequence's end are not written. Grid: (⌈T/64⌉ + B)·H blocks, those past the last chunk
     idle. ``p2_one``: phase 2 in one round as in the fused kernel (``p2_pairs`` and ``p2_wide``
-    then unused; ValueError with ``p2_wide``). Raises ValueError for K ≠ 128 or lb outside [−5.5, 0)."""
+    then unused; ValueError with ``p2_wide``). ``tmat``: T = (I + L)^{-1}'s blocks below the
+    diagonal by block forward substitution after D^{-1} (``t_blocks``), stored in la transposed in
+    place of Lᵀ above the diagonal blocks (for the state kernel's ``tmat``). Raises ValueError for K ≠ 128 or lb outside [−5.5, 0)."""
     if p2_one and p2_wide:
         raise ValueError("p2_one replaces the rounds of p2_pairs / p2_wide: set p2_one alone")
     return _build(H, K, K, scale, 16, 8, lower_bound, p2_pairs and not p2_one, False, emulate, "intra",
