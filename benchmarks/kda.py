@@ -144,6 +144,9 @@ PREFILL_SPLIT = ([("split", bv, ab, {}) for bv, ab in ((16, 8), (32, 8), (64, 8)
                                                         "o_vec": True, "tmat": True, "pipe": True}),
                     # (wu: W = T β e^Γ k, U = T β v by the intra kernel, measured as splitautopre_ofvw /
                     # _ofvwp in kda_prefill_wu_h200_2026-12-01.json, removed after commit b1c4675)
+                    # ... and the next chunk's v rows copied at phase 5 (v_early)
+                    ("splitautopre_ofvtpv", None, None, {"lower_bound": LOWER_BOUND, "p2_one": True, "fast_gate": True,
+                                                         "o_vec": True, "tmat": True, "pipe": True, "v_early": True}),
                     # (the intra kernel prefetching into L2 the rows of the chunk 11 ahead, its block
                     # one wave later: 0.5% in kda_prefill_l2ahead_nofla_h200_2026-12-01.json, not kept)
                     ]

@@ -62,9 +62,9 @@ def prefill_dispatch(heads: int) -> tuple[str, int | None, int | None]:
       (schedules.kda_prefill_fused.split_block_v): 12 heads, one sequence of 8192 tokens 0.92
       ms at 16 columns (32: 0.99; the fused kernel at best 1.79), four of 2048 0.52 ms at 64
       (32: 0.63, 16: 0.77); as dispatched now (the intra kernel with ``p2_one``,
-      ``fast_gate`` and ``tmat``, the state kernel with ``o_vec``, ``tmat`` and ``pipe``), with
-      the preprocessing, 0.78 / 0.49–0.50 ms (0.89 / 0.48 without ``tmat`` and ``pipe``;
-      benchmarks/results/kda_prefill_wu_h200_2026-12-01.json).
+      ``fast_gate`` and ``tmat``, the state kernel with ``o_vec``, ``tmat``, ``pipe`` and
+      ``v_early``), with the preprocessing, 0.77 / 0.49 ms (0.89 / 0.48 without the last three;
+      benchmarks/results/kda_prefill_vearly_h200_2026-12-01.json, kda_prefill_wu_h200_2026-12-01.json).
 
     a_batch 4 at 128 columns keeps ptxas at 255 registers without spills."""
     if heads >= 96:
@@ -268,7 +268,7 @@ class KimiDeltaAttention(nn.Module):
         """Step 5 (with ``lower_bound`` also 2-4) in the split form: the intra kernel over all
         chunks (``intra_in``: q, k, g, β — or the raw q, k, f, b, A_log, dt_bias; ``p2_one``,
         ``fast_gate``, ``tmat``), then phases 3-5 per chunk with the state in place (``beta``: β,
-        or its logits b; ``o_vec``, ``tmat``, ``pipe``). Returns ``(kda_state, o [T, H, K] f32)``."""
+        or its logits b; ``o_vec``, ``tmat``, ``pipe``, ``v_early``). Returns ``(kda_state, o [T, H, K] f32)``."""
         T, H, K = v.shape[0], self.H, self.K
         B = meta.seq_slots.shape[0]
         f32 = "float32"
@@ -284,11 +284,12 @@ class KimiDeltaAttention(nn.Module):
             intra_in + [meta.cu_seqlens, op.empty((T, H, K), f32)], [len(intra_in) + 1] + [-1] * 5, outs)
         if self.prefill_tiling is None:
             state = kda_prefill_split_state_kernel(H, K, K, K ** -0.5, lower_bound=lower_bound, o_vec=True,
-                                                   tmat=True, pipe=True)
+                                                   tmat=True, pipe=True, v_early=True)
         else:
             bv, ab = self.prefill_tiling
             state = kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=bv, a_batch=ab, split=True,
-                                             lower_bound=lower_bound, o_vec=True, tmat=True, pipe=bv <= 32)
+                                             lower_bound=lower_bound, o_vec=True, tmat=True, pipe=bv <= 32,
+                                             v_early=bv <= 32)
         return op.tensor_ir_inplace_op(
             state, "kda_prefill_split_state" + ("_pre" if lower_bound is not None else ""),
             [ka, qa, kd, v, gl, la, dinv, beta, meta.cu_seqlens, meta.seq_slots, kda_state, _i32(kda_index)],

@@ -288,7 +288,8 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
                              p2_pairs: bool = False, ldsm: bool = False, split: bool = False,
                              p2_wide: bool = False, v_async: bool = False, fast_gate: bool = False,
                              p2_one: bool = False, o_vec: bool = False, tmat: bool = False,
-                             pipe: bool = False, ablate: frozenset = frozenset(), emulate: bool = False):
+                             pipe: bool = False, v_early: bool = False, ablate: frozenset = frozenset(),
+                             emulate: bool = False):
     """The fused chunked prefill, one block per (sequence, head, ``block_v`` columns of V).
     PrimFunc arguments::
 
@@ -408,11 +409,11 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
                          "v_async to the fused kernel")
     if p2_one and (p2_pairs or p2_wide):
         raise ValueError("p2_one replaces the rounds of p2_pairs / p2_wide: set p2_one alone")
-    if (tmat or pipe) and not split:
+    if (tmat or pipe or v_early) and not split:
         raise ValueError("tmat and pipe belong to the split form: set split (and tmat in its intra kernel)")
     if split:
         return _split_state(H, K, V, scale, lower_bound, ((block_v, a_batch),), ldsm, emulate, o_vec=o_vec,
-                            tmat=tmat, pipe=pipe, ablate=ablate)
+                            tmat=tmat, pipe=pipe, v_early=v_early, ablate=ablate)
     return _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulate, "fused",
                   p2_wide=p2_wide, v_async=v_async, fast_gate=fast_gate, p2_one=p2_one, o_vec=o_vec,
                   ablate=ablate)
@@ -441,7 +442,7 @@ def _first_n_seq(block_v: int, H: int, V: int) -> int:
 def kda_prefill_split_state_kernel(H: int, K: int, V: int, scale: float,
                                    lower_bound: float | None = None, early_kq: bool = True,
                                    o_vec: bool = False, tmat: bool = False, pipe: bool = False,
-                                   emulate: bool = False):
+                                   v_early: bool = False, emulate: bool = False):
     """The split form's state kernel with block_v chosen at run time from the number of
     sequences B = len(cu_seqlens) − 1: the first of ``SPLIT_BLOCK_V`` (64, 32, 16) with
     B·H·V/block_v ≥ ``SPLIT_MIN_BLOCKS`` (96), else 16 — one kernel per block_v, picked by a
@@ -457,18 +458,19 @@ def kda_prefill_split_state_kernel(H: int, K: int, V: int, scale: float,
     ``kda_prefill_wu_h200_2026-12-01.json``). Arguments as :func:`kda_prefill_fused_kernel` with
     ``split``; ValueError as there."""
     return _split_state(H, K, V, scale, lower_bound, tuple((bv, 8) for bv in SPLIT_BLOCK_V), False, emulate,
-                        early_kq, o_vec, tmat, pipe)
+                        early_kq, o_vec, tmat, pipe, v_early)
 
 
 def _split_state(H, K, V, scale, lower_bound, tilings, ldsm, emulate, early_kq=False, o_vec=False, tmat=False,
-                 pipe=False, ablate=frozenset()):
+                 pipe=False, v_early=False, ablate=frozenset()):
     """The split form's state PrimFunc over the bodies of ``tilings`` ((block_v, a_batch), widest
     first): one tiling is launched as is, three (``SPLIT_BLOCK_V``) by a host-side branch on the
     number of sequences."""
     # pipe (needs early_kq: the next chunk's e^Γ k, e^Γ q come at phase 4) where its second set of
     # regions fits, at block_v ≤ 32
     bodies = [_build(H, K, V, scale, bv, ab, lower_bound, False, ldsm, emulate, "state", early_kq or pipe,
-                     o_vec=o_vec, tmat=tmat, pipe=pipe and (bv <= 32 or len(tilings) == 1), ablate=ablate)
+                     o_vec=o_vec, tmat=tmat, pipe=pipe and (bv <= 32 or len(tilings) == 1),
+                     v_early=v_early and (bv <= 32 or len(tilings) == 1), ablate=ablate)
               for bv, ab in tilings]
     if len(bodies) not in (1, 3):
         raise ValueError(f"one or three tilings, got {tilings}")
@@ -550,7 +552,7 @@ def kda_prefill_split_intra_kernel(H: int, K: int, scale: float, lower_bound: fl
 
 def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulate, stage, early_kq=False,
            p2_wide=False, ablate=frozenset(), v_async=False, fast_gate=False, p2_one=False, o_vec=False,
-           tmat=False, pipe=False):
+           tmat=False, pipe=False, v_early=False):
     """The kernels of this module (``stage``: "fused", "intra" or "state") over one set of
     shared-memory regions and macros. ``early_kq`` (state): the next chunk's e^Γ k and scale·e^Γ q
     are copied as soon as phase 3 has read this chunk's (start of phase 4), not in phase 1.
@@ -559,7 +561,10 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
     phase 4 is then the one product vn = T R (``vn_product``). ``pipe`` (state kernel with
     ``tmat``, block_v ≤ 32): the intra kernel's e^{Γ_last−Γ} k, L / Aqk (T) rows, D^{-1} rows and
     e^{Γ_last} of chunk c + 1 are copied into a second set of regions during chunk c (chunk c
-    reads set c % 2), and its β logits loaded into a register there and stored at phase 4."""
+    reads set c % 2), and its β logits loaded into a register there and stored at phase 4.
+    ``v_early`` (state kernel with ``pipe``): the R warps copy chunk c + 1's v rows into the R
+    region at the start of chunk c's phase 5 (phase 4 has read R there) and form R in place in
+    phase 3, as the fused kernel's ``v_async`` (whose copies are waited for in phase 3)."""
     EARLY = early_kq and stage == "state"
     if tmat and stage == "fused":
         raise ValueError("tmat belongs to the split form (kda_prefill_split_intra_kernel / _state_kernel)")
@@ -569,6 +574,9 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
         raise ValueError("pipe: the split state kernel with tmat at block_v ≤ 32 (the second set of staged "
                          "regions does not fit beside 64 columns)")
     PIPE = pipe
+    if v_early and not PIPE:
+        raise ValueError("v_early: the split state kernel with tmat and pipe (its copies join pipe's groups)")
+    V_EARLY = v_early
     O_VEC = o_vec and stage != "intra"
     if K != 128 or V != 128:
         raise ValueError(f"the fused KDA prefill is written for K = V = 128, got K={K}, V={V}")
@@ -872,6 +880,23 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                 SM[O_BT + tx] = T.Select(c0[0] + tx < c0[1], T.sigmoid(beta[T.min(c0[0] + tx, c0[1] - 1), h]), T.float32(0))
             else:
                 SM[O_BT + tx] = T.Select(c0[0] + tx < c0[1], beta[T.min(c0[0] + tx, c0[1] - 1), h], T.float32(0))
+
+    @T.macro
+    def copy_v_rows(SM, tx, c0, v, blk):
+        """R warp tx // 32 < 4: its 16 rows of v of the chunk at token c0[0] (sequence end c0[1])
+        → the R region O_X by 16-byte ``cp.async``, rows past the end zero-filled, committed
+        (emulated: the thread's own fragment elements, where it forms R)."""
+        if SYNC:
+            for it in T.unroll(16 * BV // 4 // 32):
+                ptx.cp_async16(
+                    T.address_of(SM[O_X + (tx // 32 * 16 + (it * 32 + tx % 32) // (BV // 4)) * RS + (it * 32 + tx % 32) % (BV // 4) * 4]),
+                    T.address_of(v[T.min(c0[0] + tx // 32 * 16 + (it * 32 + tx % 32) // (BV // 4), c0[1] - 1), blk // NVB % H, blk % NVB * BV + (it * 32 + tx % 32) % (BV // 4) * 4]),
+                    c0[0] + tx // 32 * 16 + (it * 32 + tx % 32) // (BV // 4) < c0[1])
+            ptx.commit()
+        else:
+            for nt in T.unroll(N8):
+                for e in T.unroll(4):
+                    SM[O_X + (tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8) * RS + nt * 8 + tx % 4 * 2 + e % 2] = ld(v, c0[0] + tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8, c0[1], v.shape[0], blk // NVB % H, blk % NVB * BV + nt * 8 + tx % 4 * 2 + e % 2)
 
     @T.macro
     def stage_next(SM, tx, c1, kd, beta, la_g, dinv_g, gl_g, ci, h, n_tok, bnext, par):
@@ -1218,6 +1243,8 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                             if c == 0:
                                 stage_chunk(SM, tx, c0, q, k, g, beta, la_g, dinv_g, gl_g, chunk_index(cb, tx, c),
                                             blk // NVB % H, n_tok, True)
+                                if V_EARLY and tx // 32 < 4:
+                                    copy_v_rows(SM, tx, c0, v, blk)
                             if c1[0] < c1[1]:
                                 stage_next(SM, tx, c1, g, beta, la_g, dinv_g, gl_g, chunk_index(cb, tx, c + 1),
                                            blk // NVB % H, n_tok, bnext, (c + 1) % 2)
@@ -1274,28 +1301,21 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                         Y[tx * EM, r] = T.float32(0)
                     if tx // 32 < 4:
                         if "vl" not in ABL:
-                            if VASYNC and SYNC:   # the warp's 16 rows of v → the vn region (R goes there)
-                                for it in T.unroll(16 * BV // 4 // 32):
-                                    ptx.cp_async16(
-                                        T.address_of(SM[O_X + (tx // 32 * 16 + (it * 32 + tx % 32) // (BV // 4)) * RS + (it * 32 + tx % 32) % (BV // 4) * 4]),
-                                        T.address_of(v[T.min(c0[0] + tx // 32 * 16 + (it * 32 + tx % 32) // (BV // 4), c0[1] - 1), blk // NVB % H, blk % NVB * BV + (it * 32 + tx % 32) % (BV // 4) * 4]),
-                                        c0[0] + tx // 32 * 16 + (it * 32 + tx % 32) // (BV // 4) < c0[1])
-                                ptx.commit()
-                            elif VASYNC:   # emulated: the thread's own elements, where R goes
-                                for nt in T.unroll(N8):
-                                    for e in T.unroll(4):
-                                        SM[O_X + (tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8) * RS + nt * 8 + tx % 4 * 2 + e % 2] = ld(v, c0[0] + tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8, c0[1], n_tok, blk // NVB % H, blk % NVB * BV + nt * 8 + tx % 4 * 2 + e % 2)
-                            else:
+                            if VASYNC:   # the warp's 16 rows of v → the vn region (R goes there)
+                                copy_v_rows(SM, tx, c0, v, blk)
+                            elif not V_EARLY:   # (v_early: copied during the chunk before)
                                 for nt in T.unroll(N8):
                                     for e in T.unroll(4):
                                         vl[tx * EM, nt * 4 + e] = ld(v, c0[0] + tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8, c0[1], n_tok, blk // NVB % H, blk % NVB * BV + nt * 8 + tx % 4 * 2 + e % 2)
                         if "p3" not in ABL:
                             gemm_s(SM, Y, tx * EM, af, bq, lambda i, d: a_k(SM, tx // 32 * 16, i, d),
                                    K // 8, N8, tx % 32)
-                        if VASYNC:   # R in place of the v rows (the warp's own copies: wait, then a warp sync)
-                            if SYNC:
-                                ptx.wait(0)
-                            syncwarp()
+                        if VASYNC or V_EARLY:   # R in place of the v rows (v_async: the warp's own copies,
+                            # so wait, then a warp sync; v_early: waited for at the chunk's start)
+                            if VASYNC:
+                                if SYNC:
+                                    ptx.wait(0)
+                                syncwarp()
                             for nt in T.unroll(N8):
                                 for e in T.unroll(4):
                                     SM[O_X + (tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8) * RS + nt * 8 + tx % 4 * 2 + e % 2] = SM[O_BT + tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8] * (SM[O_X + (tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8) * RS + nt * 8 + tx % 4 * 2 + e % 2] - Y[tx * EM, nt * 4 + e])
@@ -1371,6 +1391,12 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                     af = T.alloc_buffer((AFN,), "float32", scope="local")
                     c0[0] = cu[blk // (H * NVB)] + c * C
                     c0[1] = cu[blk // (H * NVB) + 1]
+                    if V_EARLY and "vl" not in ABL:   # the next chunk's v rows (phase 4 has read R)
+                        cn = T.alloc_buffer((2,), "int32", scope="local")
+                        cn[0] = c0[0] + C
+                        cn[1] = c0[1]
+                        if tx // 32 < 4 and cn[0] < cn[1]:
+                            copy_v_rows(SM, tx, cn, v, blk)
                     for nt in T.unroll(N8):
                         for e in T.unroll(4):
                             Sr[tx * EM, nt * 4 + e] = Sr[tx * EM, nt * 4 + e] * decay(SM, tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8, c % 2 if PIPE else 0)

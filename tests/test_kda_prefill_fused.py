@@ -104,6 +104,10 @@ def test_emulated_fused_kernel_matches_reference(block_v, a_batch, lens, initial
     (16, [65, 15, 64, 130], True, True, {"p2_one": True, "fast_gate": True, "o_vec": True, "tmat": True,
                                          "pipe": True}),
     (32, [1, 70, 200], True, False, {"tmat": True, "pipe": True}),
+    # v_early: the next chunk's v rows copied into the R region at phase 5
+    (16, [65, 15, 64, 130], True, True, {"p2_one": True, "fast_gate": True, "o_vec": True, "tmat": True,
+                                         "pipe": True, "v_early": True}),
+    (32, [1, 70, 200], True, False, {"tmat": True, "pipe": True, "v_early": True}),
 ])
 def test_emulated_split_form_matches_reference(block_v, lens, initial_state, preprocess, opts):
     """The split form: every chunk's Γ-scaled operands, L / Aqk and D^{-1} by the intra kernel
@@ -129,7 +133,7 @@ def test_emulated_split_form_matches_reference(block_v, lens, initial_state, pre
     state = _llvm(kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=block_v, a_batch=8, split=True,
                                            lower_bound=lb, o_vec=opts.get("o_vec", False),
                                            tmat=opts.get("tmat", False), pipe=opts.get("pipe", False),
-                                           emulate=True))
+                                           v_early=opts.get("v_early", False), emulate=True))
     A = tvm.runtime.tensor
     B = len(lens)
     ka, qa, kd, gl, la, dinv = _split_scratch(q.shape[0], B, H)
@@ -207,9 +211,10 @@ def test_emulated_split_state_kernel_with_runtime_block_v_matches_reference(lens
     o_ref = kda_prefill_reference(q, k, v, g, beta, cu, slots, ref_pool, 1, K ** -0.5)
     tmat = form == "tmat"
     intra = _llvm(kda_prefill_split_intra_kernel(H, K, K ** -0.5, tmat=tmat, emulate=True))
-    # with tmat also pipe (at block_v 16 and 32; 64 has no room for its second set of regions)
+    # with tmat also pipe and v_early, as dispatched (at block_v 16 and 32; 64 has no room for
+    # pipe's second set of regions)
     state = _llvm(kda_prefill_split_state_kernel(H, K, K, K ** -0.5, early_kq=early_kq, o_vec=True, tmat=tmat,
-                                                 pipe=tmat, emulate=True))
+                                                 pipe=tmat, v_early=tmat, emulate=True))
     A = tvm.runtime.tensor
     ka, qa, kd, gl, la, dinv = _split_scratch(q.shape[0], len(lens), H)
     intra["f"](A(q), A(k), A(g), A(beta), A(cu), ka, qa, kd, gl, la, dinv)
@@ -309,6 +314,8 @@ def test_fused_kernel_rejects_unsupported_sizes():
         kda_prefill_fused_kernel(2, 128, 128, 0.1, split=True, ablate=frozenset({"p2"}))
     with pytest.raises(ValueError, match="tmat and pipe belong to the split form"):
         kda_prefill_fused_kernel(2, 128, 128, 0.1, tmat=True)
+    with pytest.raises(ValueError, match="v_early: the split state kernel with tmat and pipe"):
+        kda_prefill_fused_kernel(2, 128, 128, 0.1, split=True, tmat=True, v_early=True)
     with pytest.raises(ValueError, match="pipe: the split state kernel with tmat at block_v ≤ 32"):
         kda_prefill_fused_kernel(2, 128, 128, 0.1, split=True, tmat=True, pipe=True, block_v=64)
 
@@ -331,7 +338,7 @@ def test_fused_kernel_compiles_to_fatbin_for_sm90a(tmp_path):
         "i = kda_prefill_split_intra_kernel(3, 128, 128 ** -0.5, lower_bound=-5.0, p2_one=True, fast_gate=True,\n"
         "                                   tmat=True)\n"
         "s = kda_prefill_split_state_kernel(3, 128, 128, 128 ** -0.5, lower_bound=-5.0, o_vec=True, tmat=True,\n"
-        "                                   pipe=True)\n"
+        "                                   pipe=True, v_early=True)\n"
         "mod = tvm.IRModule({n: x.with_attr('global_symbol', n) for n, x in\n"
         "                    (('f', f), ('p', p), ('r', r), ('d', d), ('e', e), ('i', i), ('s', s))})", tmp_path,
         contexts="respect_manual_barriers()", keep_src=True)

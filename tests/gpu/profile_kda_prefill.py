@@ -52,7 +52,8 @@ def build(out: Path, H: int) -> None:
                                             v_async=True, o_vec=True),
           # the split form (dispatched below 48 heads), preprocessed inputs
           "split_intra": kda_prefill_split_intra_kernel(H, K, K ** -0.5, p2_one=True, tmat=True),
-          "split_state": kda_prefill_split_state_kernel(H, K, K, K ** -0.5, o_vec=True, tmat=True, pipe=True)}
+          "split_state": kda_prefill_split_state_kernel(H, K, K, K ** -0.5, o_vec=True, tmat=True, pipe=True,
+                                                        v_early=True)}
     mod = tvm.IRModule({n: f.with_attr("global_symbol", n) for n, f in fs.items()})
     with precompiled_cuda(spec.nvcc_arch, options=("--ptxas-options=--register-usage-level=5",)), \
             respect_manual_barriers():
