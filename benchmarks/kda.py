@@ -150,8 +150,8 @@ PREFILL_SPLIT = ([("split", bv, ab, {}) for bv, ab in ((16, 8), (32, 8), (64, 8)
                     # (the intra kernel prefetching into L2 the rows of the chunk 11 ahead, its block
                     # one wave later: 0.5% in kda_prefill_l2ahead_nofla_h200_2026-12-01.json, not kept)
                     ]
-                 # as dispatched at fixed block_v 16 / 32 (one kernel each; 32 is 18% slower at one
-                 # sequence of 8192 tokens and 12 heads, kda_prefill_l2ahead_nofla_h200_2026-12-01.json)
+                 # with tmat and pipe at a fixed block_v of 16 / 32 (one kernel each; 32 is 18% slower at
+                 # one sequence of 8192 tokens and 12 heads, kda_prefill_l2ahead_nofla_h200_2026-12-01.json)
                  + [("splitpre_ofvtp", bv, 8, {"lower_bound": LOWER_BOUND, "p2_one": True, "fast_gate": True,
                                                "o_vec": True, "tmat": True, "pipe": True}) for bv in (16, 32)])
 
@@ -215,8 +215,9 @@ def build_prefill(out_dir: Path, baseline: bool = True, all_tc: bool = True, onl
             export({"kda_prefill_fused": kda_prefill_fused_kernel(h, K, V, K ** -0.5, block_v=bv, a_batch=ab, **opts)},
                    f"kda_prefill_{name}_h{h}_bv{bv}_ab{ab}.so")
         for name, bv, ab, opts in PREFILL_SPLIT:
-            intra_opts = ("p2_wide", "fast_gate", "p2_one", "tmat")
-            st = {k: v for k, v in opts.items() if k not in intra_opts[:3]}   # the state kernel's (tmat: both)
+            intra_opts = ("p2_wide", "fast_gate", "p2_one", "tmat")   # the intra kernel's options
+            state_opts = ("lower_bound", "early_kq", "o_vec", "tmat", "pipe", "v_early")   # the state kernel's
+            st = {k: v for k, v in opts.items() if k in state_opts}
             export({"kda_prefill_split_intra": kda_prefill_split_intra_kernel(
                         h, K, K ** -0.5, lower_bound=opts.get("lower_bound"),
                         **{k: v for k, v in opts.items() if k in intra_opts}),

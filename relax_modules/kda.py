@@ -63,8 +63,9 @@ def prefill_dispatch(heads: int) -> tuple[str, int | None, int | None]:
       ms at 16 columns (32: 0.99; the fused kernel at best 1.79), four of 2048 0.52 ms at 64
       (32: 0.63, 16: 0.77); as dispatched now (the intra kernel with ``p2_one``,
       ``fast_gate`` and ``tmat``, the state kernel with ``o_vec``, ``tmat``, ``pipe`` and
-      ``v_early``), with the preprocessing, 0.77 / 0.49 ms (0.89 / 0.48 without the last three;
-      benchmarks/results/kda_prefill_vearly_h200_2026-12-01.json, kda_prefill_wu_h200_2026-12-01.json).
+      ``v_early``), with the preprocessing, 0.77 / 0.49 ms
+      (benchmarks/results/kda_prefill_vearly_h200_2026-12-01.json; without the last three 0.89 /
+      0.48 ms, kda_prefill_p2one_final_h200_2026-12-01.json).
 
     a_batch 4 at 128 columns keeps ptxas at 255 registers without spills."""
     if heads >= 96:

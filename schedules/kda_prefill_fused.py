@@ -91,11 +91,13 @@ more with ``p2_pairs``, ``kda_prefill_split_v1_h200_2026-11-30.json``), ``p2_wid
 more, ``kda_prefill_p2w_h200_2026-12-01.json``), ``v_async`` with ``fast_gate`` (another ~4%
 with the preprocessing), then ``p2_one`` in place of the pairs (11%) and ``o_vec`` (5%) are
 measured; the model uses ``p2_one``, ``ldsm``, ``v_async``, ``fast_gate`` and ``o_vec``
-(and ``o_vec`` in the split state kernel)
 (``kda_prefill_p2one_final_h200_2026-12-01.json``: 2.36 / 1.84 ms at 96 heads with the
-preprocessing, from 2.79 / 2.13 ms with the previous dispatch in the same run; 0.89 / 0.48 ms
-at 12 in the split form). Where a chunk's time goes (``ablate``,
-``kda_prefill_phases_c_h200_2026-12-01.json``): docs/DESIGN.md.
+preprocessing, from 2.79 / 2.13 ms with the previous dispatch in the same run). In the split
+form it uses ``p2_one``, ``fast_gate`` and ``tmat`` in the intra kernel and ``o_vec``, ``tmat``,
+``pipe`` and ``v_early`` in the state kernel (0.77 / 0.49 ms at 12 heads, from 0.89 / 0.48;
+``kda_prefill_vearly_h200_2026-12-01.json``). Where a chunk's time goes (``ablate``,
+``kda_prefill_phases_c_h200_2026-12-01.json``, ``kda_prefill_split_parts_b_h200_2026-12-01.json``):
+docs/DESIGN.md.
 
 ``emulate=True`` builds the same loop nest with the block / thread loops serial and every
 mma replaced by the dot products it computes for the lane (see
@@ -392,6 +394,11 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
     kernel 0.63 → 0.57 ms at 12 heads and 8192 tokens. At 64 columns the second set does not
     fit (ValueError).
 
+    ``v_early`` (with ``pipe``): the R warps copy chunk c + 1's v rows into the R region at the
+    start of chunk c's phase 5 (phase 4 has read R; with ``tmat`` vn has its own region) and
+    form R in place in phase 3, instead of loading v from L2 there: 2.5% at 12 heads and 8192
+    tokens (``kda_prefill_vearly_h200_2026-12-01.json``).
+
     ``ablate`` (a subset of ``ABLATE_PHASES``, or of ``ABLATE_STATE`` with ``split``; a
     diagnostic): leave that work out, so that the time it saves is its cost on the chunk's
     critical path; the results are wrong (``tests/gpu/profile_kda_prefill.py phases`` and
@@ -410,7 +417,8 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
     if p2_one and (p2_pairs or p2_wide):
         raise ValueError("p2_one replaces the rounds of p2_pairs / p2_wide: set p2_one alone")
     if (tmat or pipe or v_early) and not split:
-        raise ValueError("tmat and pipe belong to the split form: set split (and tmat in its intra kernel)")
+        raise ValueError("tmat, pipe and v_early belong to the split form: set split (and tmat in its intra "
+                         "kernel)")
     if split:
         return _split_state(H, K, V, scale, lower_bound, ((block_v, a_batch),), ldsm, emulate, o_vec=o_vec,
                             tmat=tmat, pipe=pipe, v_early=v_early, ablate=ablate)
@@ -452,10 +460,10 @@ def kda_prefill_split_state_kernel(H: int, K: int, V: int, scale: float,
     this chunk's phases 4-5 instead of in its phase 1 — 1.5-3% faster
     (``kda_prefill_split_early_h200_2026-11-30.json``: 0.90 / 0.50 ms at 12 heads, 0.96 / 0.57
     ms with the preprocessing). ``o_vec``: o stored as 8-byte column pairs, ``tmat``: phase 4 as
-    vn = T R, ``pipe``: the next chunk's operands copied during this one (at block_v 16 and 32;
-    the 64-column kernel runs without), as the fused kernel's options (the model dispatches all
-    three: 0.78 / 0.50 ms at 12 heads with the preprocessing,
-    ``kda_prefill_wu_h200_2026-12-01.json``). Arguments as :func:`kda_prefill_fused_kernel` with
+    vn = T R, ``pipe`` / ``v_early``: the next chunk's operands / v rows copied during this one
+    (at block_v 16 and 32; the 64-column kernel runs without), as the fused kernel's options (the
+    model dispatches all four: 0.77 / 0.49 ms at 12 heads with the preprocessing,
+    ``kda_prefill_vearly_h200_2026-12-01.json``). Arguments as :func:`kda_prefill_fused_kernel` with
     ``split``; ValueError as there."""
     return _split_state(H, K, V, scale, lower_bound, tuple((bv, 8) for bv in SPLIT_BLOCK_V), False, emulate,
                         early_kq, o_vec, tmat, pipe, v_early)
@@ -570,6 +578,8 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
         raise ValueError("tmat belongs to the split form (kda_prefill_split_intra_kernel / _state_kernel)")
     TM_I = tmat and stage == "intra"
     TM_S = tmat and stage == "state"
+    if TM_S and block_v > 64:
+        raise ValueError(f"tmat: block_v ≤ 64 (vn's own region does not fit beside 128 columns), got {block_v}")
     if pipe and not (TM_S and block_v <= 32):
         raise ValueError("pipe: the split state kernel with tmat at block_v ≤ 32 (the second set of staged "
                          "regions does not fit beside 64 columns)")
@@ -832,6 +842,22 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                 for u in range(4):
                     SM[off + (it * NT + tx) // (width // 4) * stride + tx % (width // 4) * 4 + u] = ld(src, c0[0] + (it * NT + tx) // (width // 4), c0[1], n_tok, h, tx % (width // 4) * 4 + u)
 
+    def beta_value(valid, b):   # β of a staged row: σ(b) with SIGB (b the logit), 0 where not valid
+        return T.Select(valid, T.sigmoid(b) if SIGB else b, T.float32(0))
+
+    @T.macro
+    def stage_la_dinv_gl(SM, tx, c0, la_g, dinv_g, gl_g, ci, h, n_tok, par):
+        """State kernel: the chunk's L / Aqk (tmat: Aqk / Tᵀ) and D^{-1} rows and its e^{Γ_last}
+        (chunk ``ci`` of gl) → the regions of set ``par`` (cp.async; the caller commits)."""
+        copy_rows(SM, tx, c0, alt(O_LA, O_LA2, par), LS, la_g, C, h, n_tok)
+        copy_rows(SM, tx, c0, alt(O_D, O_D2, par), DS, dinv_g, SUB, h, n_tok)
+        if tx < K // 4:
+            if SYNC:
+                ptx.cp_async16(T.address_of(SM[alt(O_GL, O_GL2, par) + tx * 4]), T.address_of(gl_g[ci, h, tx * 4]), True)
+            else:
+                for u in range(4):
+                    SM[alt(O_GL, O_GL2, par) + tx * 4 + u] = gl_g[ci, h, tx * 4 + u]
+
     @T.macro
     def stage_chunk(SM, tx, c0, q, k, g, beta, la_g, dinv_g, gl_g, ci, h, n_tok, first):
         """Phase 1's copies of the chunk at token c0[0] of a sequence ending at c0[1] (c0[2]: a
@@ -865,21 +891,11 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                         SM[O_QR + (it * NT + tx) // (K // 4) * KS + tx % (K // 4) * 4 + u] = ld(q, c0[0] + (it * NT + tx) // (K // 4), c0[1], n_tok, h, tx % (K // 4) * 4 + u)
                         SM[O_G + (it * NT + tx) // (K // 4) * KS + tx % (K // 4) * 4 + u] = ld(g, c0[0] + (it * NT + tx) // (K // 4), c0[1], n_tok, h, tx % (K // 4) * 4 + u)
         if stage == "state":
-            copy_rows(SM, tx, c0, O_LA, LS, la_g, C, h, n_tok)
-            copy_rows(SM, tx, c0, O_D, DS, dinv_g, SUB, h, n_tok)
-            if tx < K // 4:
-                if SYNC:
-                    ptx.cp_async16(T.address_of(SM[O_GL + tx * 4]), T.address_of(gl_g[ci, h, tx * 4]), True)
-                else:
-                    for u in range(4):
-                        SM[O_GL + tx * 4 + u] = gl_g[ci, h, tx * 4 + u]
+            stage_la_dinv_gl(SM, tx, c0, la_g, dinv_g, gl_g, ci, h, n_tok, 0)
         if SYNC:
             ptx.commit()
         if tx < C:
-            if SIGB:   # β = σ(b)
-                SM[O_BT + tx] = T.Select(c0[0] + tx < c0[1], T.sigmoid(beta[T.min(c0[0] + tx, c0[1] - 1), h]), T.float32(0))
-            else:
-                SM[O_BT + tx] = T.Select(c0[0] + tx < c0[1], beta[T.min(c0[0] + tx, c0[1] - 1), h], T.float32(0))
+            SM[O_BT + tx] = beta_value(c0[0] + tx < c0[1], beta[T.min(c0[0] + tx, c0[1] - 1), h])
 
     @T.macro
     def copy_v_rows(SM, tx, c0, v, blk):
@@ -904,14 +920,7 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
         scratch) into set ``par``: e^{Γ_last−Γ} k, L / Aqk, D^{-1} rows, e^{Γ_last}; its β logit of
         row tx < C into ``bnext`` (stored at phase 4). The caller commits and waits."""
         copy_rows(SM, tx, c1, alt(O_G, O_G2, par), KS, kd, K, h, n_tok)
-        copy_rows(SM, tx, c1, alt(O_LA, O_LA2, par), LS, la_g, C, h, n_tok)
-        copy_rows(SM, tx, c1, alt(O_D, O_D2, par), DS, dinv_g, SUB, h, n_tok)
-        if tx < K // 4:
-            if SYNC:
-                ptx.cp_async16(T.address_of(SM[alt(O_GL, O_GL2, par) + tx * 4]), T.address_of(gl_g[ci, h, tx * 4]), True)
-            else:
-                for u in range(4):
-                    SM[alt(O_GL, O_GL2, par) + tx * 4 + u] = gl_g[ci, h, tx * 4 + u]
+        stage_la_dinv_gl(SM, tx, c1, la_g, dinv_g, gl_g, ci, h, n_tok, par)
         if tx < C:
             bnext[tx * EM, 0] = beta[T.min(c1[0] + tx, c1[1] - 1), h]
 
@@ -1229,6 +1238,8 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
             for c in range((cu[blk // (H * NVB) + 1] - cu[blk // (H * NVB)] + C - 1) // C):
                 # phase 1: raw k, q, g of the chunk → shared memory (16-byte cp.async, rows
                 #          past the sequence end zero-filled), β; the next chunk's rows into L2
+                #          (split state kernel: its staged operands; with pipe only chunk 0's
+                #          here, and chunk c + 1's into the other set of regions)
                 if SYNC:
                     T.tvm_storage_sync("shared")
                 for tx in THR(NT):
@@ -1243,13 +1254,15 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                             if c == 0:
                                 stage_chunk(SM, tx, c0, q, k, g, beta, la_g, dinv_g, gl_g, chunk_index(cb, tx, c),
                                             blk // NVB % H, n_tok, True)
-                                if V_EARLY and tx // 32 < 4:
-                                    copy_v_rows(SM, tx, c0, v, blk)
+                        if V_EARLY and "vl" not in ABL:
+                            if c == 0 and tx // 32 < 4:
+                                copy_v_rows(SM, tx, c0, v, blk)
+                        if "stage" not in ABL:
                             if c1[0] < c1[1]:
                                 stage_next(SM, tx, c1, g, beta, la_g, dinv_g, gl_g, chunk_index(cb, tx, c + 1),
                                            blk // NVB % H, n_tok, bnext, (c + 1) % 2)
-                            if SYNC:
-                                ptx.commit()
+                        if SYNC:   # (always, even empty: the wait below counts this group)
+                            ptx.commit()
                         if c0[0] + 2 * C + tx // 4 < c0[1]:
                             prefetch(g[c0[0] + 2 * C + tx // 4, blk // NVB % H, tx % 4 * 32])
                             if tx % 4 < 2:
@@ -1259,7 +1272,8 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                             prefetch(k[c1[0] + tx // 4, blk // NVB % H, tx % 4 * 32])
                             if tx % 4 * 32 < BV:
                                 prefetch(v[c1[0] + tx // 4, blk // NVB % H, blk % NVB * BV + tx % 4 * 32])
-                        if SYNC:   # all but the group just committed: chunk c's copies (and early_kq's)
+                        if SYNC:   # all but the group just committed: chunk c's copies (and those of
+                            # early_kq at phase 4 and v_early at phase 5 of the chunk before)
                             ptx.wait(1)
                     else:
                         if "stage" not in ABL:
@@ -1328,7 +1342,8 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                             gemm_s(SM, Y, tx * EM, af, bq, lambda i, d: a_q(SM, (tx // 32 - 4) * 16, i, d),
                                    K // 8, N8, tx % 32)
                 # phase 4: vn_I = D_I^{-1} (R_I − Σ_{J<I} L_IJ vn_J), in place of R; warp wi
-                #          owns the n-tiles wi, wi + 8, … (warps past them idle)
+                #          owns the n-tiles wi, wi + 8, … (warps past them idle); with tmat
+                #          vn = T R into its own region (vn_product)
                 if SYNC:
                     T.tvm_storage_sync("shared")
                 if EARLY:   # the next chunk's e^Γ k, scale·e^Γ q (phase 3 has read this one's)
@@ -1347,9 +1362,9 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                             vn_product(SM, tx, Zt, c % 2 if PIPE else 0)
                         if PIPE:   # the next chunk's β (phase 3, its only reader, is done)
                             if tx < C and cu[blk // (H * NVB)] + (c + 1) * C < cu[blk // (H * NVB) + 1]:
-                                SM[O_BT + tx] = T.Select(cu[blk // (H * NVB)] + (c + 1) * C + tx < cu[blk // (H * NVB) + 1],
-                                                         T.sigmoid(bnext[tx * EM, 0]) if SIGB else bnext[tx * EM, 0], T.float32(0))
-                elif not TM_S and "p4" not in ABL:
+                                SM[O_BT + tx] = beta_value(cu[blk // (H * NVB)] + (c + 1) * C + tx < cu[blk // (H * NVB) + 1],
+                                                           bnext[tx * EM, 0])
+                elif "p4" not in ABL:
                     for I in T.unroll(NSUB):
                         for tx in THR(NT):
                             af = T.alloc_buffer((4,), "float32", scope="local")

@@ -312,8 +312,10 @@ def test_fused_kernel_rejects_unsupported_sizes():
         kda_prefill_fused_kernel(2, 128, 128, 0.1, split=True, v_async=True)
     with pytest.raises(ValueError, match=r"ablate=\['p2'\].*split state kernel"):   # the state kernel has no phase 2
         kda_prefill_fused_kernel(2, 128, 128, 0.1, split=True, ablate=frozenset({"p2"}))
-    with pytest.raises(ValueError, match="tmat and pipe belong to the split form"):
+    with pytest.raises(ValueError, match="tmat, pipe and v_early belong to the split form"):
         kda_prefill_fused_kernel(2, 128, 128, 0.1, tmat=True)
+    with pytest.raises(ValueError, match=r"tmat: block_v ≤ 64"):
+        kda_prefill_fused_kernel(2, 128, 128, 0.1, split=True, tmat=True, block_v=128)
     with pytest.raises(ValueError, match="v_early: the split state kernel with tmat and pipe"):
         kda_prefill_fused_kernel(2, 128, 128, 0.1, split=True, tmat=True, v_early=True)
     with pytest.raises(ValueError, match="pipe: the split state kernel with tmat at block_v ≤ 32"):

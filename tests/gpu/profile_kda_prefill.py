@@ -28,21 +28,90 @@ sys.path.insert(0, str(ROOT))
 K = 128
 
 
-def build(out: Path, H: int) -> None:
+def _export(fs: dict, out: Path, name: str) -> None:
+    """``fs`` (symbol → PrimFunc) compiled for cuda-sm90a (device code by nvcc, ptxas register
+    usage level 5 as benchmarks/kda.py) into ``out / name``."""
     import tvm
 
     from k3_compile.device_code import precompiled_cuda
-    from relax_modules.kda import prefill_dispatch
     from schedules.barriers import respect_manual_barriers
+    from targets import get_target
+
+    spec = get_target("cuda-sm90a")
+    mod = tvm.IRModule({n: f.with_attr("global_symbol", n) for n, f in fs.items()})
+    with precompiled_cuda(spec.nvcc_arch, options=("--ptxas-options=--register-usage-level=5",)), \
+            respect_manual_barriers():
+        lib = tvm.compile(mod, target=spec.tvm_target())
+    out.mkdir(parents=True, exist_ok=True)
+    lib.export_library(str(out / name))
+    print("built", out / name)
+
+
+def _time_interleaved(calls: dict, rounds: int = 5, reps: int = 5) -> dict:
+    """ms per call of each of ``calls`` (name → callable launching GPU work): each called once
+    to warm up, then ``rounds`` interleaved rounds of ``reps`` back-to-back calls timed by CUDA
+    events; the median round."""
+    import statistics
+
+    import torch
+
+    for fn in calls.values():
+        fn()
+    times = {n: [] for n in calls}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(rounds):
+        for n, fn in calls.items():
+            start.record()
+            for _ in range(reps):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            times[n].append(start.elapsed_time(end) / reps)
+    return {n: statistics.median(v) for n, v in times.items()}
+
+
+def _result_header(H: int) -> dict:
+    """The machine, date, commit ($K3_COMMIT where set: the GPU machine's .git may be stale),
+    head count and gate lower bound of a result JSON."""
+    import time
+
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from cuda_timing import git_commit
+
+    return {"machine": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "commit": git_commit(),
+            "heads": H, "lower_bound": LOWER_BOUND, "shapes": []}
+
+
+def _raw_inputs(lens: tuple, H: int) -> dict:
+    """Random raw inputs of the kernels with their own L2 norms, gate and β on the GPU: q, k,
+    v, f [T, H, K], b [T, H], A_log [H], dt_bias [H·K], cu_seqlens of ``lens``, seq_slots, a zero
+    state [1, B, H, K, K] and o [T, H, K] (float32)."""
+    import torch
+
+    dev = torch.device("cuda")
+    T, B = sum(lens), len(lens)
+    x = {n: torch.randn(T, H, K, device=dev) for n in ("q", "k", "v", "f")}
+    x["b"] = torch.randn(T, H, device=dev)
+    x["A_log"] = torch.log(torch.empty(H, device=dev).uniform_(1, 16))
+    x["dt_bias"] = torch.randn(H * K, device=dev) * 0.5
+    x["cu"] = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(B)], dtype=torch.int32, device=dev)
+    x["slots"] = torch.arange(B, dtype=torch.int32, device=dev)
+    x["state"] = torch.zeros(1, B, H, K, K, device=dev)
+    x["o"] = torch.empty(T, H, K, device=dev)
+    return x
+
+
+def build(out: Path, H: int) -> None:
+    from relax_modules.kda import prefill_dispatch
     from schedules.kda_prefill_fused import (
         kda_prefill_fused_kernel,
         kda_prefill_split_intra_kernel,
         kda_prefill_split_state_kernel,
     )
     from schedules.kda_prefill_tc import kda_prefill_intra_tc_kernel, kda_prefill_state_tc_kernel
-    from targets import get_target
 
-    spec = get_target("cuda-sm90a")
     bv = 32 if H >= 48 else 16
     fs = {"intra": kda_prefill_intra_tc_kernel(H, K, K, K ** -0.5),
           "state": kda_prefill_state_tc_kernel(H, K, K, block_v=bv, a_batch=8),
@@ -54,13 +123,7 @@ def build(out: Path, H: int) -> None:
           "split_intra": kda_prefill_split_intra_kernel(H, K, K ** -0.5, p2_one=True, tmat=True),
           "split_state": kda_prefill_split_state_kernel(H, K, K, K ** -0.5, o_vec=True, tmat=True, pipe=True,
                                                         v_early=True)}
-    mod = tvm.IRModule({n: f.with_attr("global_symbol", n) for n, f in fs.items()})
-    with precompiled_cuda(spec.nvcc_arch, options=("--ptxas-options=--register-usage-level=5",)), \
-            respect_manual_barriers():
-        lib = tvm.compile(mod, target=spec.tvm_target())
-    out.mkdir(parents=True, exist_ok=True)
-    lib.export_library(str(out / "kda_prefill_tc.so"))
-    print("built", out / "kda_prefill_tc.so")
+    _export(fs, out, "kda_prefill_tc.so")
 
 
 def run(out: Path, H: int, T: int) -> None:
@@ -128,13 +191,8 @@ OPTION_VARIANTS = (("no_v_async", {"v_async": False}), ("no_fast_gate", {"fast_g
 def build_phases(out: Path, H: int) -> None:
     """The fused kernel as dispatched at ``H`` heads, once per entry of ABLATIONS and of
     OPTION_VARIANTS (``kda_prefill_phases.so``, functions ``fused_<name>``)."""
-    import tvm
-
-    from k3_compile.device_code import precompiled_cuda
     from relax_modules.kda import prefill_dispatch
-    from schedules.barriers import respect_manual_barriers
     from schedules.kda_prefill_fused import kda_prefill_fused_kernel
-    from targets import get_target
 
     bv, ab = prefill_dispatch(max(H, 48))[1:]
     fs = {f"fused_{name}": kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=bv, a_batch=ab, **BASE_OPTIONS,
@@ -143,13 +201,7 @@ def build_phases(out: Path, H: int) -> None:
     fs.update({f"fused_{name}": kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=bv, a_batch=ab,
                                                          **{**BASE_OPTIONS, **opts})
                for name, opts in OPTION_VARIANTS})
-    mod = tvm.IRModule({n: f.with_attr("global_symbol", n) for n, f in fs.items()})
-    with precompiled_cuda(get_target("cuda-sm90a").nvcc_arch, options=("--ptxas-options=--register-usage-level=5",)), \
-            respect_manual_barriers():
-        lib = tvm.compile(mod, target=get_target("cuda-sm90a").tvm_target())
-    out.mkdir(parents=True, exist_ok=True)
-    lib.export_library(str(out / "kda_prefill_phases.so"))
-    print("built", out / "kda_prefill_phases.so")
+    _export(fs, out, "kda_prefill_phases.so")
 
 
 def run_phases(out: Path, H: int, result: Path) -> None:
@@ -157,8 +209,6 @@ def run_phases(out: Path, H: int, result: Path) -> None:
     5 interleaved rounds of 5 calls) → ``result`` (JSON): ms per variant, and per left-out part
     the time it saves (its cost on the critical path)."""
     import json
-    import statistics
-    import time
 
     import torch
     import tvm
@@ -167,39 +217,16 @@ def run_phases(out: Path, H: int, result: Path) -> None:
 
     load_cuda_runtime()
     lib = tvm.runtime.load_module(str(out / "kda_prefill_phases.so"))
-    dev = torch.device("cuda")
     t = tvm.runtime.from_dlpack
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from cuda_timing import git_commit   # $K3_COMMIT where set: the GPU machine's .git may be stale
-
-    res = {"machine": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "commit": git_commit(),
-           "heads": H, "lower_bound": LOWER_BOUND, "shapes": []}
+    res = _result_header(H)
     for lens in ((8192,), (2048,) * 4):
-        T, B = sum(lens), len(lens)
-        raw = [torch.randn(T, H, K, device=dev) for _ in range(4)] + [torch.randn(T, H, device=dev)]
-        A_log = torch.log(torch.empty(H, device=dev).uniform_(1, 16))
-        dt_bias = torch.randn(H * K, device=dev) * 0.5
-        cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(B)], dtype=torch.int32, device=dev)
-        slots = torch.arange(B, dtype=torch.int32, device=dev)
-        state = torch.zeros(1, B, H, K, K, device=dev)
-        o = torch.empty(T, H, K, device=dev)
-        args = [t(x) for x in raw] + [t(A_log), t(dt_bias), t(cu), t(slots), t(state), 0, t(o)]
+        B = len(lens)
+        x = _raw_inputs(lens, H)
+        state, o = x["state"], x["o"]
+        args = [t(x[n]) for n in ("q", "k", "v", "f", "b", "A_log", "dt_bias", "cu", "slots", "state")] + [0, t(o)]
         names = [n for n, _ in ABLATIONS] + [n for n, _ in OPTION_VARIANTS]
-        times = {name: [] for name in names}
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for name in names:   # warm-up
-            lib[f"fused_{name}"](*args)
-        for _ in range(5):
-            for name in names:
-                f = lib[f"fused_{name}"]
-                start.record()
-                for _ in range(5):
-                    f(*args)
-                end.record()
-                torch.cuda.synchronize()
-                times[name].append(start.elapsed_time(end) / 5)
-        ms = {n: statistics.median(v) for n, v in times.items()}
+        ms = _time_interleaved({n: (lambda f=lib[f"fused_{n}"]: f(*args)) for n in names})
         # checks: the option variants' o against the dispatched kernel's (same inputs, zero state)
         o_ref = None
         diff = {}
@@ -221,12 +248,16 @@ def run_phases(out: Path, H: int, result: Path) -> None:
     result.write_text(json.dumps(res, indent=1))
 
 
-# the split form at ``split-build`` / ``split-run``: its two kernels as dispatched (``ofv``) and
-# with ``tmat`` (phase 4 as vn = T R), and the state kernel at a fixed block_v with parts left out
+# the split form at ``split-build`` / ``split-run``: its two kernels as dispatched until 2026-12-01
+# (``ofv``), with ``tmat`` (phase 4 as vn = T R), ``pipe`` and ``v_early`` (as dispatched now), and
+# the state kernel at a fixed block_v with parts left out
 # (wu's "ofvw" / "ofvwp", removed after commit b1c4675: kda_prefill_split_parts_wu_h200_2026-12-01.json)
 SPLIT_INTRA = {"ofv": {"p2_one": True, "fast_gate": True}, "ofvt": {"p2_one": True, "fast_gate": True, "tmat": True}}
 SPLIT_STATE = {"ofv": {"o_vec": True}, "ofvt": {"o_vec": True, "tmat": True},
-               "ofvtp": {"o_vec": True, "tmat": True, "pipe": True}}
+               "ofvtp": {"o_vec": True, "tmat": True, "pipe": True},
+               "ofvtpv": {"o_vec": True, "tmat": True, "pipe": True, "v_early": True}}   # (as dispatched)
+# the intra variant whose outputs each state variant takes (tmat changes what la holds)
+STATE_INTRA = {"ofv": "ofv", "ofvt": "ofvt", "ofvtp": "ofvt", "ofvtpv": "ofvt"}
 SPLIT_ABLATIONS = (("none", ()), ("stage", ("stage",)), ("vl", ("vl",)), ("p3", ("p3",)), ("p4", ("p4",)),
                    ("s", ("s",)), ("o", ("o",)), ("ost", ("ost",)), ("all_mma", ("p3", "p4", "s", "o")),
                    ("barriers", ("stage", "vl", "p3", "p4", "s", "scopy", "o", "ost")))
@@ -237,43 +268,30 @@ def build_split(out: Path, H: int) -> None:
     """``kda_prefill_split_parts.so``: ``intra_<v>`` / ``state_<v>`` per SPLIT_INTRA / SPLIT_STATE
     entry (L2 norms, gate and β in the intra kernel) and ``state_bv<BV>_<name>`` per
     SPLIT_ABLATIONS entry (``tmat``)."""
-    import tvm
-
-    from k3_compile.device_code import precompiled_cuda
-    from schedules.barriers import respect_manual_barriers
     from schedules.kda_prefill_fused import (
         kda_prefill_fused_kernel,
         kda_prefill_split_intra_kernel,
         kda_prefill_split_state_kernel,
     )
-    from targets import get_target
 
     fs = {}
     for v, o in SPLIT_INTRA.items():
         fs[f"intra_{v}"] = kda_prefill_split_intra_kernel(H, K, K ** -0.5, lower_bound=LOWER_BOUND, **o)
-    for v, o in SPLIT_STATE.items():   # (a state variant runs on the outputs of intra_<its first 4 letters>)
+    for v, o in SPLIT_STATE.items():   # (a state variant runs on the outputs of intra_<STATE_INTRA[v]>)
         fs[f"state_{v}"] = kda_prefill_split_state_kernel(H, K, K, K ** -0.5, lower_bound=LOWER_BOUND, **o)
     for bv in SPLIT_ABLATION_BV:
         for name, abl in SPLIT_ABLATIONS:
             fs[f"state_bv{bv}_{name}"] = kda_prefill_fused_kernel(
                 H, K, K, K ** -0.5, block_v=bv, a_batch=8, split=True, lower_bound=LOWER_BOUND,
                 ablate=frozenset(abl), **SPLIT_STATE["ofvt"])
-    mod = tvm.IRModule({n: f.with_attr("global_symbol", n) for n, f in fs.items()})
-    with precompiled_cuda(get_target("cuda-sm90a").nvcc_arch, options=("--ptxas-options=--register-usage-level=5",)), \
-            respect_manual_barriers():
-        lib = tvm.compile(mod, target=get_target("cuda-sm90a").tvm_target())
-    out.mkdir(parents=True, exist_ok=True)
-    lib.export_library(str(out / "kda_prefill_split_parts.so"))
-    print("built", out / "kda_prefill_split_parts.so")
+    _export(fs, out, "kda_prefill_split_parts.so")
 
 
 def run_split(out: Path, H: int, result: Path) -> None:
     """Each kernel of ``build_split`` timed alone (CUDA events, median of 5 interleaved rounds of 5
     calls) at one sequence of 8192 tokens and at 4 × 2048 → ``result`` (JSON), and the dispatched
-    pair's o against the ``tmat`` pair's (same inputs, zero state)."""
+    pair's o against the other pairs' (same inputs, zero state)."""
     import json
-    import statistics
-    import time
 
     import torch
     import tvm
@@ -284,22 +302,13 @@ def run_split(out: Path, H: int, result: Path) -> None:
     lib = tvm.runtime.load_module(str(out / "kda_prefill_split_parts.so"))
     dev = torch.device("cuda")
     t = tvm.runtime.from_dlpack
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from cuda_timing import git_commit
-
     C = 64
-    res = {"machine": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "commit": git_commit(),
-           "heads": H, "lower_bound": LOWER_BOUND, "shapes": []}
+    res = _result_header(H)
     for lens in ((8192,), (2048,) * 4):
         T, B = sum(lens), len(lens)
-        q, k, v, f = (torch.randn(T, H, K, device=dev) for _ in range(4))
-        b = torch.randn(T, H, device=dev)
-        A_log = torch.log(torch.empty(H, device=dev).uniform_(1, 16))
-        dt_bias = torch.randn(H * K, device=dev) * 0.5
-        cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(B)], dtype=torch.int32, device=dev)
-        slots = torch.arange(B, dtype=torch.int32, device=dev)
-        state = torch.zeros(1, B, H, K, K, device=dev)
-        o = torch.empty(T, H, K, device=dev)
+        x = _raw_inputs(lens, H)
+        q, k, v, f, b, A_log, dt_bias, cu, slots, state, o = (
+            x[n] for n in ("q", "k", "v", "f", "b", "A_log", "dt_bias", "cu", "slots", "state", "o"))
         nc = T // C + B
         # ka, qa, kd, gl, la, dinv
         scratch = {v_: [t(torch.empty(T, H, n, device=dev)) for n in (K, K, K)] + [t(torch.empty(nc, H, K, device=dev))]
@@ -311,30 +320,21 @@ def run_split(out: Path, H: int, result: Path) -> None:
             return [ka, qa, kd, t(v), gl, la, dinv, t(b), t(cu), t(slots), t(state), 0, t(o)]
 
         calls = {f"intra_{v_}": (lambda v_=v_: lib[f"intra_{v_}"](*intra_args[v_])) for v_ in SPLIT_INTRA}
-        calls.update({f"state_{v_}": (lambda v_=v_: lib[f"state_{v_}"](*state_args(v_[:4]))) for v_ in SPLIT_STATE})
+        calls.update({f"state_{v_}": (lambda v_=v_: lib[f"state_{v_}"](*state_args(STATE_INTRA[v_])))
+                      for v_ in SPLIT_STATE})
         calls.update({f"state_bv{bv}_{n}": (lambda n=n, bv=bv: lib[f"state_bv{bv}_{n}"](*state_args("ofvt")))
                       for bv in SPLIT_ABLATION_BV for n, _ in SPLIT_ABLATIONS})
         outs = {}
         for v_ in SPLIT_STATE:   # each pair once on a zero state: the o to compare
             state.zero_()
             o.fill_(float("nan"))
-            calls[f"intra_{v_[:4]}"]()
+            calls[f"intra_{STATE_INTRA[v_]}"]()
             calls[f"state_{v_}"]()
             torch.cuda.synchronize()
             outs[v_] = o.clone()
-        times = {n: [] for n in calls}
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for _ in range(5):
-            for n, fn in calls.items():
-                start.record()
-                for _ in range(5):
-                    fn()
-                end.record()
-                torch.cuda.synchronize()
-                times[n].append(start.elapsed_time(end) / 5)
-        ms = {n: statistics.median(x) for n, x in times.items()}
+        ms = _time_interleaved(calls)
         row = {"lens": list(lens), "ms": ms,
-               "pair_ms": {v_: ms[f"intra_{v_[:4]}"] + ms[f"state_{v_}"] for v_ in SPLIT_STATE},
+               "pair_ms": {v_: ms[f"intra_{STATE_INTRA[v_]}"] + ms[f"state_{v_}"] for v_ in SPLIT_STATE},
                "max_abs_diff_vs_ofv": {v_: (outs[v_] - outs["ofv"]).abs().max().item() for v_ in SPLIT_STATE if v_ != "ofv"},
                "max_abs_o": outs["ofv"].abs().max().item(),
                "saved_ms": {f"bv{bv}_{n}": ms[f"state_bv{bv}_none"] - ms[f"state_bv{bv}_{n}"]
