@@ -273,8 +273,13 @@ class KimiDeltaAttention(nn.Module):
         T, H, K = v.shape[0], self.H, self.K
         B = meta.seq_slots.shape[0]
         f32 = "float32"
+        # tmat in both kernels or in neither (it changes what la holds); the state kernel has room
+        # for vn's own region up to 64 columns, and for pipe's second set of regions up to 32
+        bv = None if self.prefill_tiling is None else self.prefill_tiling[0]
+        tmat = bv is None or bv <= 64
+        pipe = bv is None or bv <= 32
         intra = kda_prefill_split_intra_kernel(H, K, K ** -0.5, lower_bound=lower_bound, p2_one=True,
-                                               fast_gate=True, tmat=True)
+                                               fast_gate=True, tmat=tmat)
         # e^Γ k, scale e^Γ q, e^{Γ_last−Γ} k, e^{Γ_last} per chunk, Aqk / Tᵀ and D^{-1} rows; ka
         # is written in place into an uninitialized buffer (a call_tir_inplace needs one in-place
         # output; the kernel writes every row of a sequence token)
@@ -283,14 +288,14 @@ class KimiDeltaAttention(nn.Module):
         ka, qa, kd, gl, la, dinv = op.tensor_ir_inplace_op(
             intra, "kda_prefill_split_intra" + ("_pre" if lower_bound is not None else ""),
             intra_in + [meta.cu_seqlens, op.empty((T, H, K), f32)], [len(intra_in) + 1] + [-1] * 5, outs)
-        if self.prefill_tiling is None:
+        if self.prefill_tiling is None:   # block_v at run time (pipe and v_early at 16 and 32)
             state = kda_prefill_split_state_kernel(H, K, K, K ** -0.5, lower_bound=lower_bound, o_vec=True,
                                                    tmat=True, pipe=True, v_early=True)
         else:
             bv, ab = self.prefill_tiling
             state = kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=bv, a_batch=ab, split=True,
-                                             lower_bound=lower_bound, o_vec=True, tmat=True, pipe=bv <= 32,
-                                             v_early=bv <= 32)
+                                             lower_bound=lower_bound, o_vec=True, tmat=tmat, pipe=pipe,
+                                             v_early=pipe)
         return op.tensor_ir_inplace_op(
             state, "kda_prefill_split_state" + ("_pre" if lower_bound is not None else ""),
             [ka, qa, kd, v, gl, la, dinv, beta, meta.cu_seqlens, meta.seq_slots, kda_state, _i32(kda_index)],
