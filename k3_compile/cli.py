@@ -363,7 +363,8 @@ def _model_args(sp: argparse.ArgumentParser) -> None:
 def _runtime_args(sp: argparse.ArgumentParser) -> None:
     """The model flags and the sampling flags (generate, chat)."""
     _model_args(sp)
-    sp.add_argument("--max-tokens", type=positive_int)
+    sp.add_argument("--max-tokens", type=positive_int,
+                    help="tokens to generate at most (default: 256 for generate, 512 per reply for chat)")
     sp.add_argument("--temperature", type=float, help="0 = greedy (default: generation_config.json)")
     sp.add_argument("--top-p", type=float)
     sp.add_argument("--top-k", type=int)
