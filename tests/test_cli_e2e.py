@@ -260,6 +260,12 @@ def test_chat_over_stdin(lib):
     assert 0 <= gen <= 8 and gen - steps in (0, 1)
     assert re.search(r"\d+/5 KDA state slots \(batch 4 \+ 1 spare", stats[0])
     assert "Traceback" not in proc.stderr
+    # end of input without /exit: exit 0, the last prompt's line ended
+    proc = subprocess.run(
+        [sys.executable, "-m", "k3_compile.cli", "chat", str(NANO), "--lib", str(lib), "--device", "cpu",
+         "--max-tokens", "2"], input="hello\n", capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.endswith(">>> \n"), proc.stdout[-40:]
 
 
 def test_chat_ctrl_c_stops_the_reply_not_the_chat(lib, monkeypatch, capsys):
