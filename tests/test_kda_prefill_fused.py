@@ -197,7 +197,9 @@ def test_split_block_v_by_sequences():
 @pytest.mark.parametrize("lens,early_kq,form", [([70], False, ""), ([5] * 11 + [66], False, ""),
                                                 ([3] * 23 + [65], False, ""), ([130, 1, 64, 70], True, ""),
                                                 ([70], True, "tmat"), ([5] * 11 + [66], True, "tmat"),
-                                                ([3] * 23 + [65], True, "tmat")])
+                                                ([3] * 23 + [65], True, "tmat"),
+                                                # a sequence of no tokens: its state written back unchanged
+                                                ([65, 0, 3], True, "tmat")])
 def test_emulated_split_state_kernel_with_runtime_block_v_matches_reference(lens, early_kq, form):
     """kda_prefill_split_state_kernel at 2 heads runs block_v 16, 32, 64 for 1, 12, 24 sequences
     (``split_block_v``); each branch against the reference; with ``early_kq`` (the next chunk's
