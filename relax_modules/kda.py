@@ -24,6 +24,8 @@ from schedules.kda_decode_cuda import decode_tiling, kda_decode_fused_kernel
 from schedules.kda_prefill_cuda import C as TC_CHUNK
 from schedules.kda_prefill_cuda import max_chunks
 from schedules.kda_prefill_fused import (
+    PIPE_MAX_BLOCK_V,
+    TMAT_MAX_BLOCK_V,
     kda_prefill_fused_kernel,
     kda_prefill_split_intra_kernel,
     kda_prefill_split_state_kernel,
@@ -273,11 +275,11 @@ class KimiDeltaAttention(nn.Module):
         T, H, K = v.shape[0], self.H, self.K
         B = meta.seq_slots.shape[0]
         f32 = "float32"
-        # tmat in both kernels or in neither (it changes what la holds); the state kernel has room
-        # for vn's own region up to 64 columns, and for pipe's second set of regions up to 32
+        # tmat in both kernels or in neither (it changes what la holds), where the state kernel's
+        # shared memory has room for it (and for pipe's second set of regions)
         bv = None if self.prefill_tiling is None else self.prefill_tiling[0]
-        tmat = bv is None or bv <= 64
-        pipe = bv is None or bv <= 32
+        tmat = bv is None or bv <= TMAT_MAX_BLOCK_V
+        pipe = bv is None or bv <= PIPE_MAX_BLOCK_V
         intra = kda_prefill_split_intra_kernel(H, K, K ** -0.5, lower_bound=lower_bound, p2_one=True,
                                                fast_gate=True, tmat=tmat)
         # e^Γ k, scale e^Γ q, e^{Γ_last−Γ} k, e^{Γ_last} per chunk, Aqk / Tᵀ and D^{-1} rows; ka

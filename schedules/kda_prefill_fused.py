@@ -124,6 +124,10 @@ BLOCK_V = (16, 32, 64, 128)   # supported columns of V per block
 ABLATE_PHASES = frozenset({"stage", "gamma", "cumsum", "norms", "p2", "dinv", "vl", "p3", "p4", "s", "scopy", "o",
                            "ost"})
 ABLATE_STATE = frozenset({"stage", "vl", "p3", "p4", "s", "scopy", "o", "ost"})   # ... of the split state kernel
+# the widest block_v of the split state kernel whose shared memory (227 KB) holds tmat's vn region,
+# and the widest that also holds pipe's second set of staged regions (v_early rides on pipe)
+TMAT_MAX_BLOCK_V = 64
+PIPE_MAX_BLOCK_V = 32
 
 SYNCWARP_SRC = r"""
 __device__ __forceinline__ void k3_syncwarp() { __syncwarp(); }
@@ -474,12 +478,12 @@ def _split_state(H, K, V, scale, lower_bound, tilings, ldsm, emulate, early_kq=F
     """The split form's state PrimFunc over the bodies of ``tilings`` ((block_v, a_batch), widest
     first): one tiling is launched as is, three (``SPLIT_BLOCK_V``) by a host-side branch on the
     number of sequences."""
-    # pipe (needs early_kq: the next chunk's e^Γ k, e^Γ q come at phase 4) where its second set of
-    # regions fits, at block_v ≤ 32
+    # pipe and v_early (pipe needs early_kq: the next chunk's e^Γ k, e^Γ q come at phase 4) in the
+    # tilings whose shared memory holds the second set of regions; one tiling takes them as asked
+    fits = [bv <= PIPE_MAX_BLOCK_V or len(tilings) == 1 for bv, _ in tilings]
     bodies = [_build(H, K, V, scale, bv, ab, lower_bound, False, ldsm, emulate, "state", early_kq or pipe,
-                     o_vec=o_vec, tmat=tmat, pipe=pipe and (bv <= 32 or len(tilings) == 1),
-                     v_early=v_early and (bv <= 32 or len(tilings) == 1), ablate=ablate)
-              for bv, ab in tilings]
+                     o_vec=o_vec, tmat=tmat, pipe=pipe and f, v_early=v_early and f, ablate=ablate)
+              for (bv, ab), f in zip(tilings, fits)]
     if len(bodies) not in (1, 3):
         raise ValueError(f"one or three tilings, got {tilings}")
     ONE = len(bodies) == 1
@@ -578,9 +582,10 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
         raise ValueError("tmat belongs to the split form (kda_prefill_split_intra_kernel / _state_kernel)")
     TM_I = tmat and stage == "intra"
     TM_S = tmat and stage == "state"
-    if TM_S and block_v > 64:
-        raise ValueError(f"tmat: block_v ≤ 64 (vn's own region does not fit beside 128 columns), got {block_v}")
-    if pipe and not (TM_S and block_v <= 32):
+    if TM_S and block_v > TMAT_MAX_BLOCK_V:
+        raise ValueError(f"tmat: block_v ≤ {TMAT_MAX_BLOCK_V} (vn's own region does not fit beside more "
+                         f"columns), got {block_v}")
+    if pipe and not (TM_S and block_v <= PIPE_MAX_BLOCK_V):
         raise ValueError("pipe: the split state kernel with tmat at block_v ≤ 32 (the second set of staged "
                          "regions does not fit beside 64 columns)")
     PIPE = pipe
@@ -1045,13 +1050,12 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
             for i in T.unroll(SUB):
                 SM[O_D + ((tx - (NT - C)) // SUB * SUB + i) * DS + (tx - (NT - C)) % SUB] = tf32(x[tx * EM, i])
 
-    # tmat's vn = T R: warps per n-tile of vn (1, 2 or 4 as block_v is ≥ 64, 32 or 16) and
-    # n-tiles per warp and row block
+    # tmat's vn = T R: warps per n-tile of vn (1, 2 or 4 as block_v is 64, 32 or 16; tmat stops at
+    # TMAT_MAX_BLOCK_V = 64, one n-tile per warp and row block)
     G4 = NW // N8 if N8 < NW else 1
-    NTJ = max(N8 // NW, 1)
 
-    def vp_tile(tx, t):   # the n-tile of the warp's t-th column tile in vn = T R
-        return tx // 32 + t * NW if G4 == 1 else tx // 32 % N8
+    def vp_tile(tx):      # the warp's n-tile in vn = T R
+        return tx // 32 if G4 == 1 else tx // 32 % N8
 
     def vp_owns(tx, I):   # whether the warp computes row block I of vn = T R (costs 2I + 2 k-steps)
         if G4 == 1:
@@ -1122,21 +1126,20 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
         of the substitution."""
         af = T.alloc_buffer((4,), "float32", scope="local")
         for I in T.unroll(NSUB):
-            for t in T.unroll(NTJ):
-                if vp_owns(tx, I):
-                    for e in T.unroll(4):
-                        Zt[tx * EM, (I * NTJ + t) * 4 + e] = T.float32(0)
-                    for ks in T.unroll(2 * NSUB - 2):
-                        if ks < 2 * I:
-                            frag_a(af, 0, lambda i, j: la(SM, j, I * SUB + i, par), tx % 32, ks * 8)
-                            mma(Zt, tx * EM, (I * NTJ + t) * 4, af, 0, lambda i, j: la(SM, j, I * SUB + i, par),
-                                lambda j, n: SM[O_X + j * RS + n], tx % 32, ks * 8, vp_tile(tx, t) * 8)
-                    for ks in T.unroll(2):
-                        frag_a(af, 0, lambda i, j: SM[alt(O_D, O_D2, par) + (I * SUB + i) * DS + j], tx % 32, ks * 8)
-                        mma(Zt, tx * EM, (I * NTJ + t) * 4, af, 0, lambda i, j: SM[alt(O_D, O_D2, par) + (I * SUB + i) * DS + j],
-                            lambda j, n: SM[O_X + (I * SUB + j) * RS + n], tx % 32, ks * 8, vp_tile(tx, t) * 8)
-                    for e in T.unroll(4):
-                        SM[O_V + (I * SUB + frag_row(tx, e)) * RS + vp_tile(tx, t) * 8 + frag_col(tx, e)] = tf32(Zt[tx * EM, (I * NTJ + t) * 4 + e])
+            if vp_owns(tx, I):
+                for e in T.unroll(4):
+                    Zt[tx * EM, I * 4 + e] = T.float32(0)
+                for ks in T.unroll(2 * NSUB - 2):
+                    if ks < 2 * I:
+                        frag_a(af, 0, lambda i, j: la(SM, j, I * SUB + i, par), tx % 32, ks * 8)
+                        mma(Zt, tx * EM, I * 4, af, 0, lambda i, j: la(SM, j, I * SUB + i, par),
+                            lambda j, n: SM[O_X + j * RS + n], tx % 32, ks * 8, vp_tile(tx) * 8)
+                for ks in T.unroll(2):
+                    frag_a(af, 0, lambda i, j: SM[alt(O_D, O_D2, par) + (I * SUB + i) * DS + j], tx % 32, ks * 8)
+                    mma(Zt, tx * EM, I * 4, af, 0, lambda i, j: SM[alt(O_D, O_D2, par) + (I * SUB + i) * DS + j],
+                        lambda j, n: SM[O_X + (I * SUB + j) * RS + n], tx % 32, ks * 8, vp_tile(tx) * 8)
+                for e in T.unroll(4):
+                    SM[O_V + (I * SUB + frag_row(tx, e)) * RS + vp_tile(tx) * 8 + frag_col(tx, e)] = tf32(Zt[tx * EM, I * 4 + e])
 
     @T.macro
     def intra_body(q, k, g, beta, A_log, dt_bias, cu, ka_g, qa_g, kd_g, gl_g, la_g, dinv_g, n_tok, n_cu):
@@ -1219,7 +1222,7 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
             Sr = T.alloc_buffer((RT, NR), "float32", scope="local")  # S rows 16·wi …, fp32
             Y = T.alloc_buffer((RT, NR), "float32", scope="local")   # (e^Γ k) S rows / Y, then o
             Z = T.alloc_buffer((RT, 4 * NTW), "float32", scope="local")  # vn tiles between warp steps
-            Zt = T.alloc_buffer((RT, 4 * NSUB * NTJ if TM_S else 4), "float32", scope="local")  # tmat: vn = T R
+            Zt = T.alloc_buffer((RT, 4 * NSUB if TM_S else 4), "float32", scope="local")  # tmat: vn = T R
             cb = T.alloc_buffer((RT, 1), "int32", scope="local")   # split: chunks before the sequence
             bnext = T.alloc_buffer((RT, 1), "float32", scope="local")   # pipe: the next chunk's β logit
             if not SYNC:   # emulated: a read of shared memory that nothing wrote gives NaN
@@ -1263,32 +1266,28 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                                            blk // NVB % H, n_tok, bnext, (c + 1) % 2)
                         if SYNC:   # (always, even empty: the wait below counts this group)
                             ptx.commit()
+                    elif "stage" not in ABL:
+                        stage_chunk(SM, tx, c0, q, k, g, beta, la_g, dinv_g, gl_g, chunk_index(cb, tx, c),
+                                    blk // NVB % H, n_tok, c == 0)
+                    # the next chunk's rows into L2 (pipe: its g and la rows are copied now, so
+                    # those of the chunk after it)
+                    if c0[0] + C + tx // 4 < c0[1]:
+                        prefetch(q[c0[0] + C + tx // 4, blk // NVB % H, tx % 4 * 32])
+                        prefetch(k[c0[0] + C + tx // 4, blk // NVB % H, tx % 4 * 32])
+                        if not PIPE:
+                            prefetch(g[c0[0] + C + tx // 4, blk // NVB % H, tx % 4 * 32])
+                        if tx % 4 * 32 < BV:
+                            prefetch(v[c0[0] + C + tx // 4, blk // NVB % H, blk % NVB * BV + tx % 4 * 32])
+                        if stage == "state" and not PIPE and tx % 4 < 2:
+                            prefetch(la_g[c0[0] + C + tx // 4, blk // NVB % H, tx % 4 * 32])
+                    if PIPE:
                         if c0[0] + 2 * C + tx // 4 < c0[1]:
                             prefetch(g[c0[0] + 2 * C + tx // 4, blk // NVB % H, tx % 4 * 32])
                             if tx % 4 < 2:
                                 prefetch(la_g[c0[0] + 2 * C + tx // 4, blk // NVB % H, tx % 4 * 32])
-                        if c1[0] + tx // 4 < c0[1]:
-                            prefetch(q[c1[0] + tx // 4, blk // NVB % H, tx % 4 * 32])
-                            prefetch(k[c1[0] + tx // 4, blk // NVB % H, tx % 4 * 32])
-                            if tx % 4 * 32 < BV:
-                                prefetch(v[c1[0] + tx // 4, blk // NVB % H, blk % NVB * BV + tx % 4 * 32])
-                        if SYNC:   # all but the group just committed: chunk c's copies (and those of
-                            # early_kq at phase 4 and v_early at phase 5 of the chunk before)
-                            ptx.wait(1)
-                    else:
-                        if "stage" not in ABL:
-                            stage_chunk(SM, tx, c0, q, k, g, beta, la_g, dinv_g, gl_g, chunk_index(cb, tx, c),
-                                        blk // NVB % H, n_tok, c == 0)
-                        if c0[0] + C + tx // 4 < c0[1]:
-                            prefetch(q[c0[0] + C + tx // 4, blk // NVB % H, tx % 4 * 32])
-                            prefetch(k[c0[0] + C + tx // 4, blk // NVB % H, tx % 4 * 32])
-                            prefetch(g[c0[0] + C + tx // 4, blk // NVB % H, tx % 4 * 32])
-                            if tx % 4 * 32 < BV:
-                                prefetch(v[c0[0] + C + tx // 4, blk // NVB % H, blk % NVB * BV + tx % 4 * 32])
-                            if stage == "state" and tx % 4 < 2:
-                                prefetch(la_g[c0[0] + C + tx // 4, blk // NVB % H, tx % 4 * 32])
-                        if SYNC:
-                            ptx.wait(0)
+                    if SYNC:   # pipe: all but the group just committed, i.e. chunk c's copies (and those
+                        # of early_kq at phase 4 and v_early at phase 5 of the chunk before)
+                        ptx.wait(1 if PIPE else 0)
                 if stage == "fused":
                     if "gamma" not in ABL:
                         gamma_and_norms(SM, cu[blk // (H * NVB)] + c * C, cu[blk // (H * NVB) + 1], blk // NVB % H,

@@ -171,8 +171,7 @@ def _t_matrix(kk, gg, bb):
 
 def _check_t_blocks(la, chunks, t0, k, beta, gam):
     """``tmat``: in each chunk (rows a … e−1), la[i][j] for j // 16 > i // 16 holds T[j][i] of
-    T = (I + L)^{-1}, L[i][j] = β_i (k_i e^{Γ_i − Γ_j}) · k_j for j < i (the WY form's strictly
-    lower triangle, spec §3; formed here in float64 from the inputs)."""
+    the chunk's T (``_t_matrix``, head 0)."""
     for a, e in chunks:
         n = e - a
         Tm = _t_matrix(k[a - t0:e - t0, 0].astype(np.float64), gam[a - t0:e - t0, 0],
