@@ -282,6 +282,92 @@ def _warp_sum(emulate: bool):
     return lambda x: cuda_func_call("k3_warp_sum", x, source_code=WARP_SUM_SRC, return_type="float32")
 
 
+FLAG_SRC = r"""
+__device__ __forceinline__ void k3_wait_flag(int* p) {
+  int v;
+  while (true) {
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    if (v != 0) break;
+    __nanosleep(64);
+  }
+}
+__device__ __forceinline__ void k3_set_flag(int* p) {
+  asm volatile("st.release.gpu.global.b32 [%0], %1;" :: "l"(p), "r"(1) : "memory");
+}
+__device__ __forceinline__ void k3_fence() { __threadfence(); }
+__device__ __forceinline__ int k3_ticket(int* p) { return atomicAdd(p, 1); }
+__device__ __forceinline__ int k3_claim(int* ctr, int leave_early, int n_state, int lead, int n_items) {
+  if (leave_early) {
+    int started, head;
+    asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(started) : "l"(ctr) : "memory");
+    asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(head) : "l"(ctr + 1) : "memory");
+    if (started > n_state && head >= lead) return -1;
+  }
+  int it = atomicAdd(ctr + 1, 1);
+  return it < n_items ? it : -1;
+}
+"""
+
+
+@functools.cache
+def _flag_macros(emulate: bool):
+    """``(wait_flag, set_flag, fence, ticket, claim)`` over the int32 ``flags`` of
+    ``kda_prefill_split_kernel``'s overlapped form: flags[0] counts the blocks started (their
+    tickets), flags[1] the intra items claimed, flags[2 + item] = 1 once item's outputs are
+    written. GPU: acquire / release at GPU scope, ``atomicAdd`` (FLAG_SRC); emulated (serial
+    blocks): plain loads and stores, and ``wait_flag`` asserts that the flag is set."""
+    if emulate:
+        @T.macro
+        def wait_flag(flags, i):
+            assert flags[i + 2] == 1, "overlap: a chunk was staged before its intra item was written"
+
+        @T.macro
+        def set_flag(flags, i):
+            flags[i + 2] = 1
+
+        @T.macro
+        def fence():
+            T.evaluate(0)
+
+        @T.macro
+        def ticket(flags, dst):
+            dst[0] = flags[0]
+            flags[0] = flags[0] + 1
+
+        @T.macro
+        def claim(flags, dst, leave_early, n_state, lead, n_items):
+            if leave_early and flags[0] > n_state and flags[1] >= lead:
+                dst[0] = -1
+            else:
+                dst[0] = T.Select(flags[1] < n_items, flags[1], -1)
+                flags[1] = flags[1] + 1
+    else:
+        from tvm.backend.cuda.op import cuda_func_call
+
+        @T.macro
+        def wait_flag(flags, i):
+            cuda_func_call("k3_wait_flag", T.address_of(flags[i + 2]), source_code=FLAG_SRC)
+
+        @T.macro
+        def set_flag(flags, i):
+            cuda_func_call("k3_set_flag", T.address_of(flags[i + 2]), source_code=FLAG_SRC)
+
+        @T.macro
+        def fence():
+            cuda_func_call("k3_fence", source_code=FLAG_SRC)
+
+        @T.macro
+        def ticket(flags, dst):
+            dst[0] = cuda_func_call("k3_ticket", T.address_of(flags[0]), source_code=FLAG_SRC,
+                                    return_type="int32")
+
+        @T.macro
+        def claim(flags, dst, leave_early, n_state, lead, n_items):
+            dst[0] = cuda_func_call("k3_claim", T.address_of(flags[0]), T.Cast("int32", leave_early), n_state,
+                                    lead, n_items, source_code=FLAG_SRC, return_type="int32")
+    return wait_flag, set_flag, fence, ticket, claim
+
+
 def ld(buf, t, end, n_tok, h, d):
     """buf[t, h, d] as an expression, 0 for rows t ≥ end (the row index clamped into the tensor,
     so the load itself is always in bounds)."""
@@ -564,7 +650,7 @@ def kda_prefill_split_intra_kernel(H: int, K: int, scale: float, lower_bound: fl
 
 def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulate, stage, early_kq=False,
            p2_wide=False, ablate=frozenset(), v_async=False, fast_gate=False, p2_one=False, o_vec=False,
-           tmat=False, pipe=False, v_early=False):
+           tmat=False, pipe=False, v_early=False, overlap=False, parts=False):
     """The kernels of this module (``stage``: "fused", "intra" or "state") over one set of
     shared-memory regions and macros. ``early_kq`` (state): the next chunk's e^Γ k and scale·e^Γ q
     are copied as soon as phase 3 has read this chunk's (start of phase 4), not in phase 1.
@@ -576,7 +662,11 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
     reads set c % 2), and its β logits loaded into a register there and stored at phase 4.
     ``v_early`` (state kernel with ``pipe``): the R warps copy chunk c + 1's v rows into the R
     region at the start of chunk c's phase 5 (phase 4 has read R there) and form R in place in
-    phase 3, as the fused kernel's ``v_async`` (whose copies are waited for in phase 3)."""
+    phase 3, as the fused kernel's ``v_async`` (whose copies are waited for in phase 3).
+    ``overlap`` (state kernel with ``pipe``): thread 0 waits for the flags of the chunks it
+    stages (``kda_prefill_split_kernel``). ``parts``: instead of a PrimFunc the dict of the
+    kernel's macros (``item`` / ``body`` of the intra kernel, ``run`` / ``body`` of the state
+    kernel) and its shared-memory floats ``nsm``."""
     EARLY = early_kq and stage == "state"
     if tmat and stage == "fused":
         raise ValueError("tmat belongs to the split form (kda_prefill_split_intra_kernel / _state_kernel)")
@@ -592,6 +682,9 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
     if v_early and not PIPE:
         raise ValueError("v_early: the split state kernel with tmat and pipe (its copies join pipe's groups)")
     V_EARLY = v_early
+    if overlap and not PIPE:
+        raise ValueError("overlap: the split state kernel with pipe (its waits are placed at pipe's copies)")
+    OVL = overlap
     O_VEC = o_vec and stage != "intra"
     if K != 128 or V != 128:
         raise ValueError(f"the fused KDA prefill is written for K = V = 128, got K={K}, V={V}")
@@ -657,6 +750,7 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
     if not emulate and NSM * 4 > 227 * 1024:
         raise ValueError(f"block_v={BV} needs {NSM * 4} bytes of shared memory (> 227 KB)")
     frag_a, mma, mma_rb, syncwarp, prefetch = _macros(emulate)
+    wait_flag = _flag_macros(emulate)[0]
     ex2 = _ex2(emulate)
     rcp = _rcp(emulate)
     tf32 = _tf32(emulate)
@@ -1142,14 +1236,10 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                     SM[O_V + (I * SUB + frag_row(tx, e)) * RS + vp_tile(tx) * 8 + frag_col(tx, e)] = tf32(Zt[tx * EM, I * 4 + e])
 
     @T.macro
-    def intra_body(q, k, g, beta, A_log, dt_bias, cu, ka_g, qa_g, kd_g, gl_g, la_g, dinv_g, n_tok, n_cu):
-        """The split form's first kernel over its buffers: one block per (chunk, head)."""
-        for blk in BLK(((n_tok + C - 1) // C + n_cu - 1) * H):
-            SM = T.alloc_buffer((NSM,), "float32", scope=SH)
-            meta = T.alloc_buffer((2,), "int32", scope=SH)   # chunk start, sequence end (0, 0: none)
-            if not SYNC:   # emulated: a read of shared memory that nothing wrote gives NaN
-                for i in range(NSM):
-                    SM[i] = T.float32("nan")
+    def intra_item(SM, meta, blk, q, k, g, beta, A_log, dt_bias, cu, ka_g, qa_g, kd_g, gl_g, la_g, dinv_g, n_tok,
+                   n_cu):
+        """The intra kernel's work on item ``blk`` = chunk index · H + head (meta: 2 shared int32)."""
+        if True:
             # phase 0: which (sequence, chunk) this block is (thread 0 walks cu_seqlens)
             for tx in THR(NT):
                 acc = T.alloc_buffer((1,), "int32", scope="local")   # chunks before sequence bb
@@ -1214,20 +1304,30 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                         dinv_g[meta[0] + (it * NT + tx) // SUB, blk % H, tx % SUB] = SM[O_D + (it * NT + tx) // SUB * DS + tx % SUB]
 
     @T.macro
-    def fused_body(q, k, v, g, beta, A_log, dt_bias, la_g, dinv_g, gl_g, cu, slots, S, layer, o, n_tok, n_cu):
-        """The kernel over its buffers; ``g`` / ``beta`` are f / b and ``A_log`` / ``dt_bias``
-        are read when ``PRE`` (None otherwise)."""
-        for blk in BLK((n_cu - 1) * (H * NVB)):
+    def intra_body(q, k, g, beta, A_log, dt_bias, cu, ka_g, qa_g, kd_g, gl_g, la_g, dinv_g, n_tok, n_cu):
+        """The split form's first kernel over its buffers: one block per (chunk, head)."""
+        for blk in BLK(((n_tok + C - 1) // C + n_cu - 1) * H):
             SM = T.alloc_buffer((NSM,), "float32", scope=SH)
+            meta = T.alloc_buffer((2,), "int32", scope=SH)   # chunk start, sequence end (0, 0: none)
+            if not SYNC:   # emulated: a read of shared memory that nothing wrote gives NaN
+                for i in range(NSM):
+                    SM[i] = T.float32("nan")
+            intra_item(SM, meta, blk, q, k, g, beta, A_log, dt_bias, cu, ka_g, qa_g, kd_g, gl_g, la_g, dinv_g,
+                       n_tok, n_cu)
+
+    @T.macro
+    def state_run(SM, blk, q, k, v, g, beta, A_log, dt_bias, la_g, dinv_g, gl_g, cu, slots, S, layer, o, n_tok,
+                  flags):
+        """The fused / state kernel's work for block ``blk`` (sequence blk // (H·NVB), head blk // NVB % H,
+        columns blk % NVB); ``overlap``: waits for ``flags`` (1 + item, item = chunk index · H + head) of
+        the chunks it stages."""
+        if True:
             Sr = T.alloc_buffer((RT, NR), "float32", scope="local")  # S rows 16·wi …, fp32
             Y = T.alloc_buffer((RT, NR), "float32", scope="local")   # (e^Γ k) S rows / Y, then o
             Z = T.alloc_buffer((RT, 4 * NTW), "float32", scope="local")  # vn tiles between warp steps
             Zt = T.alloc_buffer((RT, 4 * NSUB if TM_S else 4), "float32", scope="local")  # tmat: vn = T R
             cb = T.alloc_buffer((RT, 1), "int32", scope="local")   # split: chunks before the sequence
             bnext = T.alloc_buffer((RT, 1), "float32", scope="local")   # pipe: the next chunk's β logit
-            if not SYNC:   # emulated: a read of shared memory that nothing wrote gives NaN
-                for i in range(NSM):
-                    SM[i] = T.float32("nan")
             # the state slice → registers and shared memory
             for tx in THR(NT):
                 for nt in T.unroll(N8):
@@ -1243,6 +1343,13 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                 #          past the sequence end zero-filled), β; the next chunk's rows into L2
                 #          (split state kernel: its staged operands; with pipe only chunk 0's
                 #          here, and chunk c + 1's into the other set of regions)
+                if OVL:   # those staged here (chunk 0 and, pipe, c + 1) are written: thread 0 waits
+                    for tx in THR(NT):
+                        if tx == 0:
+                            if c == 0:
+                                wait_flag(flags, chunk_index(cb, tx, c) * H + blk // NVB % H)
+                            if cu[blk // (H * NVB)] + (c + 1) * C < cu[blk // (H * NVB) + 1]:
+                                wait_flag(flags, chunk_index(cb, tx, c + 1) * H + blk // NVB % H)
                 if SYNC:
                     T.tvm_storage_sync("shared")
                 for tx in THR(NT):
@@ -1451,6 +1558,21 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                     for e in T.unroll(4):
                         S[layer, slots[blk // (H * NVB)], blk // NVB % H, tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8, blk % NVB * BV + nt * 8 + tx % 4 * 2 + e % 2] = Sr[tx * EM, nt * 4 + e]
 
+    @T.macro
+    def fused_body(q, k, v, g, beta, A_log, dt_bias, la_g, dinv_g, gl_g, cu, slots, S, layer, o, n_tok, n_cu):
+        """The kernel over its buffers; ``g`` / ``beta`` are f / b and ``A_log`` / ``dt_bias``
+        are read when ``PRE`` (None otherwise)."""
+        for blk in BLK((n_cu - 1) * (H * NVB)):
+            SM = T.alloc_buffer((NSM,), "float32", scope=SH)
+            if not SYNC:   # emulated: a read of shared memory that nothing wrote gives NaN
+                for i in range(NSM):
+                    SM[i] = T.float32("nan")
+            state_run(SM, blk, q, k, v, g, beta, A_log, dt_bias, la_g, dinv_g, gl_g, cu, slots, S, layer, o, n_tok,
+                      None)
+
+    if parts:
+        return ({"item": intra_item, "body": intra_body, "nsm": NSM} if stage == "intra" else
+                {"run": state_run, "body": fused_body, "nsm": NSM})
     if stage == "intra" and PRE:
         @T.prim_func(private=True)
         def kda_prefill_split_intra_pre(q_h: T.handle, k_h: T.handle, f_h: T.handle, b_h: T.handle,
