@@ -153,7 +153,14 @@ PREFILL_SPLIT = ([("split", bv, ab, {}) for bv, ab in ((16, 8), (32, 8), (64, 8)
                  # with tmat and pipe at a fixed block_v of 16 / 32 (one kernel each; 32 is 18% slower at
                  # one sequence of 8192 tokens and 12 heads, kda_prefill_l2ahead_nofla_h200_2026-12-01.json)
                  + [("splitpre_ofvtp", bv, 8, {"lower_bound": LOWER_BOUND, "p2_one": True, "fast_gate": True,
-                                               "o_vec": True, "tmat": True, "pipe": True}) for bv in (16, 32)])
+                                               "o_vec": True, "tmat": True, "pipe": True}) for bv in (16, 32)]
+                 # the model's split form in one PrimFunc (kda_prefill_split_kernel; the options of
+                 # splitautopre_ofvtpv): for one sequence the intra items and the state chunk loop in
+                 # one kernel of 132 blocks (``combined``: the state blocks start once ``lead`` % of
+                 # the items are claimed; overlap False: the two kernels one after the other)
+                 + [(f"splitcombpre_l{lead}", None, None, {"lower_bound": LOWER_BOUND, "combined": True, "lead": lead})
+                    for lead in (10, 25, 40)]
+                 + [("splitcombpre_seq", None, None, {"lower_bound": LOWER_BOUND, "combined": True, "overlap": False})])
 
 
 def _split_name(name: str, bv: int | None, ab: int | None) -> str:
@@ -188,6 +195,7 @@ def build_prefill(out_dir: Path, baseline: bool = True, all_tc: bool = True, onl
     from schedules.kda_prefill_fused import (
         kda_prefill_fused_kernel,
         kda_prefill_split_intra_kernel,
+        kda_prefill_split_kernel,
         kda_prefill_split_state_kernel,
     )
     from schedules.kda_prefill_tc import kda_prefill_intra_tc_kernel, kda_prefill_state_tc_kernel
@@ -215,6 +223,11 @@ def build_prefill(out_dir: Path, baseline: bool = True, all_tc: bool = True, onl
             export({"kda_prefill_fused": kda_prefill_fused_kernel(h, K, V, K ** -0.5, block_v=bv, a_batch=ab, **opts)},
                    f"kda_prefill_{name}_h{h}_bv{bv}_ab{ab}.so")
         for name, bv, ab, opts in PREFILL_SPLIT:
+            if opts.get("combined"):
+                export({"kda_prefill_split": kda_prefill_split_kernel(
+                    h, K, V, K ** -0.5, lower_bound=opts.get("lower_bound"), overlap=opts.get("overlap", True),
+                    lead=opts.get("lead", 25))}, f"kda_prefill_{name}_h{h}.so")
+                continue
             intra_opts = ("p2_wide", "fast_gate", "p2_one", "tmat")   # the intra kernel's options
             state_opts = ("lower_bound", "early_kq", "o_vec", "tmat", "pipe", "v_early")   # the state kernel's
             st = {k: v for k, v in opts.items() if k in state_opts}
@@ -424,7 +437,10 @@ def run_prefill(lib_dir: Path, log: Path | None = None, fla_checks: bool = True,
                                                 "pre" if "lower_bound" in opts else None)
         for name, bv, ab, opts in PREFILL_SPLIT:
             path = lib_dir / f"kda_prefill_{_split_name(name, bv, ab)}_h{H}.so"
-            if path.exists():
+            if path.exists() and opts.get("combined"):
+                fns[name] = (tvm.runtime.load_module(str(path))["kda_prefill_split"],
+                             ("combined", "lower_bound" in opts))
+            elif path.exists():
                 m = tvm.runtime.load_module(str(path))
                 fns[_split_name(name, bv, ab)] = (m["kda_prefill_split_intra"],
                                                 ("split", m["kda_prefill_split_state"], "lower_bound" in opts))
@@ -459,6 +475,16 @@ def run_prefill(lib_dir: Path, log: Path | None = None, fla_checks: bool = True,
                 args = ([A(raw[n]) for n in ("q", "k", "v", "f", "b")] + [A(A_log), A(dt_bias)]
                         + [A(cu), A(slots), A(pool), 0, A(o)])
                 return lambda: fi(*args)
+            if isinstance(fs, tuple) and fs[0] == "combined":   # one PrimFunc; its flags zeroed per call
+                raw_in = fs[1]
+                Tn, B = pre["q"].shape[0], cu.shape[0] - 1
+                scr_c = [torch.empty(Tn, H, n, device=dev) for n in (K, K, K)] + [
+                    torch.empty(Tn // 64 + B, H, K, device=dev)] + [torch.empty(Tn, H, n, device=dev) for n in (64, 16)]
+                flags = torch.zeros(2 + (Tn // 64 + B + 1) * H, dtype=torch.int32, device=dev)
+                ins = ([A(raw[n]) for n in ("q", "k", "f", "b")] + [A(A_log), A(dt_bias)] if raw_in else
+                       [A(pre[n]) for n in ("q", "k", "g", "beta")])
+                args = ins + [A(cu), A(slots), A(pre["v"]), A(pool), A(flags), 0] + [A(x) for x in scr_c] + [A(o)]
+                return lambda: (flags.zero_(), fi(*args))
             if isinstance(fs, tuple):   # the split form: intra for all chunks, then phases 3-5
                 _, fs, raw_in = fs
                 Tn, B = pre["q"].shape[0], cu.shape[0] - 1

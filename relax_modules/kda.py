@@ -28,7 +28,7 @@ from schedules.kda_prefill_fused import (
     TMAT_MAX_BLOCK_V,
     kda_prefill_fused_kernel,
     kda_prefill_split_intra_kernel,
-    kda_prefill_split_state_kernel,
+    kda_prefill_split_kernel,
 )
 from schedules.kda_prefill_tc import kda_prefill_intra_tc_kernel, kda_prefill_state_tc_kernel
 from schedules.kda_generic import (
@@ -271,15 +271,19 @@ class KimiDeltaAttention(nn.Module):
         """Step 5 (with ``lower_bound`` also 2-4) in the split form: the intra kernel over all
         chunks (``intra_in``: q, k, g, β — or the raw q, k, f, b, A_log, dt_bias; ``p2_one``,
         ``fast_gate``, ``tmat``), then phases 3-5 per chunk with the state in place (``beta``: β,
-        or its logits b; ``o_vec``, ``tmat``, ``pipe``, ``v_early``). Returns ``(kda_state, o [T, H, K] f32)``."""
+        or its logits b; ``o_vec``, ``tmat``, ``pipe``, ``v_early``); with block_v at run time (no
+        ``prefill_tiling``) both in one PrimFunc (``_split_prefill_dispatched``). Returns
+        ``(kda_state, o [T, H, K] f32)``."""
         T, H, K = v.shape[0], self.H, self.K
         B = meta.seq_slots.shape[0]
         f32 = "float32"
-        # tmat in both kernels or in neither (it changes what la holds), where the state kernel's
-        # shared memory has room for it (and for pipe's second set of regions)
-        bv = None if self.prefill_tiling is None else self.prefill_tiling[0]
-        tmat = bv is None or bv <= TMAT_MAX_BLOCK_V
-        pipe = bv is None or bv <= PIPE_MAX_BLOCK_V
+        if self.prefill_tiling is None:
+            return self._split_prefill_dispatched(intra_in, v, meta, kda_state, kda_index, lower_bound)
+        # a fixed tiling: two calls; tmat in both kernels or in neither (it changes what la holds),
+        # where the state kernel's shared memory has room for it (and for pipe's second set of regions)
+        bv, ab = self.prefill_tiling
+        tmat = bv <= TMAT_MAX_BLOCK_V
+        pipe = bv <= PIPE_MAX_BLOCK_V
         intra = kda_prefill_split_intra_kernel(H, K, K ** -0.5, lower_bound=lower_bound, p2_one=True,
                                                fast_gate=True, tmat=tmat)
         # e^Γ k, scale e^Γ q, e^{Γ_last−Γ} k, e^{Γ_last} per chunk, Aqk / Tᵀ and D^{-1} rows; ka
@@ -290,18 +294,34 @@ class KimiDeltaAttention(nn.Module):
         ka, qa, kd, gl, la, dinv = op.tensor_ir_inplace_op(
             intra, "kda_prefill_split_intra" + ("_pre" if lower_bound is not None else ""),
             intra_in + [meta.cu_seqlens, op.empty((T, H, K), f32)], [len(intra_in) + 1] + [-1] * 5, outs)
-        if self.prefill_tiling is None:   # block_v at run time (pipe and v_early at 16 and 32)
-            state = kda_prefill_split_state_kernel(H, K, K, K ** -0.5, lower_bound=lower_bound, o_vec=True,
-                                                   tmat=True, pipe=True, v_early=True)
-        else:
-            bv, ab = self.prefill_tiling
-            state = kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=bv, a_batch=ab, split=True,
-                                             lower_bound=lower_bound, o_vec=True, tmat=tmat, pipe=pipe,
-                                             v_early=pipe)
+        state = kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=bv, a_batch=ab, split=True,
+                                         lower_bound=lower_bound, o_vec=True, tmat=tmat, pipe=pipe, v_early=pipe)
         return op.tensor_ir_inplace_op(
             state, "kda_prefill_split_state" + ("_pre" if lower_bound is not None else ""),
             [ka, qa, kd, v, gl, la, dinv, beta, meta.cu_seqlens, meta.seq_slots, kda_state, _i32(kda_index)],
             [10, -1], [nn.Tensor.placeholder(kda_state.shape, f32), nn.Tensor.placeholder((T, H, K), f32)])
+
+    def _split_prefill_dispatched(self, intra_in, v, meta, kda_state, kda_index, lower_bound):
+        """The split form with block_v at run time, in one PrimFunc (kda_prefill_split_kernel):
+        the intra kernel then the state kernel, or for one sequence both overlapped in one
+        kernel (its item counters and flags: a zeroed int32 tensor). Returns ``(kda_state, o [T,
+        H, K] f32)``."""
+        T, H, K = v.shape[0], self.H, self.K
+        B = meta.seq_slots.shape[0]
+        f32 = "float32"
+        flags = op.zeros((2 + max_chunks(T, B) * H,), "int32")
+        n_in = len(intra_in)
+        # out: the state and flags in place; the intra kernel's scratch (ka, qa, kd, gl, la, dinv), o
+        outs = ([nn.Tensor.placeholder(kda_state.shape, f32), nn.Tensor.placeholder(flags.shape, "int32")]
+                + [nn.Tensor.placeholder(shape, f32) for shape in
+                   ((T, H, K), (T, H, K), (T, H, K), (max_chunks(T, B), H, K), (T, H, TC_CHUNK), (T, H, 16),
+                    (T, H, K))])
+        res = op.tensor_ir_inplace_op(
+            kda_prefill_split_kernel(H, K, K, K ** -0.5, lower_bound=lower_bound),
+            "kda_prefill_split" + ("_pre" if lower_bound is not None else ""),
+            intra_in + [meta.cu_seqlens, meta.seq_slots, v, kda_state, flags, _i32(kda_index)],
+            [n_in + 3, n_in + 4] + [-1] * 7, outs)
+        return res[0], res[-1]
 
     def _tc_prefill(self, q, k, v, g, beta, meta, kda_state, kda_index, scale):
         """Step 5 on tensor cores: the intra-chunk kernel (w, u, qg, kg, Aqk per chunk row,

@@ -282,7 +282,9 @@ def _warp_sum(emulate: bool):
     return lambda x: cuda_func_call("k3_warp_sum", x, source_code=WARP_SUM_SRC, return_type="float32")
 
 
-FLAG_SRC = r"""
+# one CUDA source per function (TVM adds a function's source once per name it is called by)
+FLAG_SRC = {
+    "k3_wait_flag": r"""
 __device__ __forceinline__ void k3_wait_flag(int* p) {
   int v;
   while (true) {
@@ -291,11 +293,19 @@ __device__ __forceinline__ void k3_wait_flag(int* p) {
     __nanosleep(64);
   }
 }
+""",
+    "k3_set_flag": r"""
 __device__ __forceinline__ void k3_set_flag(int* p) {
   asm volatile("st.release.gpu.global.b32 [%0], %1;" :: "l"(p), "r"(1) : "memory");
 }
+""",
+    "k3_fence": r"""
 __device__ __forceinline__ void k3_fence() { __threadfence(); }
+""",
+    "k3_ticket": r"""
 __device__ __forceinline__ int k3_ticket(int* p) { return atomicAdd(p, 1); }
+""",
+    "k3_claim": r"""
 __device__ __forceinline__ int k3_claim(int* ctr, int leave_early, int n_state, int lead, int n_items) {
   if (leave_early) {
     int started, head;
@@ -306,7 +316,8 @@ __device__ __forceinline__ int k3_claim(int* ctr, int leave_early, int n_state, 
   int it = atomicAdd(ctr + 1, 1);
   return it < n_items ? it : -1;
 }
-"""
+""",
+}
 
 
 @functools.cache
@@ -314,7 +325,9 @@ def _flag_macros(emulate: bool):
     """``(wait_flag, set_flag, fence, ticket, claim)`` over the int32 ``flags`` of
     ``kda_prefill_split_kernel``'s overlapped form: flags[0] counts the blocks started (their
     tickets), flags[1] the intra items claimed, flags[2 + item] = 1 once item's outputs are
-    written. GPU: acquire / release at GPU scope, ``atomicAdd`` (FLAG_SRC); emulated (serial
+    written. ``ticket(flags, dst)`` → dst[0]; ``claim(flags, dst, leave_early, n_state, lead,
+    n_items)`` → dst[1]: the next item, or −1 when none is left or (``leave_early``, a state
+    block) once more than ``n_state`` blocks have started and ``lead`` items are claimed. GPU: acquire / release at GPU scope, ``atomicAdd`` (FLAG_SRC); emulated (serial
     blocks): plain loads and stores, and ``wait_flag`` asserts that the flag is set."""
     if emulate:
         @T.macro
@@ -337,34 +350,34 @@ def _flag_macros(emulate: bool):
         @T.macro
         def claim(flags, dst, leave_early, n_state, lead, n_items):
             if leave_early and flags[0] > n_state and flags[1] >= lead:
-                dst[0] = -1
+                dst[1] = -1
             else:
-                dst[0] = T.Select(flags[1] < n_items, flags[1], -1)
+                dst[1] = T.Select(flags[1] < n_items, flags[1], -1)
                 flags[1] = flags[1] + 1
     else:
         from tvm.backend.cuda.op import cuda_func_call
 
         @T.macro
         def wait_flag(flags, i):
-            cuda_func_call("k3_wait_flag", T.address_of(flags[i + 2]), source_code=FLAG_SRC)
+            cuda_func_call("k3_wait_flag", T.address_of(flags[i + 2]), source_code=FLAG_SRC["k3_wait_flag"])
 
         @T.macro
         def set_flag(flags, i):
-            cuda_func_call("k3_set_flag", T.address_of(flags[i + 2]), source_code=FLAG_SRC)
+            cuda_func_call("k3_set_flag", T.address_of(flags[i + 2]), source_code=FLAG_SRC["k3_set_flag"])
 
         @T.macro
         def fence():
-            cuda_func_call("k3_fence", source_code=FLAG_SRC)
+            cuda_func_call("k3_fence", source_code=FLAG_SRC["k3_fence"])
 
         @T.macro
         def ticket(flags, dst):
-            dst[0] = cuda_func_call("k3_ticket", T.address_of(flags[0]), source_code=FLAG_SRC,
+            dst[0] = cuda_func_call("k3_ticket", T.address_of(flags[0]), source_code=FLAG_SRC["k3_ticket"],
                                     return_type="int32")
 
         @T.macro
         def claim(flags, dst, leave_early, n_state, lead, n_items):
-            dst[0] = cuda_func_call("k3_claim", T.address_of(flags[0]), T.Cast("int32", leave_early), n_state,
-                                    lead, n_items, source_code=FLAG_SRC, return_type="int32")
+            dst[1] = cuda_func_call("k3_claim", T.address_of(flags[0]), T.Cast("int32", leave_early), n_state,
+                                    lead, n_items, source_code=FLAG_SRC["k3_claim"], return_type="int32")
     return wait_flag, set_flag, fence, ticket, claim
 
 
@@ -564,19 +577,8 @@ def _split_state(H, K, V, scale, lower_bound, tilings, ldsm, emulate, early_kq=F
     """The split form's state PrimFunc over the bodies of ``tilings`` ((block_v, a_batch), widest
     first): one tiling is launched as is, three (``SPLIT_BLOCK_V``) by a host-side branch on the
     number of sequences."""
-    # pipe and v_early (pipe needs early_kq: the next chunk's e^Γ k, e^Γ q come at phase 4) in the
-    # tilings whose shared memory holds the second set of regions; one tiling takes them as asked
-    fits = [bv <= PIPE_MAX_BLOCK_V or len(tilings) == 1 for bv, _ in tilings]
-    bodies = [_build(H, K, V, scale, bv, ab, lower_bound, False, ldsm, emulate, "state", early_kq or pipe,
-                     o_vec=o_vec, tmat=tmat, pipe=pipe and f, v_early=v_early and f, ablate=ablate)
-              for (bv, ab), f in zip(tilings, fits)]
-    if len(bodies) not in (1, 3):
-        raise ValueError(f"one or three tilings, got {tilings}")
-    ONE = len(bodies) == 1
-    body = bodies[0]
-    b_wide, b_mid, b_narrow = (body, body, body) if ONE else bodies
-    # the smallest B for which split_block_v picks the widest / the middle tiling
-    n_wide, n_mid = (0, 0) if ONE else (_first_n_seq(tilings[0][0], H, V), _first_n_seq(tilings[1][0], H, V))
+    dispatch = _state_dispatch(H, K, V, scale, lower_bound, tilings, ldsm, emulate, early_kq, o_vec, tmat, pipe,
+                               v_early, ablate)
 
     @T.prim_func(private=True)
     def kda_prefill_split_state(ka_h: T.handle, qa_h: T.handle, kd_h: T.handle, v_h: T.handle,
@@ -597,6 +599,31 @@ def _split_state(H, K, V, scale, lower_bound, tilings, ldsm, emulate, early_kq=F
         slots = T.match_buffer(slots_h, (n_seq,), "int32")
         S = T.match_buffer(state_h, (n_layer, n_slot, H, K, V), "float32")
         o = T.match_buffer(o_h, (n_tok, H, V), "float32")
+        dispatch(qa, ka, v, kd, beta, la_g, dinv_g, gl, cu, slots, S, layer, o, n_tok, n_cu)
+
+    return kda_prefill_split_state if emulate else mark(kda_prefill_split_state)
+
+
+def _state_dispatch(H, K, V, scale, lower_bound, tilings, ldsm, emulate, early_kq, o_vec, tmat, pipe, v_early,
+                    ablate):
+    """The macro ``dispatch(qa, ka, v, kd, beta, la, dinv, gl, cu, slots, S, layer, o, n_tok, n_cu)``
+    of :func:`_split_state`: the state kernel of one tiling, or of three by a host-side branch."""
+    # pipe and v_early (pipe needs early_kq: the next chunk's e^Γ k, e^Γ q come at phase 4) in the
+    # tilings whose shared memory holds the second set of regions; one tiling takes them as asked
+    fits = [bv <= PIPE_MAX_BLOCK_V or len(tilings) == 1 for bv, _ in tilings]
+    bodies = [_build(H, K, V, scale, bv, ab, lower_bound, False, ldsm, emulate, "state", early_kq or pipe,
+                     o_vec=o_vec, tmat=tmat, pipe=pipe and f, v_early=v_early and f, ablate=ablate)
+              for (bv, ab), f in zip(tilings, fits)]
+    if len(bodies) not in (1, 3):
+        raise ValueError(f"one or three tilings, got {tilings}")
+    ONE = len(bodies) == 1
+    body = bodies[0]
+    b_wide, b_mid, b_narrow = (body, body, body) if ONE else bodies
+    # the smallest B for which split_block_v picks the widest / the middle tiling
+    n_wide, n_mid = (0, 0) if ONE else (_first_n_seq(tilings[0][0], H, V), _first_n_seq(tilings[1][0], H, V))
+
+    @T.macro
+    def dispatch(qa, ka, v, kd, beta, la_g, dinv_g, gl, cu, slots, S, layer, o, n_tok, n_cu):
         if ONE:
             body(qa, ka, v, kd, beta, None, None, la_g, dinv_g, gl, cu, slots, S, layer, o, n_tok, n_cu)
         else:
@@ -607,7 +634,7 @@ def _split_state(H, K, V, scale, lower_bound, tilings, ldsm, emulate, early_kq=F
             else:
                 b_narrow(qa, ka, v, kd, beta, None, None, la_g, dinv_g, gl, cu, slots, S, layer, o, n_tok, n_cu)
 
-    return kda_prefill_split_state if emulate else mark(kda_prefill_split_state)
+    return dispatch
 
 
 @functools.cache
@@ -646,6 +673,173 @@ def kda_prefill_split_intra_kernel(H: int, K: int, scale: float, lower_bound: fl
         raise ValueError("p2_one replaces the rounds of p2_pairs / p2_wide: set p2_one alone")
     return _build(H, K, K, scale, 16, 8, lower_bound, p2_pairs and not p2_one, False, emulate, "intra",
                   p2_wide=p2_wide, fast_gate=fast_gate, p2_one=p2_one, tmat=tmat)
+
+
+OVERLAP_SMS = 132     # SMs of an H100 / H200 SXM: the overlapped form launches this many blocks
+OVERLAP_LEAD = 25     # % of the intra items all blocks claim before the state blocks start theirs
+
+
+@functools.cache
+def kda_prefill_split_kernel(H: int, K: int, V: int, scale: float, lower_bound: float | None = None,
+                             overlap: bool = True, lead: int = OVERLAP_LEAD, emulate: bool = False):
+    """The split form as the model dispatches it, in one PrimFunc: the intra kernel
+    (``p2_one``, ``fast_gate``, ``tmat``), then the state kernel with block_v at run time
+    (``o_vec``, ``tmat``, ``pipe``, ``v_early``; :func:`kda_prefill_split_state_kernel`) — or,
+    for one sequence (``overlap`` and B = 1, where the state kernel's H·V/block_v blocks leave SMs
+    idle), both in one kernel of ``OVERLAP_SMS`` blocks:
+
+    - every block takes a ticket (an ``atomicAdd``); the first H·V/block_v to start are the state
+      blocks, the others intra workers;
+    - all of them claim intra items (one (chunk, head) each, in chunk order, by an ``atomicAdd``),
+      publish each item's outputs (``__threadfence``, barrier, a release store of its flag);
+    - a state block stops claiming once an intra worker has started and ``lead`` % of the items
+      are claimed, then runs the state kernel's chunk loop, where thread 0 waits (acquire load)
+      for the flag of each chunk before the block's copies of it. The workers go on until no
+      item is left. It cannot deadlock: a state block waits only once a worker, which never
+      waits, is running; with no room for a worker the state blocks claim every item first.
+
+    Arguments::
+
+        q, k, g, beta / q, k, f, b, A_log, dt_bias    as kda_prefill_split_intra_kernel
+        cu_seqlens  [B+1]                  int32
+        seq_slots   [B]                    int32
+        v           [T, H, V]              float32
+        state       [L, slots, H, K, V]    float32   in place
+        flags       [≥ 2 + (⌈T/64⌉ + B)·H] int32     zeros (in place; used when overlapping)
+        layer                              int32
+        ka, qa, kd, gl, la, dinv           float32   out: the intra kernel's scratch
+        o           [T, H, V]              float32   out
+
+    Raises ValueError as the two kernels do, and for ``lead`` outside 0-100."""
+    if not 0 <= lead <= 100:
+        raise ValueError(f"lead={lead}: a percentage of the intra items, 0-100")
+    PRE = lower_bound is not None
+    intra = _build(H, K, K, scale, 16, 8, lower_bound, False, False, emulate, "intra", fast_gate=True,
+                   p2_one=True, tmat=True, parts=True)
+    dispatch = _state_dispatch(H, K, V, scale, lower_bound, tuple((bv, 8) for bv in SPLIT_BLOCK_V), False, emulate,
+                               True, True, True, True, True, frozenset())
+    bv1 = split_block_v(1, H, V)
+    NS = H * (V // bv1)    # state blocks of one sequence
+    OVL = overlap and NS < OVERLAP_SMS and bv1 <= PIPE_MAX_BLOCK_V
+    BLK, THR, SH = block_thread_loops(emulate)
+    SYNC = not emulate
+    wait_flag, set_flag, fence, ticket, claim = _flag_macros(emulate)
+    item, intra_body = intra["item"], intra["body"]
+    if OVL:
+        state = _build(H, K, V, scale, bv1, 8, lower_bound, False, False, emulate, "state", True, o_vec=True,
+                       tmat=True, pipe=True, v_early=True, overlap=True, parts=True)
+        run = state["run"]
+        NSM = max(intra["nsm"], state["nsm"])
+    else:
+        run, NSM = None, 0
+
+    @T.macro
+    def overlapped(q, k, g, beta, A_log, dt_bias, cu, slots, v, S, flags, layer, ka, qa, kd, gl, la_g, dinv_g, o,
+                   n_tok, n_cu):
+        for blk in BLK(OVERLAP_SMS):
+            SM = T.alloc_buffer((NSM,), "float32", scope=SH)
+            meta = T.alloc_buffer((2,), "int32", scope=SH)   # the intra item's chunk start, sequence end
+            tk = T.alloc_buffer((2,), "int32", scope=SH)     # ticket, the item claimed (−1: none)
+            if not SYNC:
+                for i in range(NSM):
+                    SM[i] = T.float32("nan")
+            for tx in THR(NT):
+                if tx == 0:
+                    ticket(flags, tk)
+                    claim(flags, tk, tk[0] < NS, NS, T.Cast("int32", ((n_tok + C - 1) // C + n_cu - 1) * H * lead // 100),
+                          T.Cast("int32", ((n_tok + C - 1) // C + n_cu - 1) * H))
+            if SYNC:
+                T.tvm_storage_sync("shared")
+            while tk[1] >= 0:
+                item(SM, meta, tk[1], q, k, g, beta, A_log, dt_bias, cu, ka, qa, kd, gl, la_g, dinv_g, n_tok, n_cu)
+                for tx in THR(NT):   # every thread's writes of the item before its flag
+                    fence()
+                if SYNC:
+                    T.tvm_storage_sync("shared")
+                for tx in THR(NT):
+                    if tx == 0:
+                        set_flag(flags, tk[1])
+                        claim(flags, tk, tk[0] < NS, NS, T.Cast("int32", ((n_tok + C - 1) // C + n_cu - 1) * H * lead // 100),
+                              T.Cast("int32", ((n_tok + C - 1) // C + n_cu - 1) * H))
+                if SYNC:
+                    T.tvm_storage_sync("shared")
+            if tk[0] < NS:
+                run(SM, tk[0], qa, ka, v, kd, beta, None, None, la_g, dinv_g, gl, cu, slots, S, layer, o, n_tok,
+                    flags)
+
+    @T.macro
+    def split(q, k, g, beta, A_log, dt_bias, cu, slots, v, S, flags, layer, ka, qa, kd, gl, la_g, dinv_g, o,
+              n_tok, n_cu):
+        if OVL:
+            if n_cu == 2:
+                overlapped(q, k, g, beta, A_log, dt_bias, cu, slots, v, S, flags, layer, ka, qa, kd, gl, la_g,
+                           dinv_g, o, n_tok, n_cu)
+            else:
+                intra_body(q, k, g, beta, A_log, dt_bias, cu, ka, qa, kd, gl, la_g, dinv_g, n_tok, n_cu)
+                dispatch(qa, ka, v, kd, beta, la_g, dinv_g, gl, cu, slots, S, layer, o, n_tok, n_cu)
+        else:
+            intra_body(q, k, g, beta, A_log, dt_bias, cu, ka, qa, kd, gl, la_g, dinv_g, n_tok, n_cu)
+            dispatch(qa, ka, v, kd, beta, la_g, dinv_g, gl, cu, slots, S, layer, o, n_tok, n_cu)
+
+    if PRE:
+        @T.prim_func(private=True)
+        def kda_prefill_split(q_h: T.handle, k_h: T.handle, f_h: T.handle, b_h: T.handle, alog_h: T.handle,
+                              dtb_h: T.handle, cu_h: T.handle, slots_h: T.handle, v_h: T.handle,
+                              state_h: T.handle, flags_h: T.handle, layer: T.int32, ka_h: T.handle,
+                              qa_h: T.handle, kd_h: T.handle, gl_h: T.handle, la_h: T.handle, dinv_h: T.handle,
+                              o_h: T.handle):
+            T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
+            n_tok, n_cu, n_ch, n_seq, n_layer, n_slot, n_fl = (T.int64(), T.int64(), T.int64(), T.int64(),
+                                                               T.int64(), T.int64(), T.int64())
+            q = T.match_buffer(q_h, (n_tok, H, K), "float32")
+            k = T.match_buffer(k_h, (n_tok, H, K), "float32")
+            f = T.match_buffer(f_h, (n_tok, H, K), "float32")
+            b = T.match_buffer(b_h, (n_tok, H), "float32")
+            A_log = T.match_buffer(alog_h, (H,), "float32")
+            dt_bias = T.match_buffer(dtb_h, (H * K,), "float32")
+            cu = T.match_buffer(cu_h, (n_cu,), "int32")
+            slots = T.match_buffer(slots_h, (n_seq,), "int32")
+            v = T.match_buffer(v_h, (n_tok, H, V), "float32")
+            S = T.match_buffer(state_h, (n_layer, n_slot, H, K, V), "float32")
+            flags = T.match_buffer(flags_h, (n_fl,), "int32")
+            ka = T.match_buffer(ka_h, (n_tok, H, K), "float32")
+            qa = T.match_buffer(qa_h, (n_tok, H, K), "float32")
+            kd = T.match_buffer(kd_h, (n_tok, H, K), "float32")
+            gl = T.match_buffer(gl_h, (n_ch, H, K), "float32")
+            la_g = T.match_buffer(la_h, (n_tok, H, C), "float32")
+            dinv_g = T.match_buffer(dinv_h, (n_tok, H, SUB), "float32")
+            o = T.match_buffer(o_h, (n_tok, H, V), "float32")
+            split(q, k, f, b, A_log, dt_bias, cu, slots, v, S, flags, layer, ka, qa, kd, gl, la_g, dinv_g, o,
+                  n_tok, n_cu)
+    else:
+        @T.prim_func(private=True)
+        def kda_prefill_split(q_h: T.handle, k_h: T.handle, g_h: T.handle, beta_h: T.handle, cu_h: T.handle,
+                              slots_h: T.handle, v_h: T.handle, state_h: T.handle, flags_h: T.handle,
+                              layer: T.int32, ka_h: T.handle, qa_h: T.handle, kd_h: T.handle, gl_h: T.handle,
+                              la_h: T.handle, dinv_h: T.handle, o_h: T.handle):
+            T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
+            n_tok, n_cu, n_ch, n_seq, n_layer, n_slot, n_fl = (T.int64(), T.int64(), T.int64(), T.int64(),
+                                                               T.int64(), T.int64(), T.int64())
+            q = T.match_buffer(q_h, (n_tok, H, K), "float32")
+            k = T.match_buffer(k_h, (n_tok, H, K), "float32")
+            g = T.match_buffer(g_h, (n_tok, H, K), "float32")
+            beta = T.match_buffer(beta_h, (n_tok, H), "float32")
+            cu = T.match_buffer(cu_h, (n_cu,), "int32")
+            slots = T.match_buffer(slots_h, (n_seq,), "int32")
+            v = T.match_buffer(v_h, (n_tok, H, V), "float32")
+            S = T.match_buffer(state_h, (n_layer, n_slot, H, K, V), "float32")
+            flags = T.match_buffer(flags_h, (n_fl,), "int32")
+            ka = T.match_buffer(ka_h, (n_tok, H, K), "float32")
+            qa = T.match_buffer(qa_h, (n_tok, H, K), "float32")
+            kd = T.match_buffer(kd_h, (n_tok, H, K), "float32")
+            gl = T.match_buffer(gl_h, (n_ch, H, K), "float32")
+            la_g = T.match_buffer(la_h, (n_tok, H, C), "float32")
+            dinv_g = T.match_buffer(dinv_h, (n_tok, H, SUB), "float32")
+            o = T.match_buffer(o_h, (n_tok, H, V), "float32")
+            split(q, k, g, beta, None, None, cu, slots, v, S, flags, layer, ka, qa, kd, gl, la_g, dinv_g, o,
+                  n_tok, n_cu)
+
+    return kda_prefill_split if emulate else mark(kda_prefill_split)
 
 
 def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulate, stage, early_kq=False,

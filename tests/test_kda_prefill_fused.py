@@ -20,6 +20,7 @@ from schedules.kda_prefill_cuda import kda_prefill_reference
 from schedules.kda_prefill_fused import (
     kda_prefill_fused_kernel,
     kda_prefill_split_intra_kernel,
+    kda_prefill_split_kernel,
     kda_prefill_split_state_kernel,
     split_block_v,
 )
@@ -224,6 +225,37 @@ def test_emulated_split_state_kernel_with_runtime_block_v_matches_reference(lens
     _check_outputs(o.numpy(), pt.numpy(), o_ref, ref_pool, slots)
 
 
+@pytest.mark.parametrize("lens", [[70], [200], [130, 1, 64, 70]])
+def test_emulated_split_kernel_matches_reference(lens):
+    """kda_prefill_split_kernel as the model dispatches it (raw inputs: L2 norms, gate and β in
+    the kernel): one sequence through the overlapped kernel (every item's flag set, each block's
+    ticket taken once; the emulated wait asserts the flags of what a state block stages), several
+    through the intra kernel and the state kernel of their block_v — against the reference."""
+    import tvm
+
+    H, K = 2, 128
+    raw, pre, cu, slots, pool = _raw_inputs(lens, H, seed=len(lens) + lens[0])
+    ref_pool = pool.copy()
+    o_ref = kda_prefill_reference(pre["q"], pre["k"], pre["v"], pre["g"], pre["beta"], cu, slots,
+                                  ref_pool, 1, K ** -0.5)
+    lib = _llvm(kda_prefill_split_kernel(H, K, K, K ** -0.5, lower_bound=-5.0, emulate=True))
+    A = tvm.runtime.tensor
+    Tn, B = sum(lens), len(lens)
+    n_items = ((Tn + 63) // 64 + B) * H
+    flags = A(np.zeros(2 + n_items, np.int32))
+    pt, o = A(pool), A(np.full(raw["v"].shape, np.nan, np.float32))
+    lib["f"](*(A(raw[n]) for n in ("q", "k", "f", "b", "A_log", "dt_bias")), A(cu), A(slots), A(raw["v"]), pt,
+             flags, 1, *_split_scratch(Tn, B, H), o)
+    _check_outputs(o.numpy(), pt.numpy(), o_ref, ref_pool, slots)
+    fl = flags.numpy()
+    if B == 1:   # 132 tickets; the items claimed, then one failed claim per block
+        assert fl[0] == 132 and fl[1] == n_items + 132 and (fl[2:] == 1).all()
+    else:        # the two kernels: no flag touched
+        assert not fl.any()
+    with pytest.raises(ValueError, match="lead=101"):
+        kda_prefill_split_kernel(H, K, K, K ** -0.5, lead=101, emulate=True)
+
+
 def _raw_inputs(lens, H, K=128, seed=0):
     """Inputs before the L2 norms, gate and β (spec §3 steps 2-4), and the preprocessed ones."""
     rng = np.random.default_rng(seed)
@@ -336,31 +368,33 @@ def test_fused_kernel_compiles_to_fatbin_for_sm90a(tmp_path):
         "e = kda_prefill_fused_kernel(3, 128, 128, 128 ** -0.5, block_v=64, a_batch=8, p2_one=True, ldsm=True,\n"
         "                             v_async=True, fast_gate=True, o_vec=True, lower_bound=-5.0)\n"
         "r = kda_prefill_fused_kernel(3, 128, 128, 128 ** -0.5, block_v=16, p2_pairs=True, ldsm=True)\n"
-        "from schedules.kda_prefill_fused import kda_prefill_split_intra_kernel, kda_prefill_split_state_kernel\n"
+        "from schedules.kda_prefill_fused import kda_prefill_split_kernel\n"
         # the split form as dispatched below 48 heads
-        "i = kda_prefill_split_intra_kernel(3, 128, 128 ** -0.5, lower_bound=-5.0, p2_one=True, fast_gate=True,\n"
-        "                                   tmat=True)\n"
-        "s = kda_prefill_split_state_kernel(3, 128, 128, 128 ** -0.5, lower_bound=-5.0, o_vec=True, tmat=True,\n"
-        "                                   pipe=True, v_early=True)\n"
+        "s = kda_prefill_split_kernel(3, 128, 128, 128 ** -0.5, lower_bound=-5.0)\n"
         "mod = tvm.IRModule({n: x.with_attr('global_symbol', n) for n, x in\n"
-        "                    (('f', f), ('p', p), ('r', r), ('d', d), ('e', e), ('i', i), ('s', s))})", tmp_path,
+        "                    (('f', f), ('p', p), ('r', r), ('d', d), ('e', e), ('s', s))})", tmp_path,
         contexts="respect_manual_barriers()", keep_src=True)
     assert "fatbin" in out
     src = "".join(p.read_text() for p in (tmp_path / "src").glob("*.cu"))
-    # the split state kernel: one kernel per block_v (64, 32, 16) behind the host-side branch
-    assert all(f"__global__ void __launch_bounds__(256) {n}(" in src for n in ("s_kernel", "s_kernel_1", "s_kernel_2"))
+    # the split form: the overlapped kernel (one sequence), the intra kernel, then one state kernel
+    # per block_v (64, 32, 16) behind the host-side branches
+    assert all(f"__global__ void __launch_bounds__(256) s_kernel{n}(" in src for n in ("", "_1", "_2", "_3", "_4"))
+    # the overlapped kernel's tickets, claims and flags (release / acquire at GPU scope)
+    for ptx in ("atomicAdd(", "st.release.gpu.global.b32", "ld.acquire.gpu.global.b32", "__threadfence()"):
+        assert ptx in src, ptx
     assert "__shfl_xor_sync" in src   # the warp-shuffle L2 norms
     for ptx in ("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32", "cvt.rna.tf32.f32",
                 "ex2.approx.ftz.f32", "cp.async.cg.shared.global", "prefetch.global.L2",
                 "ldmatrix.sync.aligned.m8n8.x4.shared.b16"):
         assert ptx in src, ptx
     assert src.count("k3_mma_tf32_raw(") > 10
-    # fast_gate: σ by rcp.approx (in d, e and i), no division left in those kernels' gates
+    # fast_gate: σ by rcp.approx (in d, e and s's intra kernels), no division left in those kernels' gates
     assert "rcp.approx.ftz.f32" in src and src.count("k3_rcp(") >= 3 * 64
     assert src.count("__syncwarp()") == 1   # one device function, called between warp steps
     # o_vec: o as 8-byte column pairs, one store per row half and n-tile (d: 2 × 16, e: 2 × 8, the
-    # three bodies of s at 64 / 32 / 16 columns: 2 × (8 + 4 + 2)), plus the definition
-    assert "make_float2" in src and src.count("k3_st2(") == 2 * (16 + 8 + 8 + 4 + 2) + 1
+    # four state bodies of s at 64 / 32 / 16 columns and the overlapped one at 16: 2 × (8 + 4 + 2 +
+    # 2)), plus the definition
+    assert "make_float2" in src and src.count("k3_st2(") == 2 * (16 + 8 + 8 + 4 + 2 + 2) + 1
     # pipe (s at 32 and 16 columns): chunk c waits for all but the group of chunk c + 1's copies
     assert "cp.async.wait_group 1" in src
 
@@ -408,10 +442,9 @@ def test_model_with_fused_or_split_prefill_matches_generic_model(form, preproces
 
     script, outs, refs = nano_kda_prefill_vs_generic(
         {"kda_prefill_fused_kernel": functools.partial(kda_prefill_fused_kernel, emulate=True),
-         "kda_prefill_split_intra_kernel": functools.partial(kda_prefill_split_intra_kernel, emulate=True),
-         "kda_prefill_split_state_kernel": functools.partial(kda_prefill_split_state_kernel, emulate=True)},
+         "kda_prefill_split_kernel": functools.partial(kda_prefill_split_kernel, emulate=True)},
         configure, seed=1)
-    kernel = {"fused": "kda_prefill_fused", "split": "kda_prefill_split_state"}[form]
+    kernel = {"fused": "kda_prefill_fused", "split": "kda_prefill_split"}[form]
     assert kernel in script and (kernel + "_pre" in script) == preprocess
     assert "kda_prefill_state_tc" not in script
     for got, want in zip(outs, refs):
