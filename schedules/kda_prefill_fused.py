@@ -681,7 +681,8 @@ OVERLAP_LEAD = 25     # % of the intra items all blocks claim before the state b
 
 @functools.cache
 def kda_prefill_split_kernel(H: int, K: int, V: int, scale: float, lower_bound: float | None = None,
-                             overlap: bool = True, lead: int = OVERLAP_LEAD, emulate: bool = False):
+                             overlap: bool = True, lead: int = OVERLAP_LEAD, trace: bool = False,
+                             emulate: bool = False):
     """The split form as the model dispatches it, in one PrimFunc: the intra kernel
     (``p2_one``, ``fast_gate``, ``tmat``), then the state kernel with block_v at run time
     (``o_vec``, ``tmat``, ``pipe``, ``v_early``; :func:`kda_prefill_split_state_kernel`) — or,
@@ -710,6 +711,10 @@ def kda_prefill_split_kernel(H: int, K: int, V: int, scale: float, lower_bound: 
         ka, qa, kd, gl, la, dinv           float32   out: the intra kernel's scratch
         o           [T, H, V]              float32   out
 
+    ``trace`` (profiling, overlapped form): thread 0 of block b also writes flags[2 + n_items +
+    6b + j], j = 0 … 5: its ticket, the items it did, %globaltimer_lo (ns) at its start, when it
+    stopped claiming and at its end, and its %smid (n_items = (⌈T/64⌉ + B)·H; emulated: times 0).
+
     Raises ValueError as the two kernels do, and for ``lead`` outside 0-100."""
     if not 0 <= lead <= 100:
         raise ValueError(f"lead={lead}: a percentage of the intra items, 0-100")
@@ -724,6 +729,21 @@ def kda_prefill_split_kernel(H: int, K: int, V: int, scale: float, lower_bound: 
     BLK, THR, SH = block_thread_loops(emulate)
     SYNC = not emulate
     wait_flag, set_flag, fence, ticket, claim = _flag_macros(emulate)
+    TRACE = trace
+    if emulate:
+        def clock(name):
+            return T.int32(0)
+    else:
+        from tvm.backend.cuda.op import cuda_func_call
+
+        def clock(name):   # name: globaltimer_lo or smid
+            return cuda_func_call(f"k3_{name}", source_code=f"""
+__device__ __forceinline__ int k3_{name}() {{
+  int t;
+  asm volatile("mov.u32 %0, %{name};" : "=r"(t));
+  return t;
+}}
+""", return_type="int32")
     item, intra_body = intra["item"], intra["body"]
     if OVL:
         state = _build(H, K, V, scale, bv1, 8, lower_bound, False, False, emulate, "state", True, o_vec=True,
@@ -739,12 +759,15 @@ def kda_prefill_split_kernel(H: int, K: int, V: int, scale: float, lower_bound: 
         for blk in BLK(OVERLAP_SMS):
             SM = T.alloc_buffer((NSM,), "float32", scope=SH)
             meta = T.alloc_buffer((2,), "int32", scope=SH)   # the intra item's chunk start, sequence end
-            tk = T.alloc_buffer((2,), "int32", scope=SH)     # ticket, the item claimed (−1: none)
+            tk = T.alloc_buffer((4,), "int32", scope=SH)     # ticket, the item claimed (−1: none); trace
             if not SYNC:
                 for i in range(NSM):
                     SM[i] = T.float32("nan")
             for tx in THR(NT):
                 if tx == 0:
+                    if TRACE:
+                        tk[2] = 0
+                        tk[3] = clock("globaltimer_lo")
                     ticket(flags, tk)
                     claim(flags, tk, tk[0] < NS, NS, T.Cast("int32", ((n_tok + C - 1) // C + n_cu - 1) * H * lead // 100),
                           T.Cast("int32", ((n_tok + C - 1) // C + n_cu - 1) * H))
@@ -759,13 +782,29 @@ def kda_prefill_split_kernel(H: int, K: int, V: int, scale: float, lower_bound: 
                 for tx in THR(NT):
                     if tx == 0:
                         set_flag(flags, tk[1])
+                        if TRACE:
+                            tk[2] = tk[2] + 1
                         claim(flags, tk, tk[0] < NS, NS, T.Cast("int32", ((n_tok + C - 1) // C + n_cu - 1) * H * lead // 100),
                               T.Cast("int32", ((n_tok + C - 1) // C + n_cu - 1) * H))
                 if SYNC:
                     T.tvm_storage_sync("shared")
+            if TRACE:
+                for tx in THR(NT):
+                    if tx == 0:
+                        flags[2 + ((n_tok + C - 1) // C + n_cu - 1) * H + blk * 6] = tk[0]
+                        flags[2 + ((n_tok + C - 1) // C + n_cu - 1) * H + blk * 6 + 1] = tk[2]
+                        flags[2 + ((n_tok + C - 1) // C + n_cu - 1) * H + blk * 6 + 2] = tk[3]
+                        flags[2 + ((n_tok + C - 1) // C + n_cu - 1) * H + blk * 6 + 3] = clock("globaltimer_lo")
+                        flags[2 + ((n_tok + C - 1) // C + n_cu - 1) * H + blk * 6 + 5] = clock("smid")
             if tk[0] < NS:
                 run(SM, tk[0], qa, ka, v, kd, beta, None, None, la_g, dinv_g, gl, cu, slots, S, layer, o, n_tok,
                     flags)
+            if TRACE:
+                if SYNC:
+                    T.tvm_storage_sync("shared")
+                for tx in THR(NT):
+                    if tx == 0:
+                        flags[2 + ((n_tok + C - 1) // C + n_cu - 1) * H + blk * 6 + 4] = clock("globaltimer_lo")
 
     @T.macro
     def split(q, k, g, beta, A_log, dt_bias, cu, slots, v, S, flags, layer, ka, qa, kd, gl, la_g, dinv_g, o,

@@ -18,6 +18,10 @@ chunk's critical path (its results are then wrong).
 ``split-build DIR [H]`` / ``split-run DIR H RESULT.json``: the split form's intra and state kernels
 timed apart (as dispatched and with ``tmat``), and its state kernel at block_v 16 and 64 without
 each part.
+
+``overlap-build DIR [H]`` / ``overlap-run DIR H RESULT.json``: the split form in one PrimFunc
+(kda_prefill_split_kernel) at one sequence of 8192 tokens, overlapped per lead and not, and a
+trace of its blocks (who did how many intra items, when the state blocks started their chunks).
 """
 
 import sys
@@ -346,6 +350,79 @@ def run_split(out: Path, H: int, result: Path) -> None:
     result.write_text(json.dumps(res, indent=1))
 
 
+OVERLAP_LEADS = (10, 25, 40)
+
+
+def build_overlap(out: Path, H: int) -> None:
+    """``kda_prefill_overlap.so``: kda_prefill_split_kernel (L2 norms, gate and β inside) as
+    ``split_l<lead>`` per OVERLAP_LEADS, ``split_seq`` without the overlap, and ``trace_l<lead>``
+    with the per-block trace."""
+    from schedules.kda_prefill_fused import kda_prefill_split_kernel
+
+    fs = {"split_seq": kda_prefill_split_kernel(H, K, K, K ** -0.5, lower_bound=LOWER_BOUND, overlap=False)}
+    for lead in OVERLAP_LEADS:
+        fs[f"split_l{lead}"] = kda_prefill_split_kernel(H, K, K, K ** -0.5, lower_bound=LOWER_BOUND, lead=lead)
+        fs[f"trace_l{lead}"] = kda_prefill_split_kernel(H, K, K, K ** -0.5, lower_bound=LOWER_BOUND, lead=lead,
+                                                        trace=True)
+    _export(fs, out, "kda_prefill_overlap.so")
+
+
+def run_overlap(out: Path, H: int, result: Path) -> None:
+    """One sequence of 8192 tokens: each kernel of ``build_overlap`` timed (CUDA events, median of
+    5 interleaved rounds of 5 calls, the flags zeroed in each call), then one traced call per lead
+    summarized per role (state blocks, intra workers): items done, when each stopped claiming
+    and ended (µs after the first block's start), distinct SMs → ``result`` (JSON)."""
+    import json
+    import statistics
+
+    import torch
+    import tvm
+
+    from k3_compile.device_code import load_cuda_runtime
+
+    load_cuda_runtime()
+    lib = tvm.runtime.load_module(str(out / "kda_prefill_overlap.so"))
+    dev = torch.device("cuda")
+    t = tvm.runtime.from_dlpack
+    C = 64
+    res = _result_header(H)
+    lens = (8192,)
+    T, B = sum(lens), len(lens)
+    x = _raw_inputs(lens, H)
+    n_items = (T // C + B) * H
+    flags = torch.zeros(2 + n_items + 6 * 132, dtype=torch.int32, device=dev)
+    scratch = [torch.empty(T, H, n, device=dev) for n in (K, K, K)] + [torch.empty(T // C + B, H, K, device=dev)] + [
+        torch.empty(T, H, n, device=dev) for n in (C, 16)]
+    args = ([t(x[n]) for n in ("q", "k", "f", "b", "A_log", "dt_bias", "cu", "slots", "v", "state")] + [t(flags), 0]
+            + [t(s_) for s_ in scratch] + [t(x["o"])])
+    names = ["split_seq"] + [f"{p}_l{lead}" for lead in OVERLAP_LEADS for p in ("split", "trace")]
+    ms = _time_interleaved({n: (lambda n=n: (flags.zero_(), lib[n](*args))) for n in names})
+    row = {"lens": list(lens), "ms": ms, "trace": {}}
+    for lead in OVERLAP_LEADS:
+        flags.zero_()
+        lib[f"trace_l{lead}"](*args)
+        torch.cuda.synchronize()
+        tr = flags[2 + n_items:].view(132, 6).cpu().numpy().astype("int64")
+        t0 = tr[:, 2].min()
+        us = lambda col: ((tr[:, col] - t0) % (1 << 32)) / 1e3   # noqa: E731
+        ns = H * K // 16   # state blocks (block_v 16 for one sequence)
+        summary = {}
+        for role, sel in (("state", tr[:, 0] < ns), ("worker", tr[:, 0] >= ns)):
+            def stats(a, sel=sel):
+                a = a[sel]
+                return [round(float(a.min()), 1), round(float(statistics.median(a)), 1), round(float(a.max()), 1)] \
+                    if len(a) else None
+            summary[role] = {"blocks": int(sel.sum()), "items_min_median_max": stats(tr[:, 1].astype(float)),
+                             "stop_claiming_us": stats(us(3)), "end_us": stats(us(4)),
+                             "start_us": stats(us(2))}
+        summary["distinct_sms"] = int(len(set(tr[:, 5].tolist())))
+        summary["items_total"] = int(tr[:, 1].sum())
+        row["trace"][f"l{lead}"] = summary
+    print(json.dumps(row))
+    res["shapes"].append(row)
+    result.write_text(json.dumps(res, indent=1))
+
+
 if __name__ == "__main__":
     step, out = sys.argv[1], Path(sys.argv[2])
     H = int(sys.argv[3]) if len(sys.argv) > 3 else 96
@@ -359,5 +436,9 @@ if __name__ == "__main__":
         build_split(out, H)
     elif step == "split-run":      # ... timed: split-run DIR H RESULT.json
         run_split(out, H, Path(sys.argv[4]))
+    elif step == "overlap-build":  # the split form in one PrimFunc, overlapped for one sequence
+        build_overlap(out, H)
+    elif step == "overlap-run":    # ... timed and traced: overlap-run DIR H RESULT.json
+        run_overlap(out, H, Path(sys.argv[4]))
     else:
         run(out, H, int(sys.argv[4]) if len(sys.argv) > 4 else 8192)
