@@ -692,7 +692,8 @@ def kda_prefill_split_kernel(H: int, K: int, V: int, scale: float, lower_bound: 
     - every block takes a ticket (an ``atomicAdd``); the first H·V/block_v to start are the state
       blocks, the others intra workers;
     - all of them claim intra items (one (chunk, head) each, in chunk order, by an ``atomicAdd``),
-      publish each item's outputs (``__threadfence``, barrier, a release store of its flag);
+      publish each item's outputs (barrier, then thread 0: ``__threadfence``, a release store of
+      its flag);
     - a state block stops claiming once an intra worker has started and ``lead`` % of the items
       are claimed, then runs the state kernel's chunk loop, where thread 0 waits (acquire load)
       for the flag of each chunk before the block's copies of it. The workers go on until no
@@ -775,12 +776,13 @@ __device__ __forceinline__ int k3_{name}() {{
                 T.tvm_storage_sync("shared")
             while tk[1] >= 0:
                 item(SM, meta, tk[1], q, k, g, beta, A_log, dt_bias, cu, ka, qa, kd, gl, la_g, dinv_g, n_tok, n_cu)
-                for tx in THR(NT):   # every thread's writes of the item before its flag
-                    fence()
+                # the block's writes of the item, then (thread 0, cumulative over what the barrier
+                # ordered before it) a GPU-scope fence and the release store of its flag
                 if SYNC:
                     T.tvm_storage_sync("shared")
                 for tx in THR(NT):
                     if tx == 0:
+                        fence()
                         set_flag(flags, tk[1])
                         if TRACE:
                             tk[2] = tk[2] + 1
