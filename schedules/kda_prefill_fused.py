@@ -284,14 +284,30 @@ def _warp_sum(emulate: bool):
 
 # one CUDA source per function (TVM adds a function's source once per name it is called by)
 FLAG_SRC = {
-    "k3_wait_flag": r"""
-__device__ __forceinline__ void k3_wait_flag(int* p) {
+    "k3_wait_upto": r"""
+__device__ __forceinline__ int k3_wait_upto(int* f, int stride, int need, int known, int limit) {
+  if (need <= known) return known;
   int v;
   while (true) {
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(f + need * stride) : "memory");
     if (v != 0) break;
     __nanosleep(64);
   }
+  int a[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    a[i] = 0;
+    if (need + 1 + i < limit)
+      asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(a[i]) : "l"(f + (need + 1 + i) * stride) : "memory");
+  }
+  int r = need;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    if (a[i] == 0) break;
+    r = need + 1 + i;
+  }
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
+  return r;
 }
 """,
     "k3_set_flag": r"""
@@ -321,22 +337,28 @@ __device__ __forceinline__ int k3_claim(int* ctr, int leave_early, int n_state, 
 
 
 @functools.cache
-def _flag_macros(emulate: bool):
-    """``(wait_flag, set_flag, fence, ticket, claim)`` over the int32 ``flags`` of
+def _flag_macros(emulate: bool, H_: int = 1):
+    """``(set_flag, fence, ticket, claim, wait_upto)`` over the int32 ``flags`` of
     ``kda_prefill_split_kernel``'s overlapped form: flags[0] counts the blocks started (their
     tickets), flags[1] the intra items claimed, flags[2 + item] = 1 once item's outputs are
-    written. ``ticket(flags, dst)`` → dst[0]; ``claim(flags, dst, leave_early, n_state, lead,
-    n_items)`` → dst[1]: the next item, or −1 when none is left or (``leave_early``, a state
-    block) once more than ``n_state`` blocks have started and ``lead`` items are claimed. GPU: acquire / release at GPU scope, ``atomicAdd`` (FLAG_SRC); emulated (serial
-    blocks): plain loads and stores, and ``wait_flag`` asserts that the flag is set."""
+    written. ``ticket(flags, dst)`` → dst[0]; ``claim(flags, dst, i, leave_early, n_state, lead,
+    n_items)`` → dst[i]: the next item, or −1 when none is left or (``leave_early``, a state
+    block) once more than ``n_state`` blocks have started and ``lead`` items are claimed.
+    ``wait_upto(flags, rdy, r, base, need, limit)``: rdy[r, 0] (the last chunk known written, of
+    the chunks at flags[2 + base + H·i], i < limit) raised to at least ``need`` — where it is below,
+    wait for chunk ``need`` (acquire), then read the flags of the next 8 (relaxed, one acquire
+    fence after) so that the following chunks need no wait. GPU: acquire / release at GPU scope, ``atomicAdd`` (FLAG_SRC); emulated (serial
+    blocks): plain loads and stores, and ``wait_upto`` asserts that the flag is set."""
     if emulate:
-        @T.macro
-        def wait_flag(flags, i):
-            assert flags[i + 2] == 1, "overlap: a chunk was staged before its intra item was written"
-
         @T.macro
         def set_flag(flags, i):
             flags[i + 2] = 1
+
+        @T.macro
+        def wait_upto(flags, rdy, r, base, need, limit):
+            if need > rdy[r, 0]:
+                assert flags[2 + base + need * H_] == 1, "overlap: a chunk was staged before its intra item was written"
+                rdy[r, 0] = need
 
         @T.macro
         def fence():
@@ -348,18 +370,19 @@ def _flag_macros(emulate: bool):
             flags[0] = flags[0] + 1
 
         @T.macro
-        def claim(flags, dst, leave_early, n_state, lead, n_items):
+        def claim(flags, dst, i, leave_early, n_state, lead, n_items):
             if leave_early and flags[0] > n_state and flags[1] >= lead:
-                dst[1] = -1
+                dst[i] = -1
             else:
-                dst[1] = T.Select(flags[1] < n_items, flags[1], -1)
+                dst[i] = T.Select(flags[1] < n_items, flags[1], -1)
                 flags[1] = flags[1] + 1
     else:
         from tvm.backend.cuda.op import cuda_func_call
 
         @T.macro
-        def wait_flag(flags, i):
-            cuda_func_call("k3_wait_flag", T.address_of(flags[i + 2]), source_code=FLAG_SRC["k3_wait_flag"])
+        def wait_upto(flags, rdy, r, base, need, limit):
+            rdy[r, 0] = cuda_func_call("k3_wait_upto", T.address_of(flags[2 + base]), H_, need, rdy[r, 0], limit,
+                                       source_code=FLAG_SRC["k3_wait_upto"], return_type="int32")
 
         @T.macro
         def set_flag(flags, i):
@@ -375,10 +398,10 @@ def _flag_macros(emulate: bool):
                                     return_type="int32")
 
         @T.macro
-        def claim(flags, dst, leave_early, n_state, lead, n_items):
-            dst[1] = cuda_func_call("k3_claim", T.address_of(flags[0]), T.Cast("int32", leave_early), n_state,
+        def claim(flags, dst, i, leave_early, n_state, lead, n_items):
+            dst[i] = cuda_func_call("k3_claim", T.address_of(flags[0]), T.Cast("int32", leave_early), n_state,
                                     lead, n_items, source_code=FLAG_SRC["k3_claim"], return_type="int32")
-    return wait_flag, set_flag, fence, ticket, claim
+    return set_flag, fence, ticket, claim, wait_upto
 
 
 def ld(buf, t, end, n_tok, h, d):
@@ -729,7 +752,7 @@ def kda_prefill_split_kernel(H: int, K: int, V: int, scale: float, lower_bound: 
     OVL = overlap and NS < OVERLAP_SMS and bv1 <= PIPE_MAX_BLOCK_V
     BLK, THR, SH = block_thread_loops(emulate)
     SYNC = not emulate
-    wait_flag, set_flag, fence, ticket, claim = _flag_macros(emulate)
+    set_flag, fence, ticket, claim, _ = _flag_macros(emulate)
     TRACE = trace
     if emulate:
         def clock(name):
@@ -758,9 +781,12 @@ __device__ __forceinline__ int k3_{name}() {{
     def overlapped(q, k, g, beta, A_log, dt_bias, cu, slots, v, S, flags, layer, ka, qa, kd, gl, la_g, dinv_g, o,
                    n_tok, n_cu):
         for blk in BLK(OVERLAP_SMS):
+            n_items = T.Cast("int32", ((n_tok + C - 1) // C + n_cu - 1) * H)   # as the intra kernel's grid
+            n_lead = n_items * lead // 100
             SM = T.alloc_buffer((NSM,), "float32", scope=SH)
             meta = T.alloc_buffer((2,), "int32", scope=SH)   # the intra item's chunk start, sequence end
-            tk = T.alloc_buffer((4,), "int32", scope=SH)     # ticket, the item claimed (−1: none); trace
+            # ticket, the item being done (−1: none), trace: items done, start; the next item claimed
+            tk = T.alloc_buffer((5,), "int32", scope=SH)
             if not SYNC:
                 for i in range(NSM):
                     SM[i] = T.float32("nan")
@@ -770,11 +796,13 @@ __device__ __forceinline__ int k3_{name}() {{
                         tk[2] = 0
                         tk[3] = clock("globaltimer_lo")
                     ticket(flags, tk)
-                    claim(flags, tk, tk[0] < NS, NS, T.Cast("int32", ((n_tok + C - 1) // C + n_cu - 1) * H * lead // 100),
-                          T.Cast("int32", ((n_tok + C - 1) // C + n_cu - 1) * H))
+                    claim(flags, tk, 1, tk[0] < NS, NS, n_lead, n_items)
             if SYNC:
                 T.tvm_storage_sync("shared")
             while tk[1] >= 0:
+                for tx in THR(NT):   # the next item claimed now: the atomic's round trip under this item
+                    if tx == 0:
+                        claim(flags, tk, 4, tk[0] < NS, NS, n_lead, n_items)
                 item(SM, meta, tk[1], q, k, g, beta, A_log, dt_bias, cu, ka, qa, kd, gl, la_g, dinv_g, n_tok, n_cu)
                 # the block's writes of the item, then (thread 0, cumulative over what the barrier
                 # ordered before it) a GPU-scope fence and the release store of its flag
@@ -786,27 +814,28 @@ __device__ __forceinline__ int k3_{name}() {{
                         set_flag(flags, tk[1])
                         if TRACE:
                             tk[2] = tk[2] + 1
-                        claim(flags, tk, tk[0] < NS, NS, T.Cast("int32", ((n_tok + C - 1) // C + n_cu - 1) * H * lead // 100),
-                              T.Cast("int32", ((n_tok + C - 1) // C + n_cu - 1) * H))
+                        tk[1] = tk[4]
                 if SYNC:
                     T.tvm_storage_sync("shared")
             if TRACE:
                 for tx in THR(NT):
                     if tx == 0:
-                        flags[2 + ((n_tok + C - 1) // C + n_cu - 1) * H + blk * 6] = tk[0]
-                        flags[2 + ((n_tok + C - 1) // C + n_cu - 1) * H + blk * 6 + 1] = tk[2]
-                        flags[2 + ((n_tok + C - 1) // C + n_cu - 1) * H + blk * 6 + 2] = tk[3]
-                        flags[2 + ((n_tok + C - 1) // C + n_cu - 1) * H + blk * 6 + 3] = clock("globaltimer_lo")
-                        flags[2 + ((n_tok + C - 1) // C + n_cu - 1) * H + blk * 6 + 5] = clock("smid")
+                        flags[2 + n_items + blk * 6] = tk[0]
+                        flags[2 + n_items + blk * 6 + 1] = tk[2]
+                        flags[2 + n_items + blk * 6 + 2] = tk[3]
+                        flags[2 + n_items + blk * 6 + 3] = clock("globaltimer_lo")
+                        flags[2 + n_items + blk * 6 + 5] = clock("smid")
             if tk[0] < NS:
-                run(SM, tk[0], qa, ka, v, kd, beta, None, None, la_g, dinv_g, gl, cu, slots, S, layer, o, n_tok,
+                bl = T.alloc_buffer((1,), "int32", scope="local")   # the state block's index, in a register
+                bl[0] = tk[0]
+                run(SM, bl[0], qa, ka, v, kd, beta, None, None, la_g, dinv_g, gl, cu, slots, S, layer, o, n_tok,
                     flags)
             if TRACE:
                 if SYNC:
                     T.tvm_storage_sync("shared")
                 for tx in THR(NT):
                     if tx == 0:
-                        flags[2 + ((n_tok + C - 1) // C + n_cu - 1) * H + blk * 6 + 4] = clock("globaltimer_lo")
+                        flags[2 + n_items + blk * 6 + 4] = clock("globaltimer_lo")
 
     @T.macro
     def split(q, k, g, beta, A_log, dt_bias, cu, slots, v, S, flags, layer, ka, qa, kd, gl, la_g, dinv_g, o,
@@ -985,7 +1014,7 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
     if not emulate and NSM * 4 > 227 * 1024:
         raise ValueError(f"block_v={BV} needs {NSM * 4} bytes of shared memory (> 227 KB)")
     frag_a, mma, mma_rb, syncwarp, prefetch = _macros(emulate)
-    wait_flag = _flag_macros(emulate)[0]
+    wait_upto = _flag_macros(emulate, H)[4]
     ex2 = _ex2(emulate)
     rcp = _rcp(emulate)
     tf32 = _tf32(emulate)
@@ -1563,12 +1592,14 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
             Zt = T.alloc_buffer((RT, 4 * NSUB if TM_S else 4), "float32", scope="local")  # tmat: vn = T R
             cb = T.alloc_buffer((RT, 1), "int32", scope="local")   # split: chunks before the sequence
             bnext = T.alloc_buffer((RT, 1), "float32", scope="local")   # pipe: the next chunk's β logit
+            rdy = T.alloc_buffer((RT, 1), "int32", scope="local")   # overlap: chunks known written (thread 0)
             # the state slice → registers and shared memory
             for tx in THR(NT):
                 for nt in T.unroll(N8):
                     for e in T.unroll(4):
                         Sr[tx * EM, nt * 4 + e] = S[layer, slots[blk // (H * NVB)], blk // NVB % H, tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8, blk % NVB * BV + nt * 8 + tx % 4 * 2 + e % 2]
                         SM[O_SS + (nt * 8 + tx % 4 * 2 + e % 2) * SN + tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8] = tf32(Sr[tx * EM, nt * 4 + e])
+                rdy[tx * EM, 0] = -1
                 if SPL:   # the chunk index of the intra kernel's block = Σ_{b' < b} ⌈len_b' / C⌉ + c
                     cb[tx * EM, 0] = 0
                     for bb in range(blk // (H * NVB)):
@@ -1579,12 +1610,12 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                 #          (split state kernel: its staged operands; with pipe only chunk 0's
                 #          here, and chunk c + 1's into the other set of regions)
                 if OVL:   # those staged here (chunk 0 and, pipe, c + 1) are written: thread 0 waits
+                    # where it does not know it yet (and then reads ahead which later ones are)
                     for tx in THR(NT):
                         if tx == 0:
-                            if c == 0:
-                                wait_flag(flags, chunk_index(cb, tx, c) * H + blk // NVB % H)
-                            if cu[blk // (H * NVB)] + (c + 1) * C < cu[blk // (H * NVB) + 1]:
-                                wait_flag(flags, chunk_index(cb, tx, c + 1) * H + blk // NVB % H)
+                            wait_upto(flags, rdy, tx * EM, cb[tx * EM, 0] * H + blk // NVB % H,
+                                      T.min(c + 1, (cu[blk // (H * NVB) + 1] - cu[blk // (H * NVB)] + C - 1) // C - 1),
+                                      (cu[blk // (H * NVB) + 1] - cu[blk // (H * NVB)] + C - 1) // C)
                 if SYNC:
                     T.tvm_storage_sync("shared")
                 for tx in THR(NT):
