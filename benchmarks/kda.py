@@ -159,7 +159,7 @@ PREFILL_SPLIT = ([("split", bv, ab, {}) for bv, ab in ((16, 8), (32, 8), (64, 8)
                  # one kernel of 132 blocks (``combined``: the state blocks start once ``lead`` % of
                  # the items are claimed; overlap False: the two kernels one after the other)
                  + [(f"splitcombpre_l{lead}", None, None, {"lower_bound": LOWER_BOUND, "combined": True, "lead": lead})
-                    for lead in (10, 25, 40)]
+                    for lead in (45, 50, 55, 60)]   # (10, 25, 40 before the read-ahead: kda_prefill_overlap_h200_2026-12-01.json)
                  + [("splitcombpre_seq", None, None, {"lower_bound": LOWER_BOUND, "combined": True, "overlap": False})])
 
 

@@ -699,7 +699,7 @@ def kda_prefill_split_intra_kernel(H: int, K: int, scale: float, lower_bound: fl
 
 
 OVERLAP_SMS = 132     # SMs of an H100 / H200 SXM: the overlapped form launches this many blocks
-OVERLAP_LEAD = 25     # % of the intra items all blocks claim before the state blocks start theirs
+OVERLAP_LEAD = 50     # % of the intra items all blocks claim before the state blocks start theirs
 
 
 @functools.cache
