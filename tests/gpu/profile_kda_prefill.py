@@ -350,7 +350,7 @@ def run_split(out: Path, H: int, result: Path) -> None:
     result.write_text(json.dumps(res, indent=1))
 
 
-OVERLAP_LEADS = (40, 50, 100)   # (10, 25, 40: kda_prefill_overlap_trace_a_h200_2026-12-01.json; 40, 50, 60: _b)
+OVERLAP_LEADS = (45, 50, 55)   # (10, 25, 40: kda_prefill_overlap_trace_a_h200_2026-12-01.json; 40, 50, 60: _b; 40, 50, 100: _c)
 
 
 def build_overlap(out: Path, H: int) -> None:
