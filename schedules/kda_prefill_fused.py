@@ -705,7 +705,7 @@ OVERLAP_LEAD = 50     # % of the intra items all blocks claim before the state b
 @functools.cache
 def kda_prefill_split_kernel(H: int, K: int, V: int, scale: float, lower_bound: float | None = None,
                              overlap: bool = True, lead: int = OVERLAP_LEAD, trace: bool = False,
-                             emulate: bool = False):
+                             overlap_block_v: int | None = None, emulate: bool = False):
     """The split form as the model dispatches it, in one PrimFunc: the intra kernel
     (``p2_one``, ``fast_gate``, ``tmat``), then the state kernel with block_v at run time
     (``o_vec``, ``tmat``, ``pipe``, ``v_early``; :func:`kda_prefill_split_state_kernel`) — or,
@@ -735,7 +735,8 @@ def kda_prefill_split_kernel(H: int, K: int, V: int, scale: float, lower_bound: 
         ka, qa, kd, gl, la, dinv           float32   out: the intra kernel's scratch
         o           [T, H, V]              float32   out
 
-    ``trace`` (profiling, overlapped form): thread 0 of block b also writes flags[2 + n_items +
+    ``overlap_block_v`` (16 or 32; default ``split_block_v(1, H)``): the overlapped form's columns
+    per state block. ``trace`` (profiling, overlapped form): thread 0 of block b also writes flags[2 + n_items +
     6b + j], j = 0 … 5: its ticket, the items it did, %globaltimer_lo (ns) at its start, when it
     stopped claiming and at its end, and its %smid (n_items = (⌈T/64⌉ + B)·H; emulated: times 0).
 
@@ -747,7 +748,9 @@ def kda_prefill_split_kernel(H: int, K: int, V: int, scale: float, lower_bound: 
                    p2_one=True, tmat=True, parts=True)
     dispatch = _state_dispatch(H, K, V, scale, lower_bound, tuple((bv, 8) for bv in SPLIT_BLOCK_V), False, emulate,
                                True, True, True, True, True, frozenset())
-    bv1 = split_block_v(1, H, V)
+    bv1 = split_block_v(1, H, V) if overlap_block_v is None else overlap_block_v
+    if bv1 not in BLOCK_V:
+        raise ValueError(f"overlap_block_v={overlap_block_v}: one of {BLOCK_V} (pipe: ≤ {PIPE_MAX_BLOCK_V})")
     NS = H * (V // bv1)    # state blocks of one sequence
     OVL = overlap and NS < OVERLAP_SMS and bv1 <= PIPE_MAX_BLOCK_V
     BLK, THR, SH = block_thread_loops(emulate)

@@ -350,7 +350,8 @@ def run_split(out: Path, H: int, result: Path) -> None:
     result.write_text(json.dumps(res, indent=1))
 
 
-OVERLAP_LEADS = (45, 50, 55)   # (10, 25, 40: kda_prefill_overlap_trace_a_h200_2026-12-01.json; 40, 50, 60: _b; 40, 50, 100: _c)
+OVERLAP_BV32_LEADS = (0, 10, 25)
+OVERLAP_LEADS = (50,)   # (10, 25, 40: kda_prefill_overlap_trace_a_h200_2026-12-01.json; 40, 50, 60: _b; 40, 50, 100: _c; 45, 50, 55: _d1-3)
 
 
 def build_overlap(out: Path, H: int) -> None:
@@ -360,6 +361,9 @@ def build_overlap(out: Path, H: int) -> None:
     from schedules.kda_prefill_fused import kda_prefill_split_kernel
 
     fs = {"split_seq": kda_prefill_split_kernel(H, K, K, K ** -0.5, lower_bound=LOWER_BOUND, overlap=False)}
+    for lead in OVERLAP_BV32_LEADS:   # the overlapped form at 32 columns: half the state blocks, more workers
+        fs[f"split_bv32_l{lead}"] = kda_prefill_split_kernel(H, K, K, K ** -0.5, lower_bound=LOWER_BOUND, lead=lead,
+                                                             overlap_block_v=32)
     for lead in OVERLAP_LEADS:
         fs[f"split_l{lead}"] = kda_prefill_split_kernel(H, K, K, K ** -0.5, lower_bound=LOWER_BOUND, lead=lead)
         fs[f"trace_l{lead}"] = kda_prefill_split_kernel(H, K, K, K ** -0.5, lower_bound=LOWER_BOUND, lead=lead,
@@ -395,7 +399,8 @@ def run_overlap(out: Path, H: int, result: Path) -> None:
         torch.empty(T, H, n, device=dev) for n in (C, 16)]
     args = ([t(x[n]) for n in ("q", "k", "f", "b", "A_log", "dt_bias", "cu", "slots", "v", "state")] + [t(flags), 0]
             + [t(s_) for s_ in scratch] + [t(x["o"])])
-    names = ["split_seq"] + [f"{p}_l{lead}" for lead in OVERLAP_LEADS for p in ("split", "trace")]
+    names = (["split_seq"] + [f"{p}_l{lead}" for lead in OVERLAP_LEADS for p in ("split", "trace")]
+             + [f"split_bv32_l{lead}" for lead in OVERLAP_BV32_LEADS])
     ms = _time_interleaved({n: (lambda n=n: (flags.zero_(), lib[n](*args))) for n in names})
     row = {"lens": list(lens), "ms": ms, "trace": {}}
     for lead in OVERLAP_LEADS:
