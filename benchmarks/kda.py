@@ -158,8 +158,8 @@ PREFILL_SPLIT = ([("split", bv, ab, {}) for bv, ab in ((16, 8), (32, 8), (64, 8)
                  # splitautopre_ofvtpv): for one sequence the intra items and the state chunk loop in
                  # one kernel of 132 blocks (``combined``: the state blocks start once ``lead`` % of
                  # the items are claimed; overlap False: the two kernels one after the other)
-                 + [(f"splitcombpre_l{lead}", None, None, {"lower_bound": LOWER_BOUND, "combined": True, "lead": lead})
-                    for lead in (45, 50, 55, 60)]   # (10, 25, 40 before the read-ahead: kda_prefill_overlap_h200_2026-12-01.json)
+                 # (leads 10-60 at 16 columns: kda_prefill_overlap_h200_2026-12-01.json, _lead_h200_2026-12-01.json)
+                 + [("splitcombpre", None, None, {"lower_bound": LOWER_BOUND, "combined": True})]
                  + [("splitcombpre_seq", None, None, {"lower_bound": LOWER_BOUND, "combined": True, "overlap": False})])
 
 
@@ -226,7 +226,7 @@ def build_prefill(out_dir: Path, baseline: bool = True, all_tc: bool = True, onl
             if opts.get("combined"):
                 export({"kda_prefill_split": kda_prefill_split_kernel(
                     h, K, V, K ** -0.5, lower_bound=opts.get("lower_bound"), overlap=opts.get("overlap", True),
-                    lead=opts.get("lead", 25))}, f"kda_prefill_{name}_h{h}.so")
+                    **{k: opts[k] for k in ("lead", "overlap_block_v") if k in opts})}, f"kda_prefill_{name}_h{h}.so")
                 continue
             intra_opts = ("p2_wide", "fast_gate", "p2_one", "tmat")   # the intra kernel's options
             state_opts = ("lower_bound", "early_kq", "o_vec", "tmat", "pipe", "v_early")   # the state kernel's

@@ -699,7 +699,8 @@ def kda_prefill_split_intra_kernel(H: int, K: int, scale: float, lower_bound: fl
 
 
 OVERLAP_SMS = 132     # SMs of an H100 / H200 SXM: the overlapped form launches this many blocks
-OVERLAP_LEAD = 50     # % of the intra items all blocks claim before the state blocks start theirs
+OVERLAP_LEAD = 0      # % of the intra items all blocks claim before the state blocks start theirs
+OVERLAP_BLOCK_V = 32  # columns per state block in the overlapped form: H·V/32 state blocks, the rest workers
 
 
 @functools.cache
@@ -735,8 +736,8 @@ def kda_prefill_split_kernel(H: int, K: int, V: int, scale: float, lower_bound: 
         ka, qa, kd, gl, la, dinv           float32   out: the intra kernel's scratch
         o           [T, H, V]              float32   out
 
-    ``overlap_block_v`` (16 or 32; default ``split_block_v(1, H)``): the overlapped form's columns
-    per state block. ``trace`` (profiling, overlapped form): thread 0 of block b also writes flags[2 + n_items +
+    ``overlap_block_v`` (16 or 32; default ``OVERLAP_BLOCK_V``): the overlapped form's columns per
+    state block. ``trace`` (profiling, overlapped form): thread 0 of block b also writes flags[2 + n_items +
     6b + j], j = 0 … 5: its ticket, the items it did, %globaltimer_lo (ns) at its start, when it
     stopped claiming and at its end, and its %smid (n_items = (⌈T/64⌉ + B)·H; emulated: times 0).
 
@@ -748,7 +749,7 @@ def kda_prefill_split_kernel(H: int, K: int, V: int, scale: float, lower_bound: 
                    p2_one=True, tmat=True, parts=True)
     dispatch = _state_dispatch(H, K, V, scale, lower_bound, tuple((bv, 8) for bv in SPLIT_BLOCK_V), False, emulate,
                                True, True, True, True, True, frozenset())
-    bv1 = split_block_v(1, H, V) if overlap_block_v is None else overlap_block_v
+    bv1 = OVERLAP_BLOCK_V if overlap_block_v is None else overlap_block_v
     if bv1 not in BLOCK_V:
         raise ValueError(f"overlap_block_v={overlap_block_v}: one of {BLOCK_V} (pipe: ≤ {PIPE_MAX_BLOCK_V})")
     NS = H * (V // bv1)    # state blocks of one sequence
