@@ -67,7 +67,9 @@ def prefill_dispatch(heads: int) -> tuple[str, int | None, int | None]:
       ``fast_gate`` and ``tmat``, the state kernel with ``o_vec``, ``tmat``, ``pipe`` and
       ``v_early``), with the preprocessing, 0.77 / 0.49 ms
       (benchmarks/results/kda_prefill_vearly_h200_2026-12-01.json; without the last three 0.89 /
-      0.48 ms, kda_prefill_p2one_final_h200_2026-12-01.json).
+      0.48 ms, kda_prefill_p2one_final_h200_2026-12-01.json); both kernels in one PrimFunc
+      (kda_prefill_split_kernel), which for one sequence overlaps them in one kernel: 0.75 ms
+      (kda_prefill_overlap_bv32_1_h200_2026-12-01.json).
 
     a_batch 4 at 128 columns keeps ptxas at 255 registers without spills."""
     if heads >= 96:

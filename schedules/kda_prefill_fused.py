@@ -95,7 +95,10 @@ measured; the model uses ``p2_one``, ``ldsm``, ``v_async``, ``fast_gate`` and ``
 preprocessing, from 2.79 / 2.13 ms with the previous dispatch in the same run). In the split
 form it uses ``p2_one``, ``fast_gate`` and ``tmat`` in the intra kernel and ``o_vec``, ``tmat``,
 ``pipe`` and ``v_early`` in the state kernel (0.77 / 0.49 ms at 12 heads, from 0.89 / 0.48;
-``kda_prefill_vearly_h200_2026-12-01.json``). Where a chunk's time goes (``ablate``,
+``kda_prefill_vearly_h200_2026-12-01.json``). :func:`kda_prefill_split_kernel` is the split form as the
+model calls it, one PrimFunc: for one sequence the intra items and the state chunk loop overlap in
+one kernel of 132 blocks (0.749–0.751 ms against 0.772–0.777 for the two kernels,
+``kda_prefill_overlap_bv32_{1,2}_h200_2026-12-01.json``), for several the two kernels. Where a chunk's time goes (``ablate``,
 ``kda_prefill_phases_c_h200_2026-12-01.json``, ``kda_prefill_split_parts_b_h200_2026-12-01.json``):
 docs/DESIGN.md.
 
