@@ -722,9 +722,9 @@ def kda_prefill_split_kernel(H: int, K: int, V: int, scale: float, lower_bound: 
       publish each item's outputs (barrier, then thread 0: ``__threadfence``, a release store of
       its flag);
     - a state block stops claiming once an intra worker has started and ``lead`` % of the items
-      are claimed, then runs the state kernel's chunk loop, where thread 0 waits (acquire load)
-      for the flag of each chunk before the block's copies of it. The workers go on until no
-      item is left. It cannot deadlock: a state block waits only once a worker, which never
+      are claimed, then runs the state kernel's chunk loop, where thread 0 makes sure (acquire
+      load; then the flags of the next 8 chunks read at once) that a chunk is written before the
+      block's copies of it. The workers go on until no item is left. It cannot deadlock: a state block waits only once a worker, which never
       waits, is running; with no room for a worker the state blocks claim every item first.
 
     Arguments::
@@ -847,13 +847,11 @@ __device__ __forceinline__ int k3_{name}() {{
     @T.macro
     def split(q, k, g, beta, A_log, dt_bias, cu, slots, v, S, flags, layer, ka, qa, kd, gl, la_g, dinv_g, o,
               n_tok, n_cu):
-        if OVL:
-            if n_cu == 2:
-                overlapped(q, k, g, beta, A_log, dt_bias, cu, slots, v, S, flags, layer, ka, qa, kd, gl, la_g,
-                           dinv_g, o, n_tok, n_cu)
-            else:
-                intra_body(q, k, g, beta, A_log, dt_bias, cu, ka, qa, kd, gl, la_g, dinv_g, n_tok, n_cu)
-                dispatch(qa, ka, v, kd, beta, la_g, dinv_g, gl, cu, slots, S, layer, o, n_tok, n_cu)
+        assert flags.shape[0] >= 2 + ((n_tok + C - 1) // C + n_cu - 1) * H + (6 * OVERLAP_SMS if TRACE else 0), \
+            "kda_prefill_split: flags needs 2 + (ceil(T/64) + B) * H int32 entries (zeros)"
+        if OVL and n_cu == 2:   # one sequence: the two kernels overlapped
+            overlapped(q, k, g, beta, A_log, dt_bias, cu, slots, v, S, flags, layer, ka, qa, kd, gl, la_g,
+                       dinv_g, o, n_tok, n_cu)
         else:
             intra_body(q, k, g, beta, A_log, dt_bias, cu, ka, qa, kd, gl, la_g, dinv_g, n_tok, n_cu)
             dispatch(qa, ka, v, kd, beta, la_g, dinv_g, gl, cu, slots, S, layer, o, n_tok, n_cu)

@@ -254,6 +254,9 @@ def test_emulated_split_kernel_matches_reference(lens):
         assert not fl.any()
     with pytest.raises(ValueError, match="lead=101"):
         kda_prefill_split_kernel(H, K, K, K ** -0.5, lead=101, emulate=True)
+    with pytest.raises(Exception, match="flags needs 2 "):   # a host-side check, before any kernel
+        lib["f"](*(A(raw[n]) for n in ("q", "k", "f", "b", "A_log", "dt_bias")), A(cu), A(slots), A(raw["v"]), pt,
+                 A(np.zeros(1 + n_items, np.int32)), 1, *_split_scratch(Tn, B, H), o)
 
 
 def _raw_inputs(lens, H, K=128, seed=0):
