@@ -97,7 +97,7 @@ form it uses ``p2_one``, ``fast_gate`` and ``tmat`` in the intra kernel and ``o_
 ``pipe`` and ``v_early`` in the state kernel (0.77 / 0.49 ms at 12 heads, from 0.89 / 0.48;
 ``kda_prefill_vearly_h200_2026-12-01.json``). :func:`kda_prefill_split_kernel` is the split form as the
 model calls it, one PrimFunc: for one sequence the intra items and the state chunk loop overlap in
-one kernel of 132 blocks (0.749–0.751 ms against 0.772–0.777 for the two kernels,
+one kernel of 132 blocks (0.749–0.751 ms against 0.772–0.776 for the two kernels,
 ``kda_prefill_overlap_bv32_{1,2}_h200_2026-12-01.json``), for several the two kernels. Where a chunk's time goes (``ablate``,
 ``kda_prefill_phases_c_h200_2026-12-01.json``, ``kda_prefill_split_parts_b_h200_2026-12-01.json``):
 docs/DESIGN.md.
@@ -290,11 +290,13 @@ FLAG_SRC = {
     "k3_wait_upto": r"""
 __device__ __forceinline__ int k3_wait_upto(int* f, int stride, int need, int known, int limit) {
   if (need <= known) return known;
-  int v;
-  while (true) {
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(f + need * stride) : "memory");
-    if (v != 0) break;
-    __nanosleep(64);
+  for (int c = known + 1; c <= need; ++c) {   // every chunk not yet known written, up to need
+    int v;
+    while (true) {
+      asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(f + c * stride) : "memory");
+      if (v != 0) break;
+      __nanosleep(64);
+    }
   }
   int a[8];
 #pragma unroll
@@ -349,8 +351,8 @@ def _flag_macros(emulate: bool, H_: int = 1):
     block) once more than ``n_state`` blocks have started and ``lead`` items are claimed.
     ``wait_upto(flags, rdy, r, base, need, limit)``: rdy[r, 0] (the last chunk known written, of
     the chunks at flags[2 + base + H·i], i < limit) raised to at least ``need`` — where it is below,
-    wait for chunk ``need`` (acquire), then read the flags of the next 8 (relaxed, one acquire
-    fence after) so that the following chunks need no wait. GPU: acquire / release at GPU scope, ``atomicAdd`` (FLAG_SRC); emulated (serial
+    wait for every chunk from rdy + 1 to ``need`` (acquire), then read the flags of the next 8
+    (relaxed, one acquire fence after) so that the following chunks need no wait. GPU: acquire / release at GPU scope, ``atomicAdd`` (FLAG_SRC); emulated (serial
     blocks): plain loads and stores, and ``wait_upto`` asserts that the flag is set."""
     if emulate:
         @T.macro
@@ -360,7 +362,9 @@ def _flag_macros(emulate: bool, H_: int = 1):
         @T.macro
         def wait_upto(flags, rdy, r, base, need, limit):
             if need > rdy[r, 0]:
-                assert flags[2 + base + need * H_] == 1, "overlap: a chunk was staged before its intra item was written"
+                for i in range(need - rdy[r, 0]):
+                    assert flags[2 + base + (rdy[r, 0] + 1 + i) * H_] == 1, \
+                        "overlap: a chunk was staged before its intra item was written"
                 rdy[r, 0] = need
 
         @T.macro
@@ -753,8 +757,8 @@ def kda_prefill_split_kernel(H: int, K: int, V: int, scale: float, lower_bound: 
     dispatch = _state_dispatch(H, K, V, scale, lower_bound, tuple((bv, 8) for bv in SPLIT_BLOCK_V), False, emulate,
                                True, True, True, True, True, frozenset())
     bv1 = OVERLAP_BLOCK_V if overlap_block_v is None else overlap_block_v
-    if bv1 not in BLOCK_V:
-        raise ValueError(f"overlap_block_v={overlap_block_v}: one of {BLOCK_V} (pipe: ≤ {PIPE_MAX_BLOCK_V})")
+    if bv1 not in BLOCK_V or bv1 > PIPE_MAX_BLOCK_V:
+        raise ValueError(f"overlap_block_v={overlap_block_v}: 16 or 32 (the state kernel with pipe)")
     NS = H * (V // bv1)    # state blocks of one sequence
     OVL = overlap and NS < OVERLAP_SMS and bv1 <= PIPE_MAX_BLOCK_V
     BLK, THR, SH = block_thread_loops(emulate)
@@ -832,6 +836,9 @@ __device__ __forceinline__ int k3_{name}() {{
                         flags[2 + n_items + blk * 6 + 2] = tk[3]
                         flags[2 + n_items + blk * 6 + 3] = clock("globaltimer_lo")
                         flags[2 + n_items + blk * 6 + 5] = clock("smid")
+            if not SYNC:   # emulated: what the items left in shared memory reads as NaN again
+                for i in range(NSM):
+                    SM[i] = T.float32("nan")
             if tk[0] < NS:
                 bl = T.alloc_buffer((1,), "int32", scope="local")   # the state block's index, in a register
                 bl[0] = tk[0]
@@ -848,7 +855,7 @@ __device__ __forceinline__ int k3_{name}() {{
     def split(q, k, g, beta, A_log, dt_bias, cu, slots, v, S, flags, layer, ka, qa, kd, gl, la_g, dinv_g, o,
               n_tok, n_cu):
         assert flags.shape[0] >= 2 + ((n_tok + C - 1) // C + n_cu - 1) * H + (6 * OVERLAP_SMS if TRACE else 0), \
-            "kda_prefill_split: flags needs 2 + (ceil(T/64) + B) * H int32 entries (zeros)"
+            "kda_prefill_split: flags needs 2 + (ceil(T/64) + B) * H int32 entries (zeros; with trace 6 * 132 more)"
         if OVL and n_cu == 2:   # one sequence: the two kernels overlapped
             overlapped(q, k, g, beta, A_log, dt_bias, cu, slots, v, S, flags, layer, ka, qa, kd, gl, la_g,
                        dinv_g, o, n_tok, n_cu)
@@ -1588,7 +1595,7 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
     def state_run(SM, blk, q, k, v, g, beta, A_log, dt_bias, la_g, dinv_g, gl_g, cu, slots, S, layer, o, n_tok,
                   flags):
         """The fused / state kernel's work for block ``blk`` (sequence blk // (H·NVB), head blk // NVB % H,
-        columns blk % NVB); ``overlap``: waits for ``flags`` (1 + item, item = chunk index · H + head) of
+        columns blk % NVB); ``overlap``: waits for ``flags`` (2 + item, item = chunk index · H + head) of
         the chunks it stages."""
         if True:
             Sr = T.alloc_buffer((RT, NR), "float32", scope="local")  # S rows 16·wi …, fp32

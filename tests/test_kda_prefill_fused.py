@@ -228,9 +228,11 @@ def test_emulated_split_state_kernel_with_runtime_block_v_matches_reference(lens
 @pytest.mark.parametrize("lens", [[70], [200], [130, 1, 64, 70]])
 def test_emulated_split_kernel_matches_reference(lens):
     """kda_prefill_split_kernel as the model dispatches it (raw inputs: L2 norms, gate and β in
-    the kernel): one sequence through the overlapped kernel (every item's flag set, each block's
-    ticket taken once; the emulated wait asserts the flags of what a state block stages), several
-    through the intra kernel and the state kernel of their block_v — against the reference."""
+    the kernel) against the reference: one sequence through the overlapped kernel's code (its
+    items, the state loop at 32 columns, every item's flag set, each block's ticket taken once),
+    several through the intra kernel and the state kernel of their block_v. Run serially, block 0
+    does every item before any state loop: the interleaving itself runs on the GPU only
+    (benchmarks/kda.py checks), the wait's contract is tested below."""
     import tvm
 
     H, K = 2, 128
@@ -257,6 +259,40 @@ def test_emulated_split_kernel_matches_reference(lens):
     with pytest.raises(Exception, match="flags needs 2 "):   # a host-side check, before any kernel
         lib["f"](*(A(raw[n]) for n in ("q", "k", "f", "b", "A_log", "dt_bias")), A(cu), A(slots), A(raw["v"]), pt,
                  A(np.zeros(1 + n_items, np.int32)), 1, *_split_scratch(Tn, B, H), o)
+
+
+def test_emulated_flag_wait_covers_every_chunk_up_to_the_one_needed():
+    """The overlapped form's wait (``_flag_macros``' ``wait_upto``, emulated; the CUDA function
+    loops over the same chunks): chunks known + 1 … need must all be flagged — a state block's
+    first wait covers chunk 0 as well as chunk 1 — and the chunks known to be written are not read."""
+    import tvm
+    from tvm.script import tirx as T
+
+    from schedules.kda_prefill_fused import _flag_macros
+
+    H = 3
+    wait_upto = _flag_macros(True, H)[4]
+
+    @T.prim_func
+    def f(flags: T.Buffer((2 + 4 * H,), "int32"), out: T.Buffer((1,), "int32"), known: T.int32, need: T.int32):
+        rdy = T.alloc_buffer((1, 1), "int32")
+        rdy[0, 0] = known
+        wait_upto(flags, rdy, 0, 1, need, 4)   # head 1: chunk i's flag at 2 + 1 + 3i
+        out[0] = rdy[0, 0]
+
+    lib = tvm.compile(tvm.IRModule({"f": f}), target="llvm")
+    fl = np.zeros(2 + 4 * H, np.int32)
+    fl[2 + 1 + H * 1] = 1   # chunk 1 written, chunk 0 not
+    out = tvm.runtime.tensor(np.zeros(1, np.int32))
+    with pytest.raises(Exception, match="staged before its intra item"):
+        lib["f"](tvm.runtime.tensor(fl), out, -1, 1)
+    lib["f"](tvm.runtime.tensor(fl), out, 0, 1)   # chunk 0 known written: only chunk 1 read
+    assert out.numpy()[0] == 1
+    fl[2 + 1] = 1
+    lib["f"](tvm.runtime.tensor(fl), out, -1, 1)
+    assert out.numpy()[0] == 1
+    lib["f"](tvm.runtime.tensor(fl), out, 1, 1)   # nothing to wait for: unchanged
+    assert out.numpy()[0] == 1
 
 
 def _raw_inputs(lens, H, K=128, seed=0):

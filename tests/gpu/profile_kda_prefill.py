@@ -384,6 +384,7 @@ def run_overlap(out: Path, H: int, result: Path) -> None:
 
     from k3_compile.device_code import load_cuda_runtime
 
+    OVERLAP_BLOCK_V = 32   # = schedules.kda_prefill_fused.OVERLAP_BLOCK_V (that module needs the TVM compiler)
     load_cuda_runtime()
     lib = tvm.runtime.load_module(str(out / "kda_prefill_overlap.so"))
     dev = torch.device("cuda")
@@ -410,7 +411,7 @@ def run_overlap(out: Path, H: int, result: Path) -> None:
         tr = flags[2 + n_items:].view(132, 6).cpu().numpy().astype("int64")
         t0 = tr[:, 2].min()
         us = lambda col: ((tr[:, col] - t0) % (1 << 32)) / 1e3   # noqa: E731
-        ns = H * K // 16   # state blocks (block_v 16 for one sequence)
+        ns = H * K // OVERLAP_BLOCK_V   # state blocks
         summary = {}
         for role, sel in (("state", tr[:, 0] < ns), ("worker", tr[:, 0] >= ns)):
             def stats(a, sel=sel):
