@@ -475,27 +475,21 @@ def run_prefill(lib_dir: Path, log: Path | None = None, fla_checks: bool = True,
                 args = ([A(raw[n]) for n in ("q", "k", "v", "f", "b")] + [A(A_log), A(dt_bias)]
                         + [A(cu), A(slots), A(pool), 0, A(o)])
                 return lambda: fi(*args)
-            if isinstance(fs, tuple) and fs[0] == "combined":   # one PrimFunc; its flags zeroed per call
-                raw_in = fs[1]
-                Tn, B = pre["q"].shape[0], cu.shape[0] - 1
-                scr_c = [torch.empty(Tn, H, n, device=dev) for n in (K, K, K)] + [
-                    torch.empty(Tn // 64 + B, H, K, device=dev)] + [torch.empty(Tn, H, n, device=dev) for n in (64, 16)]
-                flags = torch.zeros(2 + (Tn // 64 + B + 1) * H, dtype=torch.int32, device=dev)
-                ins = ([A(raw[n]) for n in ("q", "k", "f", "b")] + [A(A_log), A(dt_bias)] if raw_in else
-                       [A(pre[n]) for n in ("q", "k", "g", "beta")])
-                args = ins + [A(cu), A(slots), A(pre["v"]), A(pool), A(flags), 0] + [A(x) for x in scr_c] + [A(o)]
-                return lambda: (flags.zero_(), fi(*args))
-            if isinstance(fs, tuple):   # the split form: intra for all chunks, then phases 3-5
-                _, fs, raw_in = fs
+            if isinstance(fs, tuple):   # the split form: two kernels, or one PrimFunc ("combined")
+                raw_in = fs[-1]
                 Tn, B = pre["q"].shape[0], cu.shape[0] - 1
                 # e^Γ k, scale e^Γ q, e^{Γ_last−Γ} k, L / Aqk (tmat: Aqk / Tᵀ), D^{-1}; e^{Γ_last} per chunk
                 ka, qa, kd, la, dinv = (torch.empty(Tn, H, n, device=dev) for n in (K, K, K, 64, 16))
                 gl = torch.empty(Tn // 64 + B, H, K, device=dev)
                 outs = [A(x) for x in (ka, qa, kd, gl, la, dinv)]
-                if raw_in:
-                    a_i = [A(raw[n]) for n in ("q", "k", "f", "b")] + [A(A_log), A(dt_bias), A(cu)] + outs
-                else:
-                    a_i = [A(pre[n]) for n in ("q", "k", "g", "beta")] + [A(cu)] + outs
+                ins = ([A(raw[n]) for n in ("q", "k", "f", "b")] + [A(A_log), A(dt_bias)] if raw_in else
+                       [A(pre[n]) for n in ("q", "k", "g", "beta")])
+                if fs[0] == "combined":   # its flags zeroed per call
+                    flags = torch.zeros(2 + (Tn // 64 + B + 1) * H, dtype=torch.int32, device=dev)
+                    args = ins + [A(cu), A(slots), A(pre["v"]), A(pool), A(flags), 0] + outs + [A(o)]
+                    return lambda: (flags.zero_(), fi(*args))
+                fs = fs[1]
+                a_i = ins + [A(cu)] + outs
                 a_s = ([A(x) for x in (ka, qa, kd)] + [A(pre["v"])] + [A(x) for x in (gl, la, dinv)]
                        + [A(raw["b"] if raw_in else pre["beta"]), A(cu), A(slots), A(pool), 0, A(o)])
                 if part == "intra":

@@ -411,6 +411,14 @@ def _flag_macros(emulate: bool, H_: int = 1):
     return set_flag, fence, ticket, claim, wait_upto
 
 
+@T.macro
+def nan_fill(SM, n):
+    """SM[0:n] = NaN: the emulated kernels' shared memory before use, so that a read of what
+    nothing wrote shows in the results."""
+    for i in range(n):
+        SM[i] = T.float32("nan")
+
+
 def ld(buf, t, end, n_tok, h, d):
     """buf[t, h, d] as an expression, 0 for rows t ≥ end (the row index clamped into the tensor,
     so the load itself is always in bounds)."""
@@ -798,9 +806,8 @@ __device__ __forceinline__ int k3_{name}() {{
             meta = T.alloc_buffer((2,), "int32", scope=SH)   # the intra item's chunk start, sequence end
             # ticket, the item being done (−1: none), trace: items done, start; the next item claimed
             tk = T.alloc_buffer((5,), "int32", scope=SH)
-            if not SYNC:
-                for i in range(NSM):
-                    SM[i] = T.float32("nan")
+            if not SYNC:   # emulated: a read of shared memory that nothing wrote gives NaN
+                nan_fill(SM, NSM)
             for tx in THR(NT):
                 if tx == 0:
                     if TRACE:
@@ -837,8 +844,7 @@ __device__ __forceinline__ int k3_{name}() {{
                         flags[2 + n_items + blk * 6 + 3] = clock("globaltimer_lo")
                         flags[2 + n_items + blk * 6 + 5] = clock("smid")
             if not SYNC:   # emulated: what the items left in shared memory reads as NaN again
-                for i in range(NSM):
-                    SM[i] = T.float32("nan")
+                nan_fill(SM, NSM)
             if tk[0] < NS:
                 bl = T.alloc_buffer((1,), "int32", scope="local")   # the state block's index, in a register
                 bl[0] = tk[0]
@@ -1515,69 +1521,68 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
     def intra_item(SM, meta, blk, q, k, g, beta, A_log, dt_bias, cu, ka_g, qa_g, kd_g, gl_g, la_g, dinv_g, n_tok,
                    n_cu):
         """The intra kernel's work on item ``blk`` = chunk index · H + head (meta: 2 shared int32)."""
-        if True:
-            # phase 0: which (sequence, chunk) this block is (thread 0 walks cu_seqlens)
-            for tx in THR(NT):
-                acc = T.alloc_buffer((1,), "int32", scope="local")   # chunks before sequence bb
-                if tx == 0:
-                    acc[0] = 0
-                    meta[0] = 0
-                    meta[1] = 0
-                    for bb in range(n_cu - 1):
-                        if T.Cast("int32", blk // H) >= acc[0] and T.Cast("int32", blk // H) < acc[0] + (cu[bb + 1] - cu[bb] + C - 1) // C:
-                            meta[0] = cu[bb] + (T.Cast("int32", blk // H) - acc[0]) * C
-                            meta[1] = cu[bb + 1]
-                        acc[0] = acc[0] + (cu[bb + 1] - cu[bb] + C - 1) // C
-            # phase 1: raw k, q, g, β as in the fused kernel (blocks past the last chunk copy nothing)
+        # phase 0: which (sequence, chunk) this block is (thread 0 walks cu_seqlens)
+        for tx in THR(NT):
+            acc = T.alloc_buffer((1,), "int32", scope="local")   # chunks before sequence bb
+            if tx == 0:
+                acc[0] = 0
+                meta[0] = 0
+                meta[1] = 0
+                for bb in range(n_cu - 1):
+                    if T.Cast("int32", blk // H) >= acc[0] and T.Cast("int32", blk // H) < acc[0] + (cu[bb + 1] - cu[bb] + C - 1) // C:
+                        meta[0] = cu[bb] + (T.Cast("int32", blk // H) - acc[0]) * C
+                        meta[1] = cu[bb + 1]
+                    acc[0] = acc[0] + (cu[bb + 1] - cu[bb] + C - 1) // C
+        # phase 1: raw k, q, g, β as in the fused kernel (blocks past the last chunk copy nothing)
+        if SYNC:
+            T.tvm_storage_sync("shared")
+        for tx in THR(NT):
+            c0 = T.alloc_buffer((3,), "int32", scope="local")
+            c0[0] = meta[0]
+            c0[1] = meta[1]
+            if c0[0] < c0[1]:
+                stage_chunk(SM, tx, c0, q, k, g, beta, None, None, None, 0, blk % H, n_tok, True)
+            if SYNC:
+                ptx.wait(0)
+        gamma_and_norms(SM, meta[0], meta[1], blk % H, A_log, dt_bias)
+        phase2(SM)
+        if SYNC:
+            T.tvm_storage_sync("shared")
+        for tx in THR(NT):
+            x = T.alloc_buffer((RT, SUB), "float32", scope="local")
+            d_inverse(SM, tx, x)
+        if TM_I:
+            Pt = T.alloc_buffer((RT, 4), "float32", scope="local")
             if SYNC:
                 T.tvm_storage_sync("shared")
-            for tx in THR(NT):
-                c0 = T.alloc_buffer((3,), "int32", scope="local")
-                c0[0] = meta[0]
-                c0[1] = meta[1]
-                if c0[0] < c0[1]:
-                    stage_chunk(SM, tx, c0, q, k, g, beta, None, None, None, 0, blk % H, n_tok, True)
-                if SYNC:
-                    ptx.wait(0)
-            gamma_and_norms(SM, meta[0], meta[1], blk % H, A_log, dt_bias)
-            phase2(SM)
-            if SYNC:
-                T.tvm_storage_sync("shared")
-            for tx in THR(NT):
-                x = T.alloc_buffer((RT, SUB), "float32", scope="local")
-                d_inverse(SM, tx, x)
-            if TM_I:
-                Pt = T.alloc_buffer((RT, 4), "float32", scope="local")
-                if SYNC:
-                    T.tvm_storage_sync("shared")
-                t_blocks(SM, Pt)
-            # out: the chunk's rows of e^Γ k, scale e^Γ q, e^{Γ_last−Γ} k (TF32, as the fused
-            # kernel computes its operands), L / Aqk and D^{-1}; e^{Γ_last} as row blk // H of gl
-            if SYNC:
-                T.tvm_storage_sync("shared")
-            for tx in THR(NT):
-                for it in T.unroll(C * K // NT):
-                    if meta[0] + (it * NT + tx) // K < meta[1]:
-                        ka_g[meta[0] + (it * NT + tx) // K, blk % H, tx % K] = tf32(kr(SM, (it * NT + tx) // K, tx % K) * ex2(gm(SM, (it * NT + tx) // K, tx % K)))
-                        if P2ONE:
-                            qa_g[meta[0] + (it * NT + tx) // K, blk % H, tx % K] = a_q(SM, (it * NT + tx) // K // SUB * SUB, (it * NT + tx) // K % SUB, tx % K)
-                        else:
-                            qa_g[meta[0] + (it * NT + tx) // K, blk % H, tx % K] = tf32(T.float32(scale) * qr(SM, (it * NT + tx) // K, tx % K) * ex2(gm(SM, (it * NT + tx) // K, tx % K)))
-                        kd_g[meta[0] + (it * NT + tx) // K, blk % H, tx % K] = tf32(kr(SM, (it * NT + tx) // K, tx % K) * ex2(gm(SM, C - 1, tx % K) - gm(SM, (it * NT + tx) // K, tx % K)))
-                if tx < K:
-                    if meta[0] < meta[1]:
-                        gl_g[blk // H, blk % H, tx] = ex2(gm(SM, C - 1, tx))
-                for it in T.unroll(C * C // NT):
-                    if meta[0] + (it * NT + tx) // C < meta[1]:
-                        if TM_I:   # T_IJ (I > J) transposed in place of Lᵀ above the diagonal blocks
-                            la_g[meta[0] + (it * NT + tx) // C, blk % H, tx % C] = T.Select(
-                                tx % C // SUB > (it * NT + tx) // C // SUB, SM[O_TM + tx % C * TS + (it * NT + tx) // C],
-                                la(SM, (it * NT + tx) // C, tx % C))
-                        else:
-                            la_g[meta[0] + (it * NT + tx) // C, blk % H, tx % C] = la(SM, (it * NT + tx) // C, tx % C)
-                for it in T.unroll(C * SUB // NT):
-                    if meta[0] + (it * NT + tx) // SUB < meta[1]:
-                        dinv_g[meta[0] + (it * NT + tx) // SUB, blk % H, tx % SUB] = SM[O_D + (it * NT + tx) // SUB * DS + tx % SUB]
+            t_blocks(SM, Pt)
+        # out: the chunk's rows of e^Γ k, scale e^Γ q, e^{Γ_last−Γ} k (TF32, as the fused
+        # kernel computes its operands), L / Aqk and D^{-1}; e^{Γ_last} as row blk // H of gl
+        if SYNC:
+            T.tvm_storage_sync("shared")
+        for tx in THR(NT):
+            for it in T.unroll(C * K // NT):
+                if meta[0] + (it * NT + tx) // K < meta[1]:
+                    ka_g[meta[0] + (it * NT + tx) // K, blk % H, tx % K] = tf32(kr(SM, (it * NT + tx) // K, tx % K) * ex2(gm(SM, (it * NT + tx) // K, tx % K)))
+                    if P2ONE:
+                        qa_g[meta[0] + (it * NT + tx) // K, blk % H, tx % K] = a_q(SM, (it * NT + tx) // K // SUB * SUB, (it * NT + tx) // K % SUB, tx % K)
+                    else:
+                        qa_g[meta[0] + (it * NT + tx) // K, blk % H, tx % K] = tf32(T.float32(scale) * qr(SM, (it * NT + tx) // K, tx % K) * ex2(gm(SM, (it * NT + tx) // K, tx % K)))
+                    kd_g[meta[0] + (it * NT + tx) // K, blk % H, tx % K] = tf32(kr(SM, (it * NT + tx) // K, tx % K) * ex2(gm(SM, C - 1, tx % K) - gm(SM, (it * NT + tx) // K, tx % K)))
+            if tx < K:
+                if meta[0] < meta[1]:
+                    gl_g[blk // H, blk % H, tx] = ex2(gm(SM, C - 1, tx))
+            for it in T.unroll(C * C // NT):
+                if meta[0] + (it * NT + tx) // C < meta[1]:
+                    if TM_I:   # T_IJ (I > J) transposed in place of Lᵀ above the diagonal blocks
+                        la_g[meta[0] + (it * NT + tx) // C, blk % H, tx % C] = T.Select(
+                            tx % C // SUB > (it * NT + tx) // C // SUB, SM[O_TM + tx % C * TS + (it * NT + tx) // C],
+                            la(SM, (it * NT + tx) // C, tx % C))
+                    else:
+                        la_g[meta[0] + (it * NT + tx) // C, blk % H, tx % C] = la(SM, (it * NT + tx) // C, tx % C)
+            for it in T.unroll(C * SUB // NT):
+                if meta[0] + (it * NT + tx) // SUB < meta[1]:
+                    dinv_g[meta[0] + (it * NT + tx) // SUB, blk % H, tx % SUB] = SM[O_D + (it * NT + tx) // SUB * DS + tx % SUB]
 
     @T.macro
     def intra_body(q, k, g, beta, A_log, dt_bias, cu, ka_g, qa_g, kd_g, gl_g, la_g, dinv_g, n_tok, n_cu):
@@ -1586,8 +1591,7 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
             SM = T.alloc_buffer((NSM,), "float32", scope=SH)
             meta = T.alloc_buffer((2,), "int32", scope=SH)   # chunk start, sequence end (0, 0: none)
             if not SYNC:   # emulated: a read of shared memory that nothing wrote gives NaN
-                for i in range(NSM):
-                    SM[i] = T.float32("nan")
+                nan_fill(SM, NSM)
             intra_item(SM, meta, blk, q, k, g, beta, A_log, dt_bias, cu, ka_g, qa_g, kd_g, gl_g, la_g, dinv_g,
                        n_tok, n_cu)
 
@@ -1597,244 +1601,243 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
         """The fused / state kernel's work for block ``blk`` (sequence blk // (H·NVB), head blk // NVB % H,
         columns blk % NVB); ``overlap``: waits for ``flags`` (2 + item, item = chunk index · H + head) of
         the chunks it stages."""
-        if True:
-            Sr = T.alloc_buffer((RT, NR), "float32", scope="local")  # S rows 16·wi …, fp32
-            Y = T.alloc_buffer((RT, NR), "float32", scope="local")   # (e^Γ k) S rows / Y, then o
-            Z = T.alloc_buffer((RT, 4 * NTW), "float32", scope="local")  # vn tiles between warp steps
-            Zt = T.alloc_buffer((RT, 4 * NSUB if TM_S else 4), "float32", scope="local")  # tmat: vn = T R
-            cb = T.alloc_buffer((RT, 1), "int32", scope="local")   # split: chunks before the sequence
-            bnext = T.alloc_buffer((RT, 1), "float32", scope="local")   # pipe: the next chunk's β logit
-            rdy = T.alloc_buffer((RT, 1), "int32", scope="local")   # overlap: chunks known written (thread 0)
-            # the state slice → registers and shared memory
+        Sr = T.alloc_buffer((RT, NR), "float32", scope="local")  # S rows 16·wi …, fp32
+        Y = T.alloc_buffer((RT, NR), "float32", scope="local")   # (e^Γ k) S rows / Y, then o
+        Z = T.alloc_buffer((RT, 4 * NTW), "float32", scope="local")  # vn tiles between warp steps
+        Zt = T.alloc_buffer((RT, 4 * NSUB if TM_S else 4), "float32", scope="local")  # tmat: vn = T R
+        cb = T.alloc_buffer((RT, 1), "int32", scope="local")   # split: chunks before the sequence
+        bnext = T.alloc_buffer((RT, 1), "float32", scope="local")   # pipe: the next chunk's β logit
+        rdy = T.alloc_buffer((RT, 1), "int32", scope="local")   # overlap: chunks known written (thread 0)
+        # the state slice → registers and shared memory
+        for tx in THR(NT):
+            for nt in T.unroll(N8):
+                for e in T.unroll(4):
+                    Sr[tx * EM, nt * 4 + e] = S[layer, slots[blk // (H * NVB)], blk // NVB % H, tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8, blk % NVB * BV + nt * 8 + tx % 4 * 2 + e % 2]
+                    SM[O_SS + (nt * 8 + tx % 4 * 2 + e % 2) * SN + tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8] = tf32(Sr[tx * EM, nt * 4 + e])
+            rdy[tx * EM, 0] = -1
+            if SPL:   # the chunk index of the intra kernel's block = Σ_{b' < b} ⌈len_b' / C⌉ + c
+                cb[tx * EM, 0] = 0
+                for bb in range(blk // (H * NVB)):
+                    cb[tx * EM, 0] = cb[tx * EM, 0] + (cu[bb + 1] - cu[bb] + C - 1) // C
+        for c in range((cu[blk // (H * NVB) + 1] - cu[blk // (H * NVB)] + C - 1) // C):
+            # phase 1: raw k, q, g of the chunk → shared memory (16-byte cp.async, rows
+            #          past the sequence end zero-filled), β; the next chunk's rows into L2
+            #          (split state kernel: its staged operands; with pipe only chunk 0's
+            #          here, and chunk c + 1's into the other set of regions)
+            if OVL:   # those staged here (chunk 0 and, pipe, c + 1) are written: thread 0 waits
+                # where it does not know it yet (and then reads ahead which later ones are)
+                for tx in THR(NT):
+                    if tx == 0:
+                        wait_upto(flags, rdy, tx * EM, cb[tx * EM, 0] * H + blk // NVB % H,
+                                  T.min(c + 1, (cu[blk // (H * NVB) + 1] - cu[blk // (H * NVB)] + C - 1) // C - 1),
+                                  (cu[blk // (H * NVB) + 1] - cu[blk // (H * NVB)] + C - 1) // C)
+            if SYNC:
+                T.tvm_storage_sync("shared")
             for tx in THR(NT):
-                for nt in T.unroll(N8):
-                    for e in T.unroll(4):
-                        Sr[tx * EM, nt * 4 + e] = S[layer, slots[blk // (H * NVB)], blk // NVB % H, tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8, blk % NVB * BV + nt * 8 + tx % 4 * 2 + e % 2]
-                        SM[O_SS + (nt * 8 + tx % 4 * 2 + e % 2) * SN + tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8] = tf32(Sr[tx * EM, nt * 4 + e])
-                rdy[tx * EM, 0] = -1
-                if SPL:   # the chunk index of the intra kernel's block = Σ_{b' < b} ⌈len_b' / C⌉ + c
-                    cb[tx * EM, 0] = 0
-                    for bb in range(blk // (H * NVB)):
-                        cb[tx * EM, 0] = cb[tx * EM, 0] + (cu[bb + 1] - cu[bb] + C - 1) // C
-            for c in range((cu[blk // (H * NVB) + 1] - cu[blk // (H * NVB)] + C - 1) // C):
-                # phase 1: raw k, q, g of the chunk → shared memory (16-byte cp.async, rows
-                #          past the sequence end zero-filled), β; the next chunk's rows into L2
-                #          (split state kernel: its staged operands; with pipe only chunk 0's
-                #          here, and chunk c + 1's into the other set of regions)
-                if OVL:   # those staged here (chunk 0 and, pipe, c + 1) are written: thread 0 waits
-                    # where it does not know it yet (and then reads ahead which later ones are)
-                    for tx in THR(NT):
-                        if tx == 0:
-                            wait_upto(flags, rdy, tx * EM, cb[tx * EM, 0] * H + blk // NVB % H,
-                                      T.min(c + 1, (cu[blk // (H * NVB) + 1] - cu[blk // (H * NVB)] + C - 1) // C - 1),
-                                      (cu[blk // (H * NVB) + 1] - cu[blk // (H * NVB)] + C - 1) // C)
-                if SYNC:
-                    T.tvm_storage_sync("shared")
-                for tx in THR(NT):
-                    c0 = T.alloc_buffer((3,), "int32", scope="local")  # chunk start, sequence end, row
-                    c0[0] = cu[blk // (H * NVB)] + c * C
-                    c0[1] = cu[blk // (H * NVB) + 1]
-                    if PIPE:   # chunk 0's copies here, then chunk c + 1's into set (c + 1) % 2
-                        c1 = T.alloc_buffer((3,), "int32", scope="local")
-                        c1[0] = c0[0] + C
-                        c1[1] = c0[1]
-                        if "stage" not in ABL:
-                            if c == 0:
-                                stage_chunk(SM, tx, c0, q, k, g, beta, la_g, dinv_g, gl_g, chunk_index(cb, tx, c),
-                                            blk // NVB % H, n_tok, True)
-                        if V_EARLY and "vl" not in ABL:
-                            if c == 0 and tx // 32 < 4:
-                                copy_v_rows(SM, tx, c0, v, blk)
-                        if "stage" not in ABL:
-                            if c1[0] < c1[1]:
-                                stage_next(SM, tx, c1, g, beta, la_g, dinv_g, gl_g, chunk_index(cb, tx, c + 1),
-                                           blk // NVB % H, n_tok, bnext, (c + 1) % 2)
-                        if SYNC:   # (always, even empty: the wait below counts this group)
-                            ptx.commit()
-                    elif "stage" not in ABL:
-                        stage_chunk(SM, tx, c0, q, k, g, beta, la_g, dinv_g, gl_g, chunk_index(cb, tx, c),
-                                    blk // NVB % H, n_tok, c == 0)
-                    # the next chunk's rows into L2 (pipe: its g and la rows are copied now, so
-                    # those of the chunk after it)
-                    if c0[0] + C + tx // 4 < c0[1]:
-                        prefetch(q[c0[0] + C + tx // 4, blk // NVB % H, tx % 4 * 32])
-                        prefetch(k[c0[0] + C + tx // 4, blk // NVB % H, tx % 4 * 32])
-                        if not PIPE:
-                            prefetch(g[c0[0] + C + tx // 4, blk // NVB % H, tx % 4 * 32])
-                        if tx % 4 * 32 < BV:
-                            prefetch(v[c0[0] + C + tx // 4, blk // NVB % H, blk % NVB * BV + tx % 4 * 32])
-                        if stage == "state" and not PIPE and tx % 4 < 2:
-                            prefetch(la_g[c0[0] + C + tx // 4, blk // NVB % H, tx % 4 * 32])
-                    if PIPE:
-                        if c0[0] + 2 * C + tx // 4 < c0[1]:
-                            prefetch(g[c0[0] + 2 * C + tx // 4, blk // NVB % H, tx % 4 * 32])
-                            if tx % 4 < 2:
-                                prefetch(la_g[c0[0] + 2 * C + tx // 4, blk // NVB % H, tx % 4 * 32])
-                    if SYNC:   # pipe: all but the group just committed, i.e. chunk c's copies (and those
-                        # of early_kq at phase 4 and v_early at phase 5 of the chunk before)
-                        ptx.wait(1 if PIPE else 0)
+                c0 = T.alloc_buffer((3,), "int32", scope="local")  # chunk start, sequence end, row
+                c0[0] = cu[blk // (H * NVB)] + c * C
+                c0[1] = cu[blk // (H * NVB) + 1]
+                if PIPE:   # chunk 0's copies here, then chunk c + 1's into set (c + 1) % 2
+                    c1 = T.alloc_buffer((3,), "int32", scope="local")
+                    c1[0] = c0[0] + C
+                    c1[1] = c0[1]
+                    if "stage" not in ABL:
+                        if c == 0:
+                            stage_chunk(SM, tx, c0, q, k, g, beta, la_g, dinv_g, gl_g, chunk_index(cb, tx, c),
+                                        blk // NVB % H, n_tok, True)
+                    if V_EARLY and "vl" not in ABL:
+                        if c == 0 and tx // 32 < 4:
+                            copy_v_rows(SM, tx, c0, v, blk)
+                    if "stage" not in ABL:
+                        if c1[0] < c1[1]:
+                            stage_next(SM, tx, c1, g, beta, la_g, dinv_g, gl_g, chunk_index(cb, tx, c + 1),
+                                       blk // NVB % H, n_tok, bnext, (c + 1) % 2)
+                    if SYNC:   # (always, even empty: the wait below counts this group)
+                        ptx.commit()
+                elif "stage" not in ABL:
+                    stage_chunk(SM, tx, c0, q, k, g, beta, la_g, dinv_g, gl_g, chunk_index(cb, tx, c),
+                                blk // NVB % H, n_tok, c == 0)
+                # the next chunk's rows into L2 (pipe: its g and la rows are copied now, so
+                # those of the chunk after it)
+                if c0[0] + C + tx // 4 < c0[1]:
+                    prefetch(q[c0[0] + C + tx // 4, blk // NVB % H, tx % 4 * 32])
+                    prefetch(k[c0[0] + C + tx // 4, blk // NVB % H, tx % 4 * 32])
+                    if not PIPE:
+                        prefetch(g[c0[0] + C + tx // 4, blk // NVB % H, tx % 4 * 32])
+                    if tx % 4 * 32 < BV:
+                        prefetch(v[c0[0] + C + tx // 4, blk // NVB % H, blk % NVB * BV + tx % 4 * 32])
+                    if stage == "state" and not PIPE and tx % 4 < 2:
+                        prefetch(la_g[c0[0] + C + tx // 4, blk // NVB % H, tx % 4 * 32])
+                if PIPE:
+                    if c0[0] + 2 * C + tx // 4 < c0[1]:
+                        prefetch(g[c0[0] + 2 * C + tx // 4, blk // NVB % H, tx % 4 * 32])
+                        if tx % 4 < 2:
+                            prefetch(la_g[c0[0] + 2 * C + tx // 4, blk // NVB % H, tx % 4 * 32])
+                if SYNC:   # pipe: all but the group just committed, i.e. chunk c's copies (and those
+                    # of early_kq at phase 4 and v_early at phase 5 of the chunk before)
+                    ptx.wait(1 if PIPE else 0)
+            if stage == "fused":
+                if "gamma" not in ABL:
+                    gamma_and_norms(SM, cu[blk // (H * NVB)] + c * C, cu[blk // (H * NVB) + 1], blk // NVB % H,
+                                    A_log, dt_bias)
+                if "p2" not in ABL:
+                    phase2(SM)
+            # phase 3: D_I^{-1} (warps 6-7: block I = t // 16, column t % 16) ‖ the rows
+            #          16·wi … of (e^Γ k) S → R = β (v − ·) (warps 0-3) or of Y = scale
+            #          (e^Γ q) S (warps 4-7, kept in registers)
+            if SYNC:
+                T.tvm_storage_sync("shared")
+            for tx in THR(NT):
+                c0 = T.alloc_buffer((2,), "int32", scope="local")
+                af = T.alloc_buffer((AFN,), "float32", scope="local")
+                x = T.alloc_buffer((RT, SUB), "float32", scope="local")
+                vl = T.alloc_buffer((RT, NR), "float32", scope="local")
+                bq = T.alloc_buffer((4,), "float32", scope="local")   # ldmatrix.x4 fragments
+                c0[0] = cu[blk // (H * NVB)] + c * C
+                c0[1] = cu[blk // (H * NVB) + 1]
                 if stage == "fused":
-                    if "gamma" not in ABL:
-                        gamma_and_norms(SM, cu[blk // (H * NVB)] + c * C, cu[blk // (H * NVB) + 1], blk // NVB % H,
-                                        A_log, dt_bias)
-                    if "p2" not in ABL:
-                        phase2(SM)
-                # phase 3: D_I^{-1} (warps 6-7: block I = t // 16, column t % 16) ‖ the rows
-                #          16·wi … of (e^Γ k) S → R = β (v − ·) (warps 0-3) or of Y = scale
-                #          (e^Γ q) S (warps 4-7, kept in registers)
-                if SYNC:
-                    T.tvm_storage_sync("shared")
-                for tx in THR(NT):
-                    c0 = T.alloc_buffer((2,), "int32", scope="local")
-                    af = T.alloc_buffer((AFN,), "float32", scope="local")
-                    x = T.alloc_buffer((RT, SUB), "float32", scope="local")
-                    vl = T.alloc_buffer((RT, NR), "float32", scope="local")
-                    bq = T.alloc_buffer((4,), "float32", scope="local")   # ldmatrix.x4 fragments
-                    c0[0] = cu[blk // (H * NVB)] + c * C
-                    c0[1] = cu[blk // (H * NVB) + 1]
-                    if stage == "fused":
-                        if "dinv" not in ABL:
-                            d_inverse(SM, tx, x)
-                    for r in T.unroll(NR):
-                        Y[tx * EM, r] = T.float32(0)
-                    if tx // 32 < 4:
-                        if "vl" not in ABL:
-                            if VASYNC:   # the warp's 16 rows of v → the vn region (R goes there)
-                                copy_v_rows(SM, tx, c0, v, blk)
-                            elif not V_EARLY:   # (v_early: copied during the chunk before)
-                                for nt in T.unroll(N8):
-                                    for e in T.unroll(4):
-                                        vl[tx * EM, nt * 4 + e] = ld(v, c0[0] + tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8, c0[1], n_tok, blk // NVB % H, blk % NVB * BV + nt * 8 + tx % 4 * 2 + e % 2)
-                        if "p3" not in ABL:
-                            gemm_s(SM, Y, tx * EM, af, bq, lambda i, d: a_k(SM, tx // 32 * 16, i, d),
-                                   K // 8, N8, tx % 32)
-                        if VASYNC or V_EARLY:   # R in place of the v rows (v_async: the warp's own copies,
-                            # so wait, then a warp sync; v_early: waited for at the chunk's start)
-                            if VASYNC:
-                                if SYNC:
-                                    ptx.wait(0)
-                                syncwarp()
+                    if "dinv" not in ABL:
+                        d_inverse(SM, tx, x)
+                for r in T.unroll(NR):
+                    Y[tx * EM, r] = T.float32(0)
+                if tx // 32 < 4:
+                    if "vl" not in ABL:
+                        if VASYNC:   # the warp's 16 rows of v → the vn region (R goes there)
+                            copy_v_rows(SM, tx, c0, v, blk)
+                        elif not V_EARLY:   # (v_early: copied during the chunk before)
                             for nt in T.unroll(N8):
                                 for e in T.unroll(4):
-                                    SM[O_X + (tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8) * RS + nt * 8 + tx % 4 * 2 + e % 2] = SM[O_BT + tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8] * (SM[O_X + (tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8) * RS + nt * 8 + tx % 4 * 2 + e % 2] - Y[tx * EM, nt * 4 + e])
+                                    vl[tx * EM, nt * 4 + e] = ld(v, c0[0] + tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8, c0[1], n_tok, blk // NVB % H, blk % NVB * BV + nt * 8 + tx % 4 * 2 + e % 2)
+                    if "p3" not in ABL:
+                        gemm_s(SM, Y, tx * EM, af, bq, lambda i, d: a_k(SM, tx // 32 * 16, i, d),
+                               K // 8, N8, tx % 32)
+                    if VASYNC or V_EARLY:   # R in place of the v rows (v_async: the warp's own copies,
+                        # so wait, then a warp sync; v_early: waited for at the chunk's start)
+                        if VASYNC:
+                            if SYNC:
+                                ptx.wait(0)
+                            syncwarp()
+                        for nt in T.unroll(N8):
+                            for e in T.unroll(4):
+                                SM[O_X + (tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8) * RS + nt * 8 + tx % 4 * 2 + e % 2] = SM[O_BT + tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8] * (SM[O_X + (tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8) * RS + nt * 8 + tx % 4 * 2 + e % 2] - Y[tx * EM, nt * 4 + e])
+                    else:
+                        for nt in T.unroll(N8):
+                            for e in T.unroll(4):
+                                SM[O_X + (tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8) * RS + nt * 8 + tx % 4 * 2 + e % 2] = SM[O_BT + tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8] * (vl[tx * EM, nt * 4 + e] - Y[tx * EM, nt * 4 + e])
+                else:
+                    if "p3" not in ABL:
+                        gemm_s(SM, Y, tx * EM, af, bq, lambda i, d: a_q(SM, (tx // 32 - 4) * 16, i, d),
+                               K // 8, N8, tx % 32)
+            # phase 4: vn_I = D_I^{-1} (R_I − Σ_{J<I} L_IJ vn_J), in place of R; warp wi
+            #          owns the n-tiles wi, wi + 8, … (warps past them idle); with tmat
+            #          vn = T R into its own region (vn_product)
+            if SYNC:
+                T.tvm_storage_sync("shared")
+            if EARLY:   # the next chunk's e^Γ k, scale·e^Γ q (phase 3 has read this one's)
+                for tx in THR(NT):
+                    cn = T.alloc_buffer((3,), "int32", scope="local")
+                    cn[0] = cu[blk // (H * NVB)] + (c + 1) * C
+                    cn[1] = cu[blk // (H * NVB) + 1]
+                    if cn[0] < cn[1]:
+                        copy_rows(SM, tx, cn, O_KR, KS, k, K, blk // NVB % H, n_tok)
+                        copy_rows(SM, tx, cn, O_QR, KS, q, K, blk // NVB % H, n_tok)
+                        if SYNC:
+                            ptx.commit()
+            if TM_S:
+                for tx in THR(NT):
+                    if "p4" not in ABL:
+                        vn_product(SM, tx, Zt, c % 2 if PIPE else 0)
+                    if PIPE:   # the next chunk's β (phase 3, its only reader, is done)
+                        if tx < C and cu[blk // (H * NVB)] + (c + 1) * C < cu[blk // (H * NVB) + 1]:
+                            SM[O_BT + tx] = beta_value(cu[blk // (H * NVB)] + (c + 1) * C + tx < cu[blk // (H * NVB) + 1],
+                                                       bnext[tx * EM, 0])
+            elif "p4" not in ABL:
+                for I in T.unroll(NSUB):
+                    for tx in THR(NT):
+                        af = T.alloc_buffer((4,), "float32", scope="local")
+                        for t in T.unroll(NTW):
+                            if tx // 32 + t * NW < N8:
+                                for e in T.unroll(4):
+                                    Z[tx * EM, t * 4 + e] = vn(SM, I * SUB + tx % 32 // 4 + e // 2 * 8, (tx // 32 + t * NW) * 8 + tx % 4 * 2 + e % 2)
+                                for ks in T.unroll(2 * NSUB - 2):
+                                    if ks < 2 * I:
+                                        frag_a(af, 0, lambda i, j: T.float32(0) - la(SM, j, I * SUB + i), tx % 32, ks * 8)
+                                        mma(Z, tx * EM, t * 4, af, 0, lambda i, j: T.float32(0) - la(SM, j, I * SUB + i),
+                                            lambda j, n: vn(SM, j, n), tx % 32, ks * 8, (tx // 32 + t * NW) * 8)
+                                for e in T.unroll(4):
+                                    SM[O_X + (I * SUB + tx % 32 // 4 + e // 2 * 8) * RS + (tx // 32 + t * NW) * 8 + tx % 4 * 2 + e % 2] = tf32(Z[tx * EM, t * 4 + e])
+                        syncwarp()
+                    for tx in THR(NT):
+                        af = T.alloc_buffer((4,), "float32", scope="local")
+                        for t in T.unroll(NTW):
+                            if tx // 32 + t * NW < N8:
+                                for e in T.unroll(4):
+                                    Z[tx * EM, t * 4 + e] = T.float32(0)
+                                for ks in T.unroll(2):
+                                    frag_a(af, 0, lambda i, j: SM[O_D + (I * SUB + i) * DS + j], tx % 32, ks * 8)
+                                    mma(Z, tx * EM, t * 4, af, 0, lambda i, j: SM[O_D + (I * SUB + i) * DS + j],
+                                        lambda j, n: vn(SM, I * SUB + j, n), tx % 32, ks * 8, (tx // 32 + t * NW) * 8)
+                        syncwarp()
+                    for tx in THR(NT):
+                        for t in T.unroll(NTW):
+                            if tx // 32 + t * NW < N8:
+                                for e in T.unroll(4):
+                                    SM[O_X + (I * SUB + tx % 32 // 4 + e // 2 * 8) * RS + (tx // 32 + t * NW) * 8 + tx % 4 * 2 + e % 2] = tf32(Z[tx * EM, t * 4 + e])
+                        syncwarp()
+            # phase 5: S ← diag(e^{Γ_last}) S + (e^{Γ_last−Γ} k)ᵀ vn (every warp, rows
+            #          16·wi …); o = Y + Aqk vn (warps 4-7, k-steps ≤ the diagonal)
+            if SYNC:
+                T.tvm_storage_sync("shared")
+            for tx in THR(NT):
+                c0 = T.alloc_buffer((2,), "int32", scope="local")
+                af = T.alloc_buffer((AFN,), "float32", scope="local")
+                c0[0] = cu[blk // (H * NVB)] + c * C
+                c0[1] = cu[blk // (H * NVB) + 1]
+                if V_EARLY and "vl" not in ABL:   # the next chunk's v rows (phase 4 has read R)
+                    cn = T.alloc_buffer((2,), "int32", scope="local")
+                    cn[0] = c0[0] + C
+                    cn[1] = c0[1]
+                    if tx // 32 < 4 and cn[0] < cn[1]:
+                        copy_v_rows(SM, tx, cn, v, blk)
+                for nt in T.unroll(N8):
+                    for e in T.unroll(4):
+                        Sr[tx * EM, nt * 4 + e] = Sr[tx * EM, nt * 4 + e] * decay(SM, tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8, c % 2 if PIPE else 0)
+                if "s" not in ABL:
+                    gemm(Sr, tx * EM, af,
+                         lambda i, j: a_kd(SM, tx // 32 * 16, i, j, c % 2 if PIPE else 0),
+                         lambda j, n: vn(SM, j, n), C // 8, N8, tx % 32, None)
+                if "scopy" not in ABL:
+                    for nt in T.unroll(N8):
+                        for e in T.unroll(4):
+                            SM[O_SS + (nt * 8 + tx % 4 * 2 + e % 2) * SN + tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8] = tf32(Sr[tx * EM, nt * 4 + e])
+                if tx // 32 >= 4:
+                    if "o" not in ABL:
+                        gemm(Y, tx * EM, af,
+                             lambda i, j: T.Select(j <= (tx // 32 - 4) * 16 + i, la(SM, (tx // 32 - 4) * 16 + i, j, c % 2 if PIPE else 0), T.float32(0)),
+                             lambda j, n: vn(SM, j, n), C // 8, N8, tx % 32, (tx // 32 - 4) * 2 + 1)
+                    if "ost" not in ABL:
+                        if O_VEC:   # entries e, e + 1 (adjacent columns, 8-byte aligned: the
+                            # column is even and o's rows are V floats) as one 8-byte store;
+                            # emulated: the same loop with two scalar stores
+                            for hf in T.unroll(2):
+                                if o_row(c0, tx, hf) < c0[1]:
+                                    for nt in T.unroll(N8):
+                                        if SYNC:
+                                            cuda_func_call("k3_st2", T.address_of(o[o_row(c0, tx, hf), blk // NVB % H, o_col(blk, tx, nt)]),
+                                                           Y[tx * EM, nt * 4 + hf * 2], Y[tx * EM, nt * 4 + hf * 2 + 1], source_code=ST2_SRC)
+                                        else:
+                                            for u in T.unroll(2):
+                                                o[o_row(c0, tx, hf), blk // NVB % H, o_col(blk, tx, nt) + u] = Y[tx * EM, nt * 4 + hf * 2 + u]
                         else:
                             for nt in T.unroll(N8):
                                 for e in T.unroll(4):
-                                    SM[O_X + (tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8) * RS + nt * 8 + tx % 4 * 2 + e % 2] = SM[O_BT + tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8] * (vl[tx * EM, nt * 4 + e] - Y[tx * EM, nt * 4 + e])
-                    else:
-                        if "p3" not in ABL:
-                            gemm_s(SM, Y, tx * EM, af, bq, lambda i, d: a_q(SM, (tx // 32 - 4) * 16, i, d),
-                                   K // 8, N8, tx % 32)
-                # phase 4: vn_I = D_I^{-1} (R_I − Σ_{J<I} L_IJ vn_J), in place of R; warp wi
-                #          owns the n-tiles wi, wi + 8, … (warps past them idle); with tmat
-                #          vn = T R into its own region (vn_product)
-                if SYNC:
-                    T.tvm_storage_sync("shared")
-                if EARLY:   # the next chunk's e^Γ k, scale·e^Γ q (phase 3 has read this one's)
-                    for tx in THR(NT):
-                        cn = T.alloc_buffer((3,), "int32", scope="local")
-                        cn[0] = cu[blk // (H * NVB)] + (c + 1) * C
-                        cn[1] = cu[blk // (H * NVB) + 1]
-                        if cn[0] < cn[1]:
-                            copy_rows(SM, tx, cn, O_KR, KS, k, K, blk // NVB % H, n_tok)
-                            copy_rows(SM, tx, cn, O_QR, KS, q, K, blk // NVB % H, n_tok)
-                            if SYNC:
-                                ptx.commit()
-                if TM_S:
-                    for tx in THR(NT):
-                        if "p4" not in ABL:
-                            vn_product(SM, tx, Zt, c % 2 if PIPE else 0)
-                        if PIPE:   # the next chunk's β (phase 3, its only reader, is done)
-                            if tx < C and cu[blk // (H * NVB)] + (c + 1) * C < cu[blk // (H * NVB) + 1]:
-                                SM[O_BT + tx] = beta_value(cu[blk // (H * NVB)] + (c + 1) * C + tx < cu[blk // (H * NVB) + 1],
-                                                           bnext[tx * EM, 0])
-                elif "p4" not in ABL:
-                    for I in T.unroll(NSUB):
-                        for tx in THR(NT):
-                            af = T.alloc_buffer((4,), "float32", scope="local")
-                            for t in T.unroll(NTW):
-                                if tx // 32 + t * NW < N8:
-                                    for e in T.unroll(4):
-                                        Z[tx * EM, t * 4 + e] = vn(SM, I * SUB + tx % 32 // 4 + e // 2 * 8, (tx // 32 + t * NW) * 8 + tx % 4 * 2 + e % 2)
-                                    for ks in T.unroll(2 * NSUB - 2):
-                                        if ks < 2 * I:
-                                            frag_a(af, 0, lambda i, j: T.float32(0) - la(SM, j, I * SUB + i), tx % 32, ks * 8)
-                                            mma(Z, tx * EM, t * 4, af, 0, lambda i, j: T.float32(0) - la(SM, j, I * SUB + i),
-                                                lambda j, n: vn(SM, j, n), tx % 32, ks * 8, (tx // 32 + t * NW) * 8)
-                                    for e in T.unroll(4):
-                                        SM[O_X + (I * SUB + tx % 32 // 4 + e // 2 * 8) * RS + (tx // 32 + t * NW) * 8 + tx % 4 * 2 + e % 2] = tf32(Z[tx * EM, t * 4 + e])
-                            syncwarp()
-                        for tx in THR(NT):
-                            af = T.alloc_buffer((4,), "float32", scope="local")
-                            for t in T.unroll(NTW):
-                                if tx // 32 + t * NW < N8:
-                                    for e in T.unroll(4):
-                                        Z[tx * EM, t * 4 + e] = T.float32(0)
-                                    for ks in T.unroll(2):
-                                        frag_a(af, 0, lambda i, j: SM[O_D + (I * SUB + i) * DS + j], tx % 32, ks * 8)
-                                        mma(Z, tx * EM, t * 4, af, 0, lambda i, j: SM[O_D + (I * SUB + i) * DS + j],
-                                            lambda j, n: vn(SM, I * SUB + j, n), tx % 32, ks * 8, (tx // 32 + t * NW) * 8)
-                            syncwarp()
-                        for tx in THR(NT):
-                            for t in T.unroll(NTW):
-                                if tx // 32 + t * NW < N8:
-                                    for e in T.unroll(4):
-                                        SM[O_X + (I * SUB + tx % 32 // 4 + e // 2 * 8) * RS + (tx // 32 + t * NW) * 8 + tx % 4 * 2 + e % 2] = tf32(Z[tx * EM, t * 4 + e])
-                            syncwarp()
-                # phase 5: S ← diag(e^{Γ_last}) S + (e^{Γ_last−Γ} k)ᵀ vn (every warp, rows
-                #          16·wi …); o = Y + Aqk vn (warps 4-7, k-steps ≤ the diagonal)
-                if SYNC:
-                    T.tvm_storage_sync("shared")
-                for tx in THR(NT):
-                    c0 = T.alloc_buffer((2,), "int32", scope="local")
-                    af = T.alloc_buffer((AFN,), "float32", scope="local")
-                    c0[0] = cu[blk // (H * NVB)] + c * C
-                    c0[1] = cu[blk // (H * NVB) + 1]
-                    if V_EARLY and "vl" not in ABL:   # the next chunk's v rows (phase 4 has read R)
-                        cn = T.alloc_buffer((2,), "int32", scope="local")
-                        cn[0] = c0[0] + C
-                        cn[1] = c0[1]
-                        if tx // 32 < 4 and cn[0] < cn[1]:
-                            copy_v_rows(SM, tx, cn, v, blk)
-                    for nt in T.unroll(N8):
-                        for e in T.unroll(4):
-                            Sr[tx * EM, nt * 4 + e] = Sr[tx * EM, nt * 4 + e] * decay(SM, tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8, c % 2 if PIPE else 0)
-                    if "s" not in ABL:
-                        gemm(Sr, tx * EM, af,
-                             lambda i, j: a_kd(SM, tx // 32 * 16, i, j, c % 2 if PIPE else 0),
-                             lambda j, n: vn(SM, j, n), C // 8, N8, tx % 32, None)
-                    if "scopy" not in ABL:
-                        for nt in T.unroll(N8):
-                            for e in T.unroll(4):
-                                SM[O_SS + (nt * 8 + tx % 4 * 2 + e % 2) * SN + tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8] = tf32(Sr[tx * EM, nt * 4 + e])
-                    if tx // 32 >= 4:
-                        if "o" not in ABL:
-                            gemm(Y, tx * EM, af,
-                                 lambda i, j: T.Select(j <= (tx // 32 - 4) * 16 + i, la(SM, (tx // 32 - 4) * 16 + i, j, c % 2 if PIPE else 0), T.float32(0)),
-                                 lambda j, n: vn(SM, j, n), C // 8, N8, tx % 32, (tx // 32 - 4) * 2 + 1)
-                        if "ost" not in ABL:
-                            if O_VEC:   # entries e, e + 1 (adjacent columns, 8-byte aligned: the
-                                # column is even and o's rows are V floats) as one 8-byte store;
-                                # emulated: the same loop with two scalar stores
-                                for hf in T.unroll(2):
-                                    if o_row(c0, tx, hf) < c0[1]:
-                                        for nt in T.unroll(N8):
-                                            if SYNC:
-                                                cuda_func_call("k3_st2", T.address_of(o[o_row(c0, tx, hf), blk // NVB % H, o_col(blk, tx, nt)]),
-                                                               Y[tx * EM, nt * 4 + hf * 2], Y[tx * EM, nt * 4 + hf * 2 + 1], source_code=ST2_SRC)
-                                            else:
-                                                for u in T.unroll(2):
-                                                    o[o_row(c0, tx, hf), blk // NVB % H, o_col(blk, tx, nt) + u] = Y[tx * EM, nt * 4 + hf * 2 + u]
-                            else:
-                                for nt in T.unroll(N8):
-                                    for e in T.unroll(4):
-                                        if o_row(c0, tx, e // 2) < c0[1]:
-                                            o[o_row(c0, tx, e // 2), blk // NVB % H, o_col(blk, tx, nt) + e % 2] = Y[tx * EM, nt * 4 + e]
-            # registers → the pooled state
-            for tx in THR(NT):
-                for nt in T.unroll(N8):
-                    for e in T.unroll(4):
-                        S[layer, slots[blk // (H * NVB)], blk // NVB % H, tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8, blk % NVB * BV + nt * 8 + tx % 4 * 2 + e % 2] = Sr[tx * EM, nt * 4 + e]
+                                    if o_row(c0, tx, e // 2) < c0[1]:
+                                        o[o_row(c0, tx, e // 2), blk // NVB % H, o_col(blk, tx, nt) + e % 2] = Y[tx * EM, nt * 4 + e]
+        # registers → the pooled state
+        for tx in THR(NT):
+            for nt in T.unroll(N8):
+                for e in T.unroll(4):
+                    S[layer, slots[blk // (H * NVB)], blk // NVB % H, tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8, blk % NVB * BV + nt * 8 + tx % 4 * 2 + e % 2] = Sr[tx * EM, nt * 4 + e]
 
     @T.macro
     def fused_body(q, k, v, g, beta, A_log, dt_bias, la_g, dinv_g, gl_g, cu, slots, S, layer, o, n_tok, n_cu):
@@ -1843,8 +1846,7 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
         for blk in BLK((n_cu - 1) * (H * NVB)):
             SM = T.alloc_buffer((NSM,), "float32", scope=SH)
             if not SYNC:   # emulated: a read of shared memory that nothing wrote gives NaN
-                for i in range(NSM):
-                    SM[i] = T.float32("nan")
+                nan_fill(SM, NSM)
             state_run(SM, blk, q, k, v, g, beta, A_log, dt_bias, la_g, dinv_g, gl_g, cu, slots, S, layer, o, n_tok,
                       None)
 

@@ -107,6 +107,17 @@ def _raw_inputs(lens: tuple, H: int) -> dict:
     return x
 
 
+def _split_scratch(T: int, B: int, H: int) -> list:
+    """The split form's intra outputs for ``T`` tokens in ``B`` sequences, as torch float32 tensors
+    on the GPU in the kernels' argument order: ka, qa, kd [T, H, K], gl [T // 64 + B, H, K], la
+    [T, H, 64], dinv [T, H, 16]."""
+    import torch
+
+    dev = torch.device("cuda")
+    return ([torch.empty(T, H, n, device=dev) for n in (K, K, K)] + [torch.empty(T // 64 + B, H, K, device=dev)]
+            + [torch.empty(T, H, n, device=dev) for n in (64, 16)])
+
+
 def build(out: Path, H: int) -> None:
     from relax_modules.kda import prefill_dispatch
     from schedules.kda_prefill_fused import (
@@ -313,10 +324,7 @@ def run_split(out: Path, H: int, result: Path) -> None:
         x = _raw_inputs(lens, H)
         q, k, v, f, b, A_log, dt_bias, cu, slots, state, o = (
             x[n] for n in ("q", "k", "v", "f", "b", "A_log", "dt_bias", "cu", "slots", "state", "o"))
-        nc = T // C + B
-        # ka, qa, kd, gl, la, dinv
-        scratch = {v_: [t(torch.empty(T, H, n, device=dev)) for n in (K, K, K)] + [t(torch.empty(nc, H, K, device=dev))]
-                   + [t(torch.empty(T, H, n, device=dev)) for n in (C, 16)] for v_ in SPLIT_INTRA}
+        scratch = {v_: [t(x_) for x_ in _split_scratch(T, B, H)] for v_ in SPLIT_INTRA}
         intra_args = {v_: [t(x) for x in (q, k, f, b, A_log, dt_bias, cu)] + scratch[v_] for v_ in SPLIT_INTRA}
 
         def state_args(v_):
@@ -396,8 +404,7 @@ def run_overlap(out: Path, H: int, result: Path) -> None:
     x = _raw_inputs(lens, H)
     n_items = (T // C + B) * H
     flags = torch.zeros(2 + n_items + 6 * 132, dtype=torch.int32, device=dev)
-    scratch = [torch.empty(T, H, n, device=dev) for n in (K, K, K)] + [torch.empty(T // C + B, H, K, device=dev)] + [
-        torch.empty(T, H, n, device=dev) for n in (C, 16)]
+    scratch = _split_scratch(T, B, H)
     args = ([t(x[n]) for n in ("q", "k", "f", "b", "A_log", "dt_bias", "cu", "slots", "v", "state")] + [t(flags), 0]
             + [t(s_) for s_ in scratch] + [t(x["o"])])
     names = (["split_seq"] + [f"{p}_l{lead}" for lead in OVERLAP_LEADS for p in ("split", "trace")]
