@@ -110,7 +110,16 @@ PREFILL_FUSED = ([("fused", bv, ab, {}) for bv, ab in ((128, 4), (64, 8), (32, 8
                     # since 2026-12-01; with the next chunk's q rows copied at phase 4 (early_q, not
                     # kept) in kda_prefill_ovec_h200_2026-12-01.json
                     ("fusedpre_p2ovfv", 128, 4, {"lower_bound": LOWER_BOUND, "p2_one": True, "ldsm": True,
-                                                 "v_async": True, "fast_gate": True, "o_vec": True})])
+                                                 "v_async": True, "fast_gate": True, "o_vec": True}),
+                    # ... with phase 3's products on wgmma (``p3_wg``; a_batch 4 and 8: the k-steps
+                    # per group of wgmmas)
+                    ("fusedpre_p2ovfvw", 128, 4, {"lower_bound": LOWER_BOUND, "p2_one": True, "v_async": True,
+                                                  "fast_gate": True, "o_vec": True, "p3_wg": True}),
+                    ("fusedpre_p2ovfvw8", 128, 8, {"lower_bound": LOWER_BOUND, "p2_one": True, "v_async": True,
+                                                   "fast_gate": True, "o_vec": True, "p3_wg": True}),
+                    # ... with two sets of A fragments (p3_wg=2)
+                    ("fusedpre_p2ovfvw2", 128, 4, {"lower_bound": LOWER_BOUND, "p2_one": True, "v_async": True,
+                                                   "fast_gate": True, "o_vec": True, "p3_wg": 2})])
 # the split form (schedules/kda_prefill_fused.py: kda_prefill_split_intra_kernel for every
 # chunk in parallel, then the fused kernel's phases 3-5 with ``split``): (name, block_v,
 # a_batch, options); splitpre_*: L2 norms, gate and β in the intra kernel (raw inputs)

@@ -432,7 +432,7 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
                              p2_wide: bool = False, v_async: bool = False, fast_gate: bool = False,
                              p2_one: bool = False, o_vec: bool = False, tmat: bool = False,
                              pipe: bool = False, v_early: bool = False, ablate: frozenset = frozenset(),
-                             emulate: bool = False):
+                             p3_wg: bool = False, emulate: bool = False):
     """The fused chunked prefill, one block per (sequence, head, ``block_v`` columns of V).
     PrimFunc arguments::
 
@@ -540,6 +540,12 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
     form R in place in phase 3, instead of loading v from L2 there: 2.5% at 12 heads and 8192
     tokens (``kda_prefill_vearly_h200_2026-12-01.json``).
 
+    ``p3_wg`` (sm_90a): phase 3's products ((e^Γ k) S and scale (e^Γ q) S, 64 rows × block_v
+    columns × 128) as one warpgroup MMA chain per warpgroup (``wgmma.m64n{block_v}k8`` TF32, A
+    from registers, B = the S copy in the 128-byte swizzled layout) instead of 16 ``mma.sync``
+    k-steps per warp that each read all of S's B fragments from shared memory; D^{-1} runs while
+    the last wgmmas are in flight. Emulated: the swizzled S copy with the ``mma`` products.
+
     ``ablate`` (a subset of ``ABLATE_PHASES``, or of ``ABLATE_STATE`` with ``split``; a
     diagnostic): leave that work out, so that the time it saves is its cost on the chunk's
     critical path; the results are wrong (``tests/gpu/profile_kda_prefill.py phases`` and
@@ -552,6 +558,8 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
     ``a_batch`` (4 or 8): k-steps whose A fragments are loaded before their mmas in phases 3
     and 5. Raises ValueError for other head sizes or tilings.
     """
+    if split and p3_wg:
+        raise ValueError("p3_wg belongs to the fused kernel")
     if split and (p2_pairs or p2_wide or v_async or fast_gate or p2_one):
         raise ValueError("split: p2_pairs, p2_wide, p2_one, fast_gate belong to kda_prefill_split_intra_kernel; "
                          "v_async to the fused kernel")
@@ -565,7 +573,7 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
                             tmat=tmat, pipe=pipe, v_early=v_early, ablate=ablate)
     return _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulate, "fused",
                   p2_wide=p2_wide, v_async=v_async, fast_gate=fast_gate, p2_one=p2_one, o_vec=o_vec,
-                  ablate=ablate)
+                  ablate=ablate, p3_wg=p3_wg)
 
 
 # the split state kernel's block_v by the number of sequences B (``kda_prefill_split_state_kernel``):
@@ -932,7 +940,7 @@ __device__ __forceinline__ int k3_{name}() {{
 
 def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulate, stage, early_kq=False,
            p2_wide=False, ablate=frozenset(), v_async=False, fast_gate=False, p2_one=False, o_vec=False,
-           tmat=False, pipe=False, v_early=False, overlap=False, parts=False):
+           tmat=False, pipe=False, v_early=False, overlap=False, parts=False, p3_wg=False):
     """The kernels of this module (``stage``: "fused", "intra" or "state") over one set of
     shared-memory regions and macros. ``early_kq`` (state): the next chunk's e^Γ k and scale·e^Γ q
     are copied as soon as phase 3 has read this chunk's (start of phase 4), not in phase 1.
@@ -948,7 +956,16 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
     ``overlap`` (state kernel with ``pipe``): thread 0 waits for the flags of the chunks it
     stages (``kda_prefill_split_kernel``). ``parts``: instead of a PrimFunc the dict of the
     kernel's macros (``item`` / ``body`` of the intra kernel, ``run`` / ``body`` of the state
-    kernel) and its shared-memory floats ``nsm``."""
+    kernel) and its shared-memory floats ``nsm``. ``p3_wg`` (fused): the S copy in the 128-byte
+    swizzled K-major layout of a wgmma B operand (``s_word``) and, on the GPU, phase 3's products
+    as ``wgmma.m64n{block_v}k8`` TF32 (A from registers, B = the S copy through a descriptor; each
+    warpgroup's 64 rows at once) instead of per-warp ``mma.sync``; 2: with two sets of A fragments,
+    so that a group's fragment loads run beside the group before's wgmmas."""
+    if p3_wg not in (False, True, 1, 2):
+        raise ValueError(f"p3_wg: False, True (1) or 2, got {p3_wg!r}")
+    if p3_wg and stage != "fused":
+        raise ValueError("p3_wg belongs to the fused kernel (its phase 3 runs on the whole chunk's rows)")
+    P3WG = p3_wg
     EARLY = early_kq and stage == "state"
     if tmat and stage == "fused":
         raise ValueError("tmat belongs to the split form (kda_prefill_split_intra_kernel / _state_kernel)")
@@ -1041,6 +1058,15 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
         from tvm.backend.cuda.op import cuda_func_call
 
         from schedules import mxfp4_ptx as ptx
+        from schedules.wgmma_ptx import (fence_proxy_async, smem_address, sw128_desc, trap_if, wgmma_commit,
+                                         wgmma_fence, wgmma_tf32_rs, wgmma_wait)
+    WG = bool(P3WG) and not emulate   # phase 3 on wgmma
+    WG2 = P3WG == 2 and WG             # ... with two sets of A fragments (a group's loads beside the last group's wgmmas)
+
+    def s_word(d, n):   # the S copy's word of row d (K), column n (V): the B operand of phase 3
+        if P3WG:   # K-major tiles of 32 columns of d (128-byte rows, 128-byte swizzle), BV rows each
+            return O_SS + d // 32 * (BV * 32) + n * 32 + ((d % 32 // 4) ^ (n % 8)) * 4 + d % 4
+        return O_SS + n * SN + d   # column-major, padded rows
 
     def kr(SM, r, d):   # raw k / q of chunk row r, Γ (log2 units)
         return SM[O_KR + r * KS + d]
@@ -1193,7 +1219,7 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
 
     @T.macro
     def gemm_s(SM, acc, row, af, bq, A, steps, tiles, lane):
-        """As ``gemm`` with B = the column-major S copy (B(d, n) = SM[O_SS + n·SN + d]); with
+        """As ``gemm`` with B = the S copy (B(d, n) = SM[s_word(d, n)]); with
         ``ldsm`` on the GPU its fragments come by ``ldmatrix.x4``, two n-tiles at a time."""
         if ldsm and SYNC:
             for kh in T.unroll(steps // AB):
@@ -1202,12 +1228,41 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                 for ks in T.unroll(AB):
                     for np_ in T.unroll(tiles // 2):
                         cuda_func_call("k3_ldsm_x4", T.address_of(bq[0]), T.address_of(SM[
-                            O_SS + ldsm_b_row(lane, np_ * 16, (kh * AB + ks) * 8)[0] * SN
-                            + ldsm_b_row(lane, np_ * 16, (kh * AB + ks) * 8)[1]]), source_code=LDSM_SRC)
+                            s_word(ldsm_b_row(lane, np_ * 16, (kh * AB + ks) * 8)[1],
+                                   ldsm_b_row(lane, np_ * 16, (kh * AB + ks) * 8)[0])]), source_code=LDSM_SRC)
                         mma_rb(acc, row, np_ * 8, af, ks * 4, bq, 0, A, None, lane, (kh * AB + ks) * 8, np_ * 16)
                         mma_rb(acc, row, np_ * 8 + 4, af, ks * 4, bq, 2, A, None, lane, (kh * AB + ks) * 8, np_ * 16 + 8)
         else:
-            gemm(acc, row, af, A, lambda d, n: SM[O_SS + n * SN + d], steps, tiles, lane, None)
+            gemm(acc, row, af, A, lambda d, n: SM[s_word(d, n)], steps, tiles, lane, None)
+
+    @T.macro
+    def gemm_s_wg(SM, acc, af, A, lane):
+        """``p3_wg`` on the GPU: acc[0, 0:NR] = the warp's 16 rows of A[:, 0:K] · S (the S copy),
+        as the warpgroup's K / 8 ``wgmma.m64n{BV}k8`` TF32 in groups of AB k-steps: a group's A
+        fragments loaded, its wgmmas issued, and waited for before the next group reuses ``af``;
+        the last group is left in flight (the caller waits: ``wgmma_wait(0)``). The first
+        overwrites acc (no other instruction defines it, which would serialize the wgmmas)."""
+        wd = T.alloc_buffer((1,), "uint64", scope="local")
+        wd[0] = sw128_desc(smem_address(T.address_of(SM[O_SS])))
+        for kh in T.unroll(K // 8 // AB):
+            for ks in T.unroll(AB):
+                frag_a(af, (kh % 2 * AB if WG2 else 0) * 4 + ks * 4, A, lane, (kh * AB + ks) * 8)
+            T.evaluate(wgmma_fence())
+            for ks in T.unroll(AB):
+                # k-step s: tile s // 4 (BV rows of 128 bytes), 32 bytes per k8 slice in it
+                T.evaluate(wgmma_tf32_rs(BV, T.address_of(acc[0, 0]), af[(kh % 2 * AB if WG2 else 0) * 4 + ks * 4],
+                                         af[(kh % 2 * AB if WG2 else 0) * 4 + ks * 4 + 1],
+                                         af[(kh % 2 * AB if WG2 else 0) * 4 + ks * 4 + 2],
+                                         af[(kh % 2 * AB if WG2 else 0) * 4 + ks * 4 + 3],
+                                         wd[0] + T.Cast("uint64", (kh * AB + ks) // 4 * (BV * 8) + (kh * AB + ks) % 4 * 2),
+                                         T.Cast("int32", kh * AB + ks > 0)))
+            T.evaluate(wgmma_commit())
+            if kh < K // 8 // AB - 1:
+                if WG2:   # two fragment sets: the group before this one (the other set) done
+                    if kh >= 1:
+                        T.evaluate(wgmma_wait(1))
+                else:
+                    T.evaluate(wgmma_wait(0))
 
     @T.macro
     def copy_rows(SM, tx, c0, off, stride, src, width, h, n_tok):
@@ -1613,7 +1668,12 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
             for nt in T.unroll(N8):
                 for e in T.unroll(4):
                     Sr[tx * EM, nt * 4 + e] = S[layer, slots[blk // (H * NVB)], blk // NVB % H, tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8, blk % NVB * BV + nt * 8 + tx % 4 * 2 + e % 2]
-                    SM[O_SS + (nt * 8 + tx % 4 * 2 + e % 2) * SN + tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8] = tf32(Sr[tx * EM, nt * 4 + e])
+                    SM[s_word(tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8, nt * 8 + tx % 4 * 2 + e % 2)] = tf32(Sr[tx * EM, nt * 4 + e])
+            if WG:   # the S copy (generic-proxy stores) visible to phase 3's wgmma reads
+                T.evaluate(fence_proxy_async())
+                if tx == 0:   # its descriptor assumes a 1024-byte-aligned tile
+                    T.evaluate(trap_if(T.Cast("int32", smem_address(T.address_of(SM[O_SS])) % T.uint32(1024)
+                                                      != T.uint32(0))))
             rdy[tx * EM, 0] = -1
             if SPL:   # the chunk index of the intra kernel's block = Σ_{b' < b} ⌈len_b' / C⌉ + c
                 cb[tx * EM, 0] = 0
@@ -1689,17 +1749,18 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                 T.tvm_storage_sync("shared")
             for tx in THR(NT):
                 c0 = T.alloc_buffer((2,), "int32", scope="local")
-                af = T.alloc_buffer((AFN,), "float32", scope="local")
+                af = T.alloc_buffer((AFN * 2 if WG2 else AFN,), "float32", scope="local")
                 x = T.alloc_buffer((RT, SUB), "float32", scope="local")
                 vl = T.alloc_buffer((RT, NR), "float32", scope="local")
                 bq = T.alloc_buffer((4,), "float32", scope="local")   # ldmatrix.x4 fragments
                 c0[0] = cu[blk // (H * NVB)] + c * C
                 c0[1] = cu[blk // (H * NVB) + 1]
-                if stage == "fused":
+                if stage == "fused" and not WG:
                     if "dinv" not in ABL:
                         d_inverse(SM, tx, x)
-                for r in T.unroll(NR):
-                    Y[tx * EM, r] = T.float32(0)
+                if not WG or "p3" in ABL:
+                    for r in T.unroll(NR):
+                        Y[tx * EM, r] = T.float32(0)
                 if tx // 32 < 4:
                     if "vl" not in ABL:
                         if VASYNC:   # the warp's 16 rows of v → the vn region (R goes there)
@@ -1709,8 +1770,12 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                                 for e in T.unroll(4):
                                     vl[tx * EM, nt * 4 + e] = ld(v, c0[0] + tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8, c0[1], n_tok, blk // NVB % H, blk % NVB * BV + nt * 8 + tx % 4 * 2 + e % 2)
                     if "p3" not in ABL:
-                        gemm_s(SM, Y, tx * EM, af, bq, lambda i, d: a_k(SM, tx // 32 * 16, i, d),
-                               K // 8, N8, tx % 32)
+                        if WG:
+                            gemm_s_wg(SM, Y, af, lambda i, d: a_k(SM, tx // 32 * 16, i, d), tx % 32)
+                            T.evaluate(wgmma_wait(0))
+                        else:
+                            gemm_s(SM, Y, tx * EM, af, bq, lambda i, d: a_k(SM, tx // 32 * 16, i, d),
+                                   K // 8, N8, tx % 32)
                     if VASYNC or V_EARLY:   # R in place of the v rows (v_async: the warp's own copies,
                         # so wait, then a warp sync; v_early: waited for at the chunk's start)
                         if VASYNC:
@@ -1726,8 +1791,15 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                                 SM[O_X + (tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8) * RS + nt * 8 + tx % 4 * 2 + e % 2] = SM[O_BT + tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8] * (vl[tx * EM, nt * 4 + e] - Y[tx * EM, nt * 4 + e])
                 else:
                     if "p3" not in ABL:
-                        gemm_s(SM, Y, tx * EM, af, bq, lambda i, d: a_q(SM, (tx // 32 - 4) * 16, i, d),
-                               K // 8, N8, tx % 32)
+                        if WG:
+                            gemm_s_wg(SM, Y, af, lambda i, d: a_q(SM, (tx // 32 - 4) * 16, i, d), tx % 32)
+                        else:
+                            gemm_s(SM, Y, tx * EM, af, bq, lambda i, d: a_q(SM, (tx // 32 - 4) * 16, i, d),
+                                   K // 8, N8, tx % 32)
+                    if WG:   # D^{-1} on warps 6-7 while the last wgmmas run
+                        if "dinv" not in ABL:
+                            d_inverse(SM, tx, x)
+                        T.evaluate(wgmma_wait(0))
             # phase 4: vn_I = D_I^{-1} (R_I − Σ_{J<I} L_IJ vn_J), in place of R; warp wi
             #          owns the n-tiles wi, wi + 8, … (warps past them idle); with tmat
             #          vn = T R into its own region (vn_product)
@@ -1809,7 +1881,9 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                 if "scopy" not in ABL:
                     for nt in T.unroll(N8):
                         for e in T.unroll(4):
-                            SM[O_SS + (nt * 8 + tx % 4 * 2 + e % 2) * SN + tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8] = tf32(Sr[tx * EM, nt * 4 + e])
+                            SM[s_word(tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8, nt * 8 + tx % 4 * 2 + e % 2)] = tf32(Sr[tx * EM, nt * 4 + e])
+                    if WG:
+                        T.evaluate(fence_proxy_async())
                 if tx // 32 >= 4:
                     if "o" not in ABL:
                         gemm(Y, tx * EM, af,

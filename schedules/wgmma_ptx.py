@@ -13,6 +13,9 @@ TIR through ``cuda_func_call``, with the shared-memory layout their descriptors 
   Descriptor (PTX "Matrix Descriptor Format", :func:`sw128_desc`): start address >> 4,
   leading byte offset 1 (unused with swizzling), stride byte offset 1024 >> 4 (8 rows),
   layout type 1 (128B swizzle).
+- :func:`wgmma_tf32_rs` — the same with TF32 operands (``m64n{N}k8.f32.tf32.tf32``): A in the
+  ``mma.m16n8k8`` TF32 fragment per warp, B rows of 32 TF32 values (128 bytes) in the same
+  swizzled tile, the k8 slice ``s`` 32·s bytes on.
 - :func:`wgmma_fence`, :func:`wgmma_commit`, :func:`wgmma_wait` — ordering of register
   operands before the MMAs, and their completion.
 - :func:`fence_proxy_async` — makes ``cp.async`` writes to shared memory visible to ``wgmma``
@@ -24,6 +27,7 @@ TIR through ``cuda_func_call``, with the shared-memory layout their descriptors 
   phase completes when its expected arrivals have arrived; ``cp.async.mbarrier.arrive.noinc``
   arrives for the executing thread once all its earlier ``cp.async`` copies have landed (the
   init count includes it); waits spin on ``try_wait.parity`` of the phase.
+- :func:`trap_if` — abort the kernel where a layout invariant fails.
 - :func:`named_barrier` — ``bar.sync id, threads``: a barrier among some warps of a block.
 - :func:`global_address`, :func:`cp_async16_raw` — a 16-byte ``cp.async.cg`` between a 32-bit
   shared-window address and a 64-bit global address held as integers, so that a copy loop
@@ -64,6 +68,7 @@ _SRC = {
                          '{ return (unsigned long long)__cvta_generic_to_global(p); }\n',
     "k3_cp_async16_raw": '__forceinline__ __device__ void k3_cp_async16_raw(unsigned s, unsigned long long g) '
                          '{ asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\\n" :: "r"(s), "l"(g) : "memory"); }\n',
+    "k3_trap_if": '__forceinline__ __device__ void k3_trap_if(int c) { if (c) asm volatile("trap;"); }\n',
     "k3_smem_address": '__forceinline__ __device__ unsigned k3_smem_address(const void* p) '
                        '{ return (unsigned)__cvta_generic_to_shared(p); }\n',
 }
@@ -130,6 +135,44 @@ def wgmma_bf16_ss(n: int, d, desc_a, desc_b, accumulate=1):
         raise ValueError(f"wgmma N must be a multiple of 8 in 8..256, got {n}")
     return cuda_func_call(f"k3_wgmma_m64n{n}k16_bf16_ss", d, desc_a, desc_b, accumulate,
                           source_code=_wgmma_ss_src(n))
+
+
+def _wgmma_tf32_src(n: int) -> str:
+    nd, dregs, outs = _acc_operands(n)
+    return (
+        f"__forceinline__ __device__ void k3_wgmma_m64n{n}k8_tf32_rs(float* d, float a0, float a1,\n"
+        f"    float a2, float a3, unsigned long long desc, int accumulate) {{\n"
+        f"  asm volatile(\"{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{nd + 5}, 0;\\n\"\n"
+        f"      \"wgmma.mma_async.sync.aligned.m64n{n}k8.f32.tf32.tf32 \"\n"
+        f"      \"{{{dregs}}}, {{%{nd}, %{nd + 1}, %{nd + 2}, %{nd + 3}}}, %{nd + 4}, p, 1, 1;\\n}}\\n\"\n"
+        f"      : {outs}\n"
+        f"      : \"r\"(__float_as_uint(a0)), \"r\"(__float_as_uint(a1)), \"r\"(__float_as_uint(a2)),\n"
+        f"        \"r\"(__float_as_uint(a3)), \"l\"(desc), \"r\"(accumulate));\n"
+        f"}}\n")
+
+
+def wgmma_tf32_rs(n: int, d, a0, a1, a2, a3, desc, accumulate=1):
+    """``d[0 : n/2] (+)= A · B`` for the warpgroup in TF32 (``wgmma.mma_async.sync.aligned.
+    m64n{n}k8.f32.tf32.tf32``, PTX ISA 9.7.15): A 64 rows × 8 k from registers, each warp ``w``
+    rows ``16w .. 16w+15`` in the ``mma.m16n8k8`` TF32 A fragment (thread ``(g, q)``: a0 row g
+    k q, a1 row g+8 k q, a2 row g k q+4, a3 row g+8 k q+4; floats already TF32-rounded); B
+    ``n`` rows (the columns of D) × 8 k, K-major, through ``desc`` (:func:`sw128_desc`: 128-byte
+    rows of 32 TF32 values with the 128-byte swizzle, the k8 slice ``s`` 32·s bytes into the
+    tile); D as in :func:`wgmma_bf16_rs`. ``accumulate`` 0 overwrites ``d``.
+
+    Raises:
+        ValueError: ``n`` not a multiple of 8 in 8..256.
+    """
+    if n % 8 or not 8 <= n <= 256:
+        raise ValueError(f"wgmma N must be a multiple of 8 in 8..256, got {n}")
+    return cuda_func_call(f"k3_wgmma_m64n{n}k8_tf32_rs", d, a0, a1, a2, a3, desc, accumulate,
+                          source_code=_wgmma_tf32_src(n))
+
+
+def trap_if(cond):
+    """Abort the kernel (``trap``: the launch fails with an illegal-instruction error) where the
+    int32 TIR expression ``cond`` is nonzero; for layout invariants the host cannot check."""
+    return cuda_func_call("k3_trap_if", cond, source_code=_SRC["k3_trap_if"])
 
 
 def sw128_desc(smem_addr):

@@ -70,6 +70,10 @@ def _check_outputs(o, pool, o_ref, ref_pool, slots):
     # (o_vec: o stored by column pairs, one bounds test per row half)
     (128, 4, [1, 65, 15, 64, 130], True, False, {"p2_one": True, "v_async": True, "o_vec": True}),
     (64, 8, [63, 129], False, False, {"p2_one": True, "v_async": True}),
+    # p3_wg: the S copy in the wgmma's 128-byte swizzled K-major tiles (32 columns of K each),
+    # at 128 columns (4 KiB per 8-row group … 16 KiB per tile) and at 16 (one 8-row group pair)
+    (128, 4, [1, 65, 15, 64, 130], True, False, {"p2_one": True, "v_async": True, "o_vec": True, "p3_wg": True}),
+    (16, 8, [63, 129], True, False, {"p3_wg": True}),
 ])
 def test_emulated_fused_kernel_matches_reference(block_v, a_batch, lens, initial_state, p2_pairs, opts):
     import tvm
@@ -407,11 +411,14 @@ def test_fused_kernel_compiles_to_fatbin_for_sm90a(tmp_path):
         "e = kda_prefill_fused_kernel(3, 128, 128, 128 ** -0.5, block_v=64, a_batch=8, p2_one=True, ldsm=True,\n"
         "                             v_async=True, fast_gate=True, o_vec=True, lower_bound=-5.0)\n"
         "r = kda_prefill_fused_kernel(3, 128, 128, 128 ** -0.5, block_v=16, p2_pairs=True, ldsm=True)\n"
+        # phase 3 on wgmma (p3_wg)
+        "w = kda_prefill_fused_kernel(3, 128, 128, 128 ** -0.5, block_v=128, a_batch=4, p2_one=True, v_async=True,\n"
+        "                             fast_gate=True, o_vec=True, lower_bound=-5.0, p3_wg=True)\n"
         "from schedules.kda_prefill_fused import kda_prefill_split_kernel\n"
         # the split form as dispatched below 48 heads
         "s = kda_prefill_split_kernel(3, 128, 128, 128 ** -0.5, lower_bound=-5.0)\n"
         "mod = tvm.IRModule({n: x.with_attr('global_symbol', n) for n, x in\n"
-        "                    (('f', f), ('p', p), ('r', r), ('d', d), ('e', e), ('s', s))})", tmp_path,
+        "                    (('f', f), ('p', p), ('r', r), ('d', d), ('e', e), ('s', s), ('w', w))})", tmp_path,
         contexts="respect_manual_barriers()", keep_src=True)
     assert "fatbin" in out
     src = "".join(p.read_text() for p in (tmp_path / "src").glob("*.cu"))
@@ -430,10 +437,15 @@ def test_fused_kernel_compiles_to_fatbin_for_sm90a(tmp_path):
     # fast_gate: σ by rcp.approx (in d, e and s's intra kernels), no division left in those kernels' gates
     assert "rcp.approx.ftz.f32" in src and src.count("k3_rcp(") >= 3 * 64
     assert src.count("__syncwarp()") == 1   # one device function, called between warp steps
-    # o_vec: o as 8-byte column pairs, one store per row half and n-tile (d: 2 × 16, e: 2 × 8, the
+    # o_vec: o as 8-byte column pairs, one store per row half and n-tile (d and w: 2 × 16, e: 2 × 8, the
     # three state bodies of s at 64 / 32 / 16 columns and the overlapped one at 32: 2 × (8 + 4 + 2 +
     # 4)), plus the definition
-    assert "make_float2" in src and src.count("k3_st2(") == 2 * (16 + 8 + 8 + 4 + 2 + 4) + 1
+    assert "make_float2" in src and src.count("k3_st2(") == 2 * (16 + 16 + 8 + 8 + 4 + 2 + 4) + 1
+    # p3_wg: 16 wgmmas per warpgroup and chunk (4 groups of a_batch 4), the S copy fenced for them
+    for ptx in ("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32", "fence.proxy.async.shared::cta",
+                "wgmma.wait_group.sync.aligned 0", "trap;"):
+        assert ptx in src, ptx
+    assert src.count("k3_wgmma_m64n128k8_tf32_rs(") == 2 * 16 + 1
     # pipe (s at 32 and 16 columns): chunk c waits for all but the group of chunk c + 1's copies
     assert "cp.async.wait_group 1" in src
 
