@@ -119,7 +119,12 @@ PREFILL_FUSED = ([("fused", bv, ab, {}) for bv, ab in ((128, 4), (64, 8), (32, 8
                                                    "fast_gate": True, "o_vec": True, "p3_wg": True}),
                     # ... with two sets of A fragments (p3_wg=2)
                     ("fusedpre_p2ovfvw2", 128, 4, {"lower_bound": LOWER_BOUND, "p2_one": True, "v_async": True,
-                                                   "fast_gate": True, "o_vec": True, "p3_wg": 2})])
+                                                   "fast_gate": True, "o_vec": True, "p3_wg": 2}),
+                    # ... and phase 5's products on wgmma too (``p5_wg``: vn in the q region)
+                    ("fusedpre_p2ovfvw5", 128, 4, {"lower_bound": LOWER_BOUND, "p2_one": True, "v_async": True,
+                                                   "fast_gate": True, "o_vec": True, "p3_wg": True, "p5_wg": True}),
+                    ("fusedpre_p2ovfvw25", 128, 4, {"lower_bound": LOWER_BOUND, "p2_one": True, "v_async": True,
+                                                    "fast_gate": True, "o_vec": True, "p3_wg": 2, "p5_wg": True})])
 # the split form (schedules/kda_prefill_fused.py: kda_prefill_split_intra_kernel for every
 # chunk in parallel, then the fused kernel's phases 3-5 with ``split``): (name, block_v,
 # a_batch, options); splitpre_*: L2 norms, gate and β in the intra kernel (raw inputs)
@@ -460,6 +465,9 @@ def run_prefill(lib_dir: Path, log: Path | None = None, fla_checks: bool = True,
             m = tvm.runtime.load_module(str(path))
             fns[f"tc_bv{bv}_ab{ab}"] = (m["kda_prefill_intra_tc"], m["kda_prefill_state_tc"])
             fns[f"tch_bv{bv}_ab{ab}"] = (m["kda_prefill_intra_tc_hoist"], m["kda_prefill_state_tc"])
+        if not fns:   # (a build with --variants for the other head count only)
+            print(f"no prefill library for {H} heads in {lib_dir}: skipped", flush=True)
+            continue
         A_log = torch.log(torch.empty(H, device=dev).uniform_(1, 16))
         dt_bias = torch.randn(H * K, device=dev) * 0.5
 

@@ -432,7 +432,7 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
                              p2_wide: bool = False, v_async: bool = False, fast_gate: bool = False,
                              p2_one: bool = False, o_vec: bool = False, tmat: bool = False,
                              pipe: bool = False, v_early: bool = False, ablate: frozenset = frozenset(),
-                             p3_wg: bool = False, emulate: bool = False):
+                             p3_wg: bool | int = False, p5_wg: bool = False, emulate: bool = False):
     """The fused chunked prefill, one block per (sequence, head, ``block_v`` columns of V).
     PrimFunc arguments::
 
@@ -544,7 +544,12 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
     columns × 128) as one warpgroup MMA chain per warpgroup (``wgmma.m64n{block_v}k8`` TF32, A
     from registers, B = the S copy in the 128-byte swizzled layout) instead of 16 ``mma.sync``
     k-steps per warp that each read all of S's B fragments from shared memory; D^{-1} runs while
-    the last wgmmas are in flight. Emulated: the swizzled S copy with the ``mma`` products.
+    the last wgmmas are in flight (2: two sets of A fragments, a group's loads beside the wgmmas
+    of the group before). Emulated: the swizzled S copy with the ``mma`` products.
+
+    ``p5_wg`` (sm_90a): vn written into the q region (free after phase 3) in the same swizzled
+    layout, rows of the chunk as K, and phase 5's S update and o = Y + Aqk vn as wgmma chains on
+    it. Emulated: that layout with the ``mma`` products.
 
     ``ablate`` (a subset of ``ABLATE_PHASES``, or of ``ABLATE_STATE`` with ``split``; a
     diagnostic): leave that work out, so that the time it saves is its cost on the chunk's
@@ -558,8 +563,8 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
     ``a_batch`` (4 or 8): k-steps whose A fragments are loaded before their mmas in phases 3
     and 5. Raises ValueError for other head sizes or tilings.
     """
-    if split and p3_wg:
-        raise ValueError("p3_wg belongs to the fused kernel")
+    if split and (p3_wg or p5_wg):
+        raise ValueError("p3_wg and p5_wg belong to the fused kernel")
     if split and (p2_pairs or p2_wide or v_async or fast_gate or p2_one):
         raise ValueError("split: p2_pairs, p2_wide, p2_one, fast_gate belong to kda_prefill_split_intra_kernel; "
                          "v_async to the fused kernel")
@@ -573,7 +578,7 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
                             tmat=tmat, pipe=pipe, v_early=v_early, ablate=ablate)
     return _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulate, "fused",
                   p2_wide=p2_wide, v_async=v_async, fast_gate=fast_gate, p2_one=p2_one, o_vec=o_vec,
-                  ablate=ablate, p3_wg=p3_wg)
+                  ablate=ablate, p3_wg=p3_wg, p5_wg=p5_wg)
 
 
 # the split state kernel's block_v by the number of sequences B (``kda_prefill_split_state_kernel``):
@@ -940,7 +945,7 @@ __device__ __forceinline__ int k3_{name}() {{
 
 def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulate, stage, early_kq=False,
            p2_wide=False, ablate=frozenset(), v_async=False, fast_gate=False, p2_one=False, o_vec=False,
-           tmat=False, pipe=False, v_early=False, overlap=False, parts=False, p3_wg=False):
+           tmat=False, pipe=False, v_early=False, overlap=False, parts=False, p3_wg=False, p5_wg=False):
     """The kernels of this module (``stage``: "fused", "intra" or "state") over one set of
     shared-memory regions and macros. ``early_kq`` (state): the next chunk's e^Γ k and scale·e^Γ q
     are copied as soon as phase 3 has read this chunk's (start of phase 4), not in phase 1.
@@ -960,9 +965,16 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
     swizzled K-major layout of a wgmma B operand (``s_word``) and, on the GPU, phase 3's products
     as ``wgmma.m64n{block_v}k8`` TF32 (A from registers, B = the S copy through a descriptor; each
     warpgroup's 64 rows at once) instead of per-warp ``mma.sync``; 2: with two sets of A fragments,
-    so that a group's fragment loads run beside the group before's wgmmas."""
+    so that a group's fragment loads run beside the group before's wgmmas. ``p5_wg`` (fused):
+    vn in the q region (free after phase 3) in the same swizzled K-major layout (``vn_word``: rows of
+    the chunk as K), and on the GPU phase 5's products — the S update (both warpgroups, 64 rows of S
+    each) and o = Y + Aqk vn (warpgroup 1) — as wgmma chains on it; R and phase 4's intermediate
+    stay row-major in the X region."""
     if p3_wg not in (False, True, 1, 2):
         raise ValueError(f"p3_wg: False, True (1) or 2, got {p3_wg!r}")
+    if p5_wg and stage != "fused":
+        raise ValueError("p5_wg belongs to the fused kernel (vn takes the q region after phase 3)")
+    P5WG = p5_wg
     if p3_wg and stage != "fused":
         raise ValueError("p3_wg belongs to the fused kernel (its phase 3 runs on the whole chunk's rows)")
     P3WG = p3_wg
@@ -1062,6 +1074,7 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                                          wgmma_fence, wgmma_tf32_rs, wgmma_wait)
     WG = bool(P3WG) and not emulate   # phase 3 on wgmma
     WG2 = P3WG == 2 and WG             # ... with two sets of A fragments (a group's loads beside the last group's wgmmas)
+    WG5 = P5WG and not emulate         # phase 5 on wgmma
 
     def s_word(d, n):   # the S copy's word of row d (K), column n (V): the B operand of phase 3
         if P3WG:   # K-major tiles of 32 columns of d (128-byte rows, 128-byte swizzle), BV rows each
@@ -1113,8 +1126,16 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                 T.float32(-LOG2E) * gs[1] * (gm(SM, i, tx) + gs[2]))), T.float32(0))
         return gm(SM, i, tx) * T.float32(LOG2E)
 
+    def vn_word(j, n):   # vn's word of chunk row j, column n
+        if P5WG:   # K-major tiles of 32 rows of the chunk in the q region (128-byte rows and swizzle)
+            return O_QR + j // 32 * (BV * 32) + n * 32 + ((j % 32 // 4) ^ (n % 8)) * 4 + j % 4
+        return (O_V if TM_S else O_X) + j * RS + n
+
     def vn(SM, j, n):
-        return SM[(O_V if TM_S else O_X) + j * RS + n]
+        return SM[vn_word(j, n)]
+
+    def rx(SM, j, n):   # R (phase 3) and phase 4's R_I − Σ L_IJ vn_J: row-major in the X region
+        return SM[O_X + j * RS + n]
 
     def stage_row(it, tx):   # the chunk row thread tx stages in step it of a C·K / NT loop
         return it * (NT // K) + tx // K
@@ -1236,15 +1257,16 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
             gemm(acc, row, af, A, lambda d, n: SM[s_word(d, n)], steps, tiles, lane, None)
 
     @T.macro
-    def gemm_s_wg(SM, acc, af, A, lane):
-        """``p3_wg`` on the GPU: acc[0, 0:NR] = the warp's 16 rows of A[:, 0:K] · S (the S copy),
-        as the warpgroup's K / 8 ``wgmma.m64n{BV}k8`` TF32 in groups of AB k-steps: a group's A
+    def wg_gemm(SM, acc, af, A, lane, base, steps, fresh):
+        """``p3_wg`` / ``p5_wg`` on the GPU: acc[0, 0:NR] (+)= the warp's 16 rows of A[:, 0:8·steps]
+        · B, B the swizzled K-major tiles at word ``base`` (the S copy, ``s_word``; vn, ``vn_word``),
+        as the warpgroup's ``steps`` ``wgmma.m64n{BV}k8`` TF32 in groups of AB k-steps: a group's A
         fragments loaded, its wgmmas issued, and waited for before the next group reuses ``af``;
-        the last group is left in flight (the caller waits: ``wgmma_wait(0)``). The first
-        overwrites acc (no other instruction defines it, which would serialize the wgmmas)."""
+        the last group is left in flight (the caller waits: ``wgmma_wait(0)``). ``fresh``: the
+        first overwrites acc (no other instruction defines it, which would serialize the wgmmas)."""
         wd = T.alloc_buffer((1,), "uint64", scope="local")
-        wd[0] = sw128_desc(smem_address(T.address_of(SM[O_SS])))
-        for kh in T.unroll(K // 8 // AB):
+        wd[0] = sw128_desc(smem_address(T.address_of(SM[base])))
+        for kh in T.unroll(steps // AB):
             for ks in T.unroll(AB):
                 frag_a(af, (kh % 2 * AB if WG2 else 0) * 4 + ks * 4, A, lane, (kh * AB + ks) * 8)
             T.evaluate(wgmma_fence())
@@ -1255,9 +1277,9 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                                          af[(kh % 2 * AB if WG2 else 0) * 4 + ks * 4 + 2],
                                          af[(kh % 2 * AB if WG2 else 0) * 4 + ks * 4 + 3],
                                          wd[0] + T.Cast("uint64", (kh * AB + ks) // 4 * (BV * 8) + (kh * AB + ks) % 4 * 2),
-                                         T.Cast("int32", kh * AB + ks > 0)))
+                                         T.Cast("int32", kh * AB + ks > 0) if fresh else T.int32(1)))
             T.evaluate(wgmma_commit())
-            if kh < K // 8 // AB - 1:
+            if kh < steps // AB - 1:
                 if WG2:   # two fragment sets: the group before this one (the other set) done
                     if kh >= 1:
                         T.evaluate(wgmma_wait(1))
@@ -1671,8 +1693,9 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                     SM[s_word(tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8, nt * 8 + tx % 4 * 2 + e % 2)] = tf32(Sr[tx * EM, nt * 4 + e])
             if WG:   # the S copy (generic-proxy stores) visible to phase 3's wgmma reads
                 T.evaluate(fence_proxy_async())
-                if tx == 0:   # its descriptor assumes a 1024-byte-aligned tile
-                    T.evaluate(trap_if(T.Cast("int32", smem_address(T.address_of(SM[O_SS])) % T.uint32(1024)
+            if WG or WG5:
+                if tx == 0:   # the descriptors assume 1024-byte-aligned tiles (O_SS, O_QR: multiples of 1024 bytes)
+                    T.evaluate(trap_if(T.Cast("int32", smem_address(T.address_of(SM[0])) % T.uint32(1024)
                                                       != T.uint32(0))))
             rdy[tx * EM, 0] = -1
             if SPL:   # the chunk index of the intra kernel's block = Σ_{b' < b} ⌈len_b' / C⌉ + c
@@ -1771,7 +1794,7 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                                     vl[tx * EM, nt * 4 + e] = ld(v, c0[0] + tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8, c0[1], n_tok, blk // NVB % H, blk % NVB * BV + nt * 8 + tx % 4 * 2 + e % 2)
                     if "p3" not in ABL:
                         if WG:
-                            gemm_s_wg(SM, Y, af, lambda i, d: a_k(SM, tx // 32 * 16, i, d), tx % 32)
+                            wg_gemm(SM, Y, af, lambda i, d: a_k(SM, tx // 32 * 16, i, d), tx % 32, O_SS, K // 8, True)
                             T.evaluate(wgmma_wait(0))
                         else:
                             gemm_s(SM, Y, tx * EM, af, bq, lambda i, d: a_k(SM, tx // 32 * 16, i, d),
@@ -1792,7 +1815,7 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                 else:
                     if "p3" not in ABL:
                         if WG:
-                            gemm_s_wg(SM, Y, af, lambda i, d: a_q(SM, (tx // 32 - 4) * 16, i, d), tx % 32)
+                            wg_gemm(SM, Y, af, lambda i, d: a_q(SM, (tx // 32 - 4) * 16, i, d), tx % 32, O_SS, K // 8, True)
                         else:
                             gemm_s(SM, Y, tx * EM, af, bq, lambda i, d: a_q(SM, (tx // 32 - 4) * 16, i, d),
                                    K // 8, N8, tx % 32)
@@ -1830,7 +1853,7 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                         for t in T.unroll(NTW):
                             if tx // 32 + t * NW < N8:
                                 for e in T.unroll(4):
-                                    Z[tx * EM, t * 4 + e] = vn(SM, I * SUB + tx % 32 // 4 + e // 2 * 8, (tx // 32 + t * NW) * 8 + tx % 4 * 2 + e % 2)
+                                    Z[tx * EM, t * 4 + e] = rx(SM, I * SUB + tx % 32 // 4 + e // 2 * 8, (tx // 32 + t * NW) * 8 + tx % 4 * 2 + e % 2)
                                 for ks in T.unroll(2 * NSUB - 2):
                                     if ks < 2 * I:
                                         frag_a(af, 0, lambda i, j: T.float32(0) - la(SM, j, I * SUB + i), tx % 32, ks * 8)
@@ -1848,21 +1871,24 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                                 for ks in T.unroll(2):
                                     frag_a(af, 0, lambda i, j: SM[O_D + (I * SUB + i) * DS + j], tx % 32, ks * 8)
                                     mma(Z, tx * EM, t * 4, af, 0, lambda i, j: SM[O_D + (I * SUB + i) * DS + j],
-                                        lambda j, n: vn(SM, I * SUB + j, n), tx % 32, ks * 8, (tx // 32 + t * NW) * 8)
+                                        lambda j, n: rx(SM, I * SUB + j, n), tx % 32, ks * 8, (tx // 32 + t * NW) * 8)
                         syncwarp()
                     for tx in THR(NT):
                         for t in T.unroll(NTW):
                             if tx // 32 + t * NW < N8:
                                 for e in T.unroll(4):
-                                    SM[O_X + (I * SUB + tx % 32 // 4 + e // 2 * 8) * RS + (tx // 32 + t * NW) * 8 + tx % 4 * 2 + e % 2] = tf32(Z[tx * EM, t * 4 + e])
+                                    SM[vn_word(I * SUB + tx % 32 // 4 + e // 2 * 8, (tx // 32 + t * NW) * 8 + tx % 4 * 2 + e % 2)] = tf32(Z[tx * EM, t * 4 + e])
                         syncwarp()
+                if WG5:   # vn (generic-proxy stores) visible to phase 5's wgmma reads
+                    for tx in THR(NT):
+                        T.evaluate(fence_proxy_async())
             # phase 5: S ← diag(e^{Γ_last}) S + (e^{Γ_last−Γ} k)ᵀ vn (every warp, rows
             #          16·wi …); o = Y + Aqk vn (warps 4-7, k-steps ≤ the diagonal)
             if SYNC:
                 T.tvm_storage_sync("shared")
             for tx in THR(NT):
                 c0 = T.alloc_buffer((2,), "int32", scope="local")
-                af = T.alloc_buffer((AFN,), "float32", scope="local")
+                af = T.alloc_buffer((AFN * 2 if WG2 else AFN,), "float32", scope="local")
                 c0[0] = cu[blk // (H * NVB)] + c * C
                 c0[1] = cu[blk // (H * NVB) + 1]
                 if V_EARLY and "vl" not in ABL:   # the next chunk's v rows (phase 4 has read R)
@@ -1875,9 +1901,14 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                     for e in T.unroll(4):
                         Sr[tx * EM, nt * 4 + e] = Sr[tx * EM, nt * 4 + e] * decay(SM, tx // 32 * 16 + tx % 32 // 4 + e // 2 * 8, c % 2 if PIPE else 0)
                 if "s" not in ABL:
-                    gemm(Sr, tx * EM, af,
-                         lambda i, j: a_kd(SM, tx // 32 * 16, i, j, c % 2 if PIPE else 0),
-                         lambda j, n: vn(SM, j, n), C // 8, N8, tx % 32, None)
+                    if WG5:   # (wg_gemm's fence orders the decay's scaling of Sr before the wgmmas)
+                        wg_gemm(SM, Sr, af, lambda i, j: a_kd(SM, tx // 32 * 16, i, j, c % 2 if PIPE else 0),
+                                tx % 32, O_QR, C // 8, False)
+                        T.evaluate(wgmma_wait(0))
+                    else:
+                        gemm(Sr, tx * EM, af,
+                             lambda i, j: a_kd(SM, tx // 32 * 16, i, j, c % 2 if PIPE else 0),
+                             lambda j, n: vn(SM, j, n), C // 8, N8, tx % 32, None)
                 if "scopy" not in ABL:
                     for nt in T.unroll(N8):
                         for e in T.unroll(4):
@@ -1886,9 +1917,15 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                         T.evaluate(fence_proxy_async())
                 if tx // 32 >= 4:
                     if "o" not in ABL:
-                        gemm(Y, tx * EM, af,
-                             lambda i, j: T.Select(j <= (tx // 32 - 4) * 16 + i, la(SM, (tx // 32 - 4) * 16 + i, j, c % 2 if PIPE else 0), T.float32(0)),
-                             lambda j, n: vn(SM, j, n), C // 8, N8, tx % 32, (tx // 32 - 4) * 2 + 1)
+                        if WG5:   # every k-step for the warpgroup's 64 rows (A zero above the diagonal)
+                            wg_gemm(SM, Y, af,
+                                    lambda i, j: T.Select(j <= (tx // 32 - 4) * 16 + i, la(SM, (tx // 32 - 4) * 16 + i, j, c % 2 if PIPE else 0), T.float32(0)),
+                                    tx % 32, O_QR, C // 8, False)
+                            T.evaluate(wgmma_wait(0))
+                        else:
+                            gemm(Y, tx * EM, af,
+                                 lambda i, j: T.Select(j <= (tx // 32 - 4) * 16 + i, la(SM, (tx // 32 - 4) * 16 + i, j, c % 2 if PIPE else 0), T.float32(0)),
+                                 lambda j, n: vn(SM, j, n), C // 8, N8, tx % 32, (tx // 32 - 4) * 2 + 1)
                     if "ost" not in ABL:
                         if O_VEC:   # entries e, e + 1 (adjacent columns, 8-byte aligned: the
                             # column is even and o's rows are V floats) as one 8-byte store;

@@ -71,9 +71,12 @@ def _check_outputs(o, pool, o_ref, ref_pool, slots):
     (128, 4, [1, 65, 15, 64, 130], True, False, {"p2_one": True, "v_async": True, "o_vec": True}),
     (64, 8, [63, 129], False, False, {"p2_one": True, "v_async": True}),
     # p3_wg: the S copy in the wgmma's 128-byte swizzled K-major tiles (32 columns of K each),
-    # at 128 columns (4 KiB per 8-row group … 16 KiB per tile) and at 16 (one 8-row group pair)
+    # at 128 columns (16 KiB per tile) and at 16 (two 8-row groups); p5_wg: vn in the q region in
+    # the same layout (32 rows of the chunk per tile)
     (128, 4, [1, 65, 15, 64, 130], True, False, {"p2_one": True, "v_async": True, "o_vec": True, "p3_wg": True}),
-    (16, 8, [63, 129], True, False, {"p3_wg": True}),
+    (128, 4, [1, 65, 15, 64, 130], True, False, {"p2_one": True, "v_async": True, "o_vec": True, "p3_wg": True,
+                                                 "p5_wg": True}),
+    (16, 8, [63, 129], True, False, {"p3_wg": True, "p5_wg": True}),
 ])
 def test_emulated_fused_kernel_matches_reference(block_v, a_batch, lens, initial_state, p2_pairs, opts):
     import tvm
@@ -413,7 +416,7 @@ def test_fused_kernel_compiles_to_fatbin_for_sm90a(tmp_path):
         "r = kda_prefill_fused_kernel(3, 128, 128, 128 ** -0.5, block_v=16, p2_pairs=True, ldsm=True)\n"
         # phase 3 on wgmma (p3_wg)
         "w = kda_prefill_fused_kernel(3, 128, 128, 128 ** -0.5, block_v=128, a_batch=4, p2_one=True, v_async=True,\n"
-        "                             fast_gate=True, o_vec=True, lower_bound=-5.0, p3_wg=True)\n"
+        "                             fast_gate=True, o_vec=True, lower_bound=-5.0, p3_wg=True, p5_wg=True)\n"
         "from schedules.kda_prefill_fused import kda_prefill_split_kernel\n"
         # the split form as dispatched below 48 heads
         "s = kda_prefill_split_kernel(3, 128, 128, 128 ** -0.5, lower_bound=-5.0)\n"
@@ -442,10 +445,12 @@ def test_fused_kernel_compiles_to_fatbin_for_sm90a(tmp_path):
     # 4)), plus the definition
     assert "make_float2" in src and src.count("k3_st2(") == 2 * (16 + 16 + 8 + 8 + 4 + 2 + 4) + 1
     # p3_wg: 16 wgmmas per warpgroup and chunk (4 groups of a_batch 4), the S copy fenced for them
+    # (and with p5_wg vn)
     for ptx in ("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32", "fence.proxy.async.shared::cta",
                 "wgmma.wait_group.sync.aligned 0", "trap;"):
         assert ptx in src, ptx
-    assert src.count("k3_wgmma_m64n128k8_tf32_rs(") == 2 * 16 + 1
+    # p5_wg: 8 wgmmas per warpgroup for the S update, 8 more in warpgroup 1 for o
+    assert src.count("k3_wgmma_m64n128k8_tf32_rs(") == 2 * 16 + 2 * 8 + 8 + 1
     # pipe (s at 32 and 16 columns): chunk c waits for all but the group of chunk c + 1's copies
     assert "cp.async.wait_group 1" in src
 
