@@ -56,7 +56,9 @@ def prefill_dispatch(heads: int) -> tuple[str, int | None, int | None]:
       ``ldsm``, ``v_async``, ``fast_gate`` and ``o_vec``; one block per sequence, head and
       block_v columns): 128 columns from 96 heads (K3 with the L2 norms, gate and β inside:
       2.36 ms at 8192 tokens, 1.84 ms at 4 × 2048,
-      benchmarks/results/kda_prefill_p2one_final_h200_2026-12-01.json; the split form at best
+      benchmarks/results/kda_prefill_p2one_final_h200_2026-12-01.json; on Hopper with phases 3
+      and 5 on wgmma 2.11 / 1.60 ms, fla's gated call 2.83 / 2.80 ms in the same run,
+      kda_prefill_wgmma_fla_h200_2026-12-01.json; the split form at best
       3.51 / 3.20 ms without them, kda_prefill_split_h200_2026-11-30.json), 64 below (not
       measured at 48);
     - below 48 heads the split form (all chunks' intra part in parallel, then ~5.5 µs per
@@ -108,7 +110,7 @@ class KimiDeltaAttention(nn.Module):
     """
 
     def __init__(self, config: K3Config, dtype: str = "float32", gpu: bool = False,
-                 tuned: bool = True):
+                 tuned: bool = True, wgmma: bool = False):
         self.gpu = gpu  # thread-bound kernel variants (schedules/kda_generic.py)
         # GPU decode: the fused hand-written kernel (schedules/kda_decode_cuda.py) where its
         # tiling fits the head size; ``tuned=False`` keeps the generic kernel (fallback).
@@ -134,6 +136,9 @@ class KimiDeltaAttention(nn.Module):
         self.prefill_form = form if self.tc_prefill else "generic"
         self.prefill_tiling = None if bv is None else (bv, ab)
         self.prefill_preprocess_in_kernel = True
+        # Hopper (``wgmma``: cuda-sm90a): the fused kernel at 128 columns runs phases 3 and 5 on
+        # warpgroup MMA (``p3_wg=2``, ``p5_wg``; prefill_dispatch's numbers)
+        self.prefill_wgmma = wgmma and self.prefill_form == "fused" and bv == 128
         self.eps = config.rms_norm_eps
         self.dtype = dtype
         hidden, HK = config.hidden_size, H * K
@@ -257,13 +262,15 @@ class KimiDeltaAttention(nn.Module):
 
     def _fused_prefill(self, ins, meta, kda_state, kda_index, lower_bound):
         """Step 5 (with ``lower_bound`` also 2-4) in the fused kernel (``p2_one``, ``ldsm``,
-        ``v_async``, ``fast_gate``, ``o_vec``; ``prefill_tiling``): ``ins`` = q, k, v, g, β — or the raw q, k, v, f, b, A_log, dt_bias;
+        ``v_async``, ``fast_gate``, ``o_vec``; ``prefill_tiling``; with ``prefill_wgmma`` phases 3
+        and 5 on wgmma): ``ins`` = q, k, v, g, β — or the raw q, k, v, f, b, A_log, dt_bias;
         the state in place. Returns ``(kda_state, o [T, H, K] f32)``."""
         T, H, K = ins[0].shape[0], self.H, self.K
         bv, ab = self.prefill_tiling
         return op.tensor_ir_inplace_op(
             kda_prefill_fused_kernel(H, K, K, K ** -0.5, block_v=bv, a_batch=ab, p2_one=True, ldsm=True,
-                                     v_async=True, fast_gate=True, o_vec=True, lower_bound=lower_bound),
+                                     v_async=True, fast_gate=True, o_vec=True, lower_bound=lower_bound,
+                                     p3_wg=2 if self.prefill_wgmma else False, p5_wg=self.prefill_wgmma),
             "kda_prefill_fused" + ("_pre" if lower_bound is not None else ""),
             ins + [meta.cu_seqlens, meta.seq_slots, kda_state, _i32(kda_index)],
             [len(ins) + 2, -1], [nn.Tensor.placeholder(kda_state.shape, "float32"),

@@ -53,7 +53,7 @@ class K3DecoderLayer(nn.Module):
         self.mlp_res_norm = AttnResNorm(h, dtype)
         self.mlp_res_proj = AttnResProj(h, dtype)
         if self.kind == "kda":
-            self.self_attn = KimiDeltaAttention(cfg, dtype, gpu, tuned)
+            self.self_attn = KimiDeltaAttention(cfg, dtype, gpu, tuned, wgmma)
         else:
             self.self_attn = GatedMLA(cfg, page_size, dtype, gpu)
         if self.is_moe:
@@ -122,7 +122,8 @@ class K3ForCausalLM(nn.Module):
         tuned: on GPU, dispatch the tuned hand-written kernels where they exist (KDA decode:
             schedules/kda_decode_cuda.py); False keeps the generic kernels (the fallback).
         wgmma: the tuned kernels may use Hopper's warpgroup MMA (cuda-sm90a only: the MoE
-            prefill grouped GEMMs of schedules/moe_mxfp4_prefill_wgmma.py).
+            prefill grouped GEMMs of schedules/moe_mxfp4_prefill_wgmma.py, phases 3 and 5 of the fused
+            KDA prefill at 128 columns).
     """
 
     def __init__(self, cfg: K3Config, dtype: str = "float32", page_size: int = DEFAULT_PAGE_SIZE,

@@ -480,13 +480,18 @@ def test_k3_dispatches_fused_prefill():
     from relax_modules.kda import KimiDeltaAttention
 
     layer = KimiDeltaAttention(K3Config.from_file(REAL), "bfloat16", gpu=True)
-    assert layer.prefill_form == "fused" and layer.prefill_tiling == (128, 4)
+    assert layer.prefill_form == "fused" and layer.prefill_tiling == (128, 4) and not layer.prefill_wgmma
+    # Hopper: phases 3 and 5 on wgmma
+    assert KimiDeltaAttention(K3Config.from_file(REAL), "bfloat16", gpu=True, wgmma=True).prefill_wgmma
 
 
-@pytest.mark.parametrize("form,preprocess", [("fused", False), ("fused", True), ("split", False), ("split", True)])
-def test_model_with_fused_or_split_prefill_matches_generic_model(form, preprocess):
+@pytest.mark.parametrize("form,preprocess,wgmma", [("fused", False, False), ("fused", True, False),
+                                                  ("fused", True, True), ("split", False, False),
+                                                  ("split", True, False)])
+def test_model_with_fused_or_split_prefill_matches_generic_model(form, preprocess, wgmma):
     """The model's fused and split prefill paths (relax_modules/kda.py: argument order, scratch
-    shapes, in-place state; with ``preprocess`` the kernels' own L2 norms, gate and β) with the
+    shapes, in-place state; with ``preprocess`` the kernels' own L2 norms, gate and β; with
+    ``wgmma`` the fused kernel's swizzled S copy and vn of ``p3_wg`` / ``p5_wg``) with the
     kernels emulated on the CPU give k3-nano's logits of the generic model
     (``helpers_tvm.nano_kda_prefill_vs_generic``)."""
     import functools
@@ -495,6 +500,7 @@ def test_model_with_fused_or_split_prefill_matches_generic_model(form, preproces
         layer.prefill_form = form
         layer.prefill_tiling = (16, 8) if form == "fused" else None   # split: block_v at run time
         layer.prefill_preprocess_in_kernel = preprocess
+        layer.prefill_wgmma = wgmma
 
     script, outs, refs = nano_kda_prefill_vs_generic(
         {"kda_prefill_fused_kernel": functools.partial(kda_prefill_fused_kernel, emulate=True),
