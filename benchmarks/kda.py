@@ -174,7 +174,10 @@ PREFILL_SPLIT = ([("split", bv, ab, {}) for bv, ab in ((16, 8), (32, 8), (64, 8)
                  # the items are claimed; overlap False: the two kernels one after the other)
                  # (leads 10-60 at 16 columns: kda_prefill_overlap_h200_2026-12-01.json, _lead_h200_2026-12-01.json)
                  + [("splitcombpre", None, None, {"lower_bound": LOWER_BOUND, "combined": True})]
-                 + [("splitcombpre_seq", None, None, {"lower_bound": LOWER_BOUND, "combined": True, "overlap": False})])
+                 + [("splitcombpre_seq", None, None, {"lower_bound": LOWER_BOUND, "combined": True, "overlap": False})]
+                 # ... with the state kernels' phase 3 on wgmma (p3_wg; 2: two sets of A fragments)
+                 + [("splitcombpre_w", None, None, {"lower_bound": LOWER_BOUND, "combined": True, "p3_wg": True}),
+                    ("splitcombpre_w2", None, None, {"lower_bound": LOWER_BOUND, "combined": True, "p3_wg": 2})])
 
 
 def _split_name(name: str, bv: int | None, ab: int | None) -> str:
@@ -240,7 +243,8 @@ def build_prefill(out_dir: Path, baseline: bool = True, all_tc: bool = True, onl
             if opts.get("combined"):
                 export({"kda_prefill_split": kda_prefill_split_kernel(
                     h, K, V, K ** -0.5, lower_bound=opts.get("lower_bound"), overlap=opts.get("overlap", True),
-                    **{k: opts[k] for k in ("lead", "overlap_block_v") if k in opts})}, f"kda_prefill_{name}_h{h}.so")
+                    **{k: opts[k] for k in ("lead", "overlap_block_v", "p3_wg") if k in opts})},
+                    f"kda_prefill_{name}_h{h}.so")
                 continue
             intra_opts = ("p2_wide", "fast_gate", "p2_one", "tmat")   # the intra kernel's options
             state_opts = ("lower_bound", "early_kq", "o_vec", "tmat", "pipe", "v_early")   # the state kernel's

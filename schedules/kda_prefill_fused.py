@@ -43,10 +43,12 @@ Per chunk (barriers between phases; warp wi, lane = 4·gr + tg):
 Shared memory: one fp32 buffer with regions at fixed offsets (padded strides keep most
 fragment reads free of bank conflicts — the transposed reads of phase 5 and one of the two
 L / Aqk patterns are 2-way —, rows 16-byte aligned for ``cp.async``): raw k, raw q and Γ [C,
-K+4] each, S [block_v, K+4] (column-major: the B operand), the L / Aqk tile [C, C+8] ([C, C+4]
+K+4] each, S [block_v, K+4] (column-major: the B operand; with ``p3_wg`` K-major tiles of 32
+columns of K with the 128-byte swizzle, ``s_word``), the L / Aqk tile [C, C+8] ([C, C+4]
 at block_v 128), one region used as ka / qa [4·16, K+4] in phase 2 (``p2_pairs``,
 ``p2_one``; [2·16, K+4] otherwise) and as vn [C, block_v+8]
-plus D^{-1} [4·16, 20] afterwards, and β [C]: 145,408 bytes at block_v 16, 226,560 at 128 —
+plus D^{-1} [4·16, 20] afterwards (with ``p5_wg`` R there and vn in the q region, ``vn_word``),
+and β [C]: 145,408 bytes at block_v 16, 226,560 at 128 —
 one block per SM (ptxas, --register-usage-level=5: 255 registers at block_v 128 with a_batch 4
 and no spills; 183 at 64).
 
@@ -92,7 +94,15 @@ more, ``kda_prefill_p2w_h200_2026-12-01.json``), ``v_async`` with ``fast_gate`` 
 with the preprocessing), then ``p2_one`` in place of the pairs (11%) and ``o_vec`` (5%) are
 measured; the model uses ``p2_one``, ``ldsm``, ``v_async``, ``fast_gate`` and ``o_vec``
 (``kda_prefill_p2one_final_h200_2026-12-01.json``: 2.36 / 1.84 ms at 96 heads with the
-preprocessing, from 2.79 / 2.13 ms with the previous dispatch in the same run). In the split
+preprocessing, from 2.79 / 2.13 ms with the previous dispatch in the same run), and on sm_90a at
+128 columns phases 3 and 5 on warpgroup MMA (``p3_wg=2``, ``p5_wg``: 2.11 / 1.60 ms against 2.35 /
+1.82 without them and fla's gated call 2.83 / 2.80 ms in the same run,
+``kda_prefill_wgmma_fla_h200_2026-12-01.json``; phase 3 alone 6%, ``kda_prefill_p3wg_h200_2026-12-01.json``).
+Per warp, phase 3's ``mma.sync`` form reads every B fragment of S (64 KB) for its 16 rows, eight
+times per chunk in all; a warpgroup's wgmma reads it once for 64 rows, and runs asynchronously
+(D^{-1} on warps 6-7 overlaps the last group). Phase 5 needs vn as a K-major B operand (TF32
+wgmma takes no transposed operand), so with ``p5_wg`` phase 4 writes vn, transposed and swizzled,
+into the q region, which nothing reads after phase 3. In the split
 form it uses ``p2_one``, ``fast_gate`` and ``tmat`` in the intra kernel and ``o_vec``, ``tmat``,
 ``pipe`` and ``v_early`` in the state kernel (0.77 / 0.49 ms at 12 heads, from 0.89 / 0.48;
 ``kda_prefill_vearly_h200_2026-12-01.json``). :func:`kda_prefill_split_kernel` is the split form as the
@@ -656,14 +666,14 @@ def _split_state(H, K, V, scale, lower_bound, tilings, ldsm, emulate, early_kq=F
 
 
 def _state_dispatch(H, K, V, scale, lower_bound, tilings, ldsm, emulate, early_kq, o_vec, tmat, pipe, v_early,
-                    ablate):
+                    ablate, p3_wg=False):
     """The macro ``dispatch(qa, ka, v, kd, beta, la, dinv, gl, cu, slots, S, layer, o, n_tok, n_cu)``
     of :func:`_split_state`: the state kernel of one tiling, or of three by a host-side branch."""
     # pipe and v_early (pipe needs early_kq: the next chunk's e^Γ k, e^Γ q come at phase 4) in the
     # tilings whose shared memory holds the second set of regions; one tiling takes them as asked
     fits = [bv <= PIPE_MAX_BLOCK_V or len(tilings) == 1 for bv, _ in tilings]
     bodies = [_build(H, K, V, scale, bv, ab, lower_bound, False, ldsm, emulate, "state", early_kq or pipe,
-                     o_vec=o_vec, tmat=tmat, pipe=pipe and f, v_early=v_early and f, ablate=ablate)
+                     o_vec=o_vec, tmat=tmat, pipe=pipe and f, v_early=v_early and f, ablate=ablate, p3_wg=p3_wg)
               for (bv, ab), f in zip(tilings, fits)]
     if len(bodies) not in (1, 3):
         raise ValueError(f"one or three tilings, got {tilings}")
@@ -734,7 +744,8 @@ OVERLAP_BLOCK_V = 32  # columns per state block in the overlapped form: H·V/32 
 @functools.cache
 def kda_prefill_split_kernel(H: int, K: int, V: int, scale: float, lower_bound: float | None = None,
                              overlap: bool = True, lead: int = OVERLAP_LEAD, trace: bool = False,
-                             overlap_block_v: int | None = None, emulate: bool = False):
+                             overlap_block_v: int | None = None, p3_wg: bool | int = False,
+                             emulate: bool = False):
     """The split form as the model dispatches it, in one PrimFunc: the intra kernel
     (``p2_one``, ``fast_gate``, ``tmat``), then the state kernel with block_v at run time
     (``o_vec``, ``tmat``, ``pipe``, ``v_early``; :func:`kda_prefill_split_state_kernel`) — or,
@@ -768,6 +779,9 @@ def kda_prefill_split_kernel(H: int, K: int, V: int, scale: float, lower_bound: 
     state block. ``trace`` (profiling, overlapped form): thread 0 of block b also writes flags[2 + n_items +
     6b + j], j = 0 … 5: its ticket, the items it did, %globaltimer_lo (ns) at its start, when it
     stopped claiming and at its end, and its %smid (n_items = (⌈T/64⌉ + B)·H; emulated: times 0).
+    ``p3_wg`` (sm_90a): the state kernels' phase 3 on wgmma, as :func:`kda_prefill_fused_kernel`'s,
+    for several sequences (the overlapped kernel keeps ``mma.sync``: its shared memory also holds
+    the tickets, so the S copy is not 1024-byte aligned there).
 
     Raises ValueError as the two kernels do, and for ``lead`` outside 0-100."""
     if not 0 <= lead <= 100:
@@ -776,7 +790,7 @@ def kda_prefill_split_kernel(H: int, K: int, V: int, scale: float, lower_bound: 
     intra = _build(H, K, K, scale, 16, 8, lower_bound, False, False, emulate, "intra", fast_gate=True,
                    p2_one=True, tmat=True, parts=True)
     dispatch = _state_dispatch(H, K, V, scale, lower_bound, tuple((bv, 8) for bv in SPLIT_BLOCK_V), False, emulate,
-                               True, True, True, True, True, frozenset())
+                               True, True, True, True, True, frozenset(), p3_wg)
     bv1 = OVERLAP_BLOCK_V if overlap_block_v is None else overlap_block_v
     if bv1 not in BLOCK_V or bv1 > PIPE_MAX_BLOCK_V:
         raise ValueError(f"overlap_block_v={overlap_block_v}: 16 or 32 (the state kernel with pipe)")
@@ -975,8 +989,8 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
     if p5_wg and stage != "fused":
         raise ValueError("p5_wg belongs to the fused kernel (vn takes the q region after phase 3)")
     P5WG = p5_wg
-    if p3_wg and stage != "fused":
-        raise ValueError("p3_wg belongs to the fused kernel (its phase 3 runs on the whole chunk's rows)")
+    if p3_wg and stage == "intra":
+        raise ValueError("p3_wg belongs to the fused and split state kernels (their phase 3)")
     P3WG = p3_wg
     EARLY = early_kq and stage == "state"
     if tmat and stage == "fused":
@@ -1819,8 +1833,8 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                         else:
                             gemm_s(SM, Y, tx * EM, af, bq, lambda i, d: a_q(SM, (tx // 32 - 4) * 16, i, d),
                                    K // 8, N8, tx % 32)
-                    if WG:   # D^{-1} on warps 6-7 while the last wgmmas run
-                        if "dinv" not in ABL:
+                    if WG:   # (fused) D^{-1} on warps 6-7 while the last wgmmas run
+                        if stage == "fused" and "dinv" not in ABL:
                             d_inverse(SM, tx, x)
                         T.evaluate(wgmma_wait(0))
             # phase 4: vn_I = D_I^{-1} (R_I − Σ_{J<I} L_IJ vn_J), in place of R; warp wi

@@ -232,14 +232,16 @@ def test_emulated_split_state_kernel_with_runtime_block_v_matches_reference(lens
     _check_outputs(o.numpy(), pt.numpy(), o_ref, ref_pool, slots)
 
 
-@pytest.mark.parametrize("lens", [[70], [200], [130, 1, 64, 70]])
-def test_emulated_split_kernel_matches_reference(lens):
+@pytest.mark.parametrize("lens,p3_wg", [([70], False), ([200], False), ([130, 1, 64, 70], False),
+                                        ([130, 1, 64, 70], True)])
+def test_emulated_split_kernel_matches_reference(lens, p3_wg):
     """kda_prefill_split_kernel as the model dispatches it (raw inputs: L2 norms, gate and β in
     the kernel) against the reference: one sequence through the overlapped kernel's code (its
     items, the state loop at 32 columns, every item's flag set, each block's ticket taken once),
     several through the intra kernel and the state kernel of their block_v. Run serially, block 0
     does every item before any state loop: the interleaving itself runs on the GPU only
-    (benchmarks/kda.py checks), the wait's contract is tested below."""
+    (benchmarks/kda.py checks), the wait's contract is tested below. ``p3_wg``: the state kernels'
+    S copy in the swizzled layout of the wgmma's B operand."""
     import tvm
 
     H, K = 2, 128
@@ -247,7 +249,7 @@ def test_emulated_split_kernel_matches_reference(lens):
     ref_pool = pool.copy()
     o_ref = kda_prefill_reference(pre["q"], pre["k"], pre["v"], pre["g"], pre["beta"], cu, slots,
                                   ref_pool, 1, K ** -0.5)
-    lib = _llvm(kda_prefill_split_kernel(H, K, K, K ** -0.5, lower_bound=-5.0, emulate=True))
+    lib = _llvm(kda_prefill_split_kernel(H, K, K, K ** -0.5, lower_bound=-5.0, p3_wg=p3_wg, emulate=True))
     A = tvm.runtime.tensor
     Tn, B = sum(lens), len(lens)
     n_items = ((Tn + 63) // 64 + B) * H
@@ -449,8 +451,9 @@ def test_fused_kernel_compiles_to_fatbin_for_sm90a(tmp_path):
     for ptx in ("wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32", "fence.proxy.async.shared::cta",
                 "wgmma.wait_group.sync.aligned 0", "trap;"):
         assert ptx in src, ptx
-    # p5_wg: 8 wgmmas per warpgroup for the S update, 8 more in warpgroup 1 for o
-    assert src.count("k3_wgmma_m64n128k8_tf32_rs(") == 2 * 16 + 2 * 8 + 8 + 1
+    # (phase 3: one call site per warpgroup's branch) p5_wg: 8 for the S update (one code path for
+    # both warpgroups), 8 more in warpgroup 1's branch for o; plus the definition
+    assert src.count("k3_wgmma_m64n128k8_tf32_rs(") == 2 * 16 + 8 + 8 + 1
     # pipe (s at 32 and 16 columns): chunk c waits for all but the group of chunk c + 1's copies
     assert "cp.async.wait_group 1" in src
 
