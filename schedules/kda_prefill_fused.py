@@ -442,7 +442,7 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
                              p2_wide: bool = False, v_async: bool = False, fast_gate: bool = False,
                              p2_one: bool = False, o_vec: bool = False, tmat: bool = False,
                              pipe: bool = False, v_early: bool = False, ablate: frozenset = frozenset(),
-                             p3_wg: bool | int = False, p5_wg: bool = False, emulate: bool = False):
+                             p3_wg: bool | int = False, p5_wg: bool | int = False, emulate: bool = False):
     """The fused chunked prefill, one block per (sequence, head, ``block_v`` columns of V).
     PrimFunc arguments::
 
@@ -559,7 +559,8 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
 
     ``p5_wg`` (sm_90a): vn written into the q region (free after phase 3) in the same swizzled
     layout, rows of the chunk as K, and phase 5's S update and o = Y + Aqk vn as wgmma chains on
-    it. Emulated: that layout with the ``mma`` products.
+    it (2: o's wgmmas issued before warpgroup 1 writes its rows of the S copy). Emulated: that
+    layout with the ``mma`` products.
 
     ``ablate`` (a subset of ``ABLATE_PHASES``, or of ``ABLATE_STATE`` with ``split``; a
     diagnostic): leave that work out, so that the time it saves is its cost on the chunk's
@@ -983,9 +984,12 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
     vn in the q region (free after phase 3) in the same swizzled K-major layout (``vn_word``: rows of
     the chunk as K), and on the GPU phase 5's products — the S update (both warpgroups, 64 rows of S
     each) and o = Y + Aqk vn (warpgroup 1) — as wgmma chains on it; R and phase 4's intermediate
-    stay row-major in the X region."""
+    stay row-major in the X region; 2: warpgroup 1 issues o's wgmmas before it writes its rows of the
+    S copy, so that those stores overlap them."""
     if p3_wg not in (False, True, 1, 2):
         raise ValueError(f"p3_wg: False, True (1) or 2, got {p3_wg!r}")
+    if p5_wg not in (False, True, 1, 2):
+        raise ValueError(f"p5_wg: False, True (1) or 2, got {p5_wg!r}")
     if p5_wg and stage != "fused":
         raise ValueError("p5_wg belongs to the fused kernel (vn takes the q region after phase 3)")
     P5WG = p5_wg
@@ -1088,7 +1092,8 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                                          wgmma_fence, wgmma_tf32_rs, wgmma_wait)
     WG = bool(P3WG) and not emulate   # phase 3 on wgmma
     WG2 = P3WG == 2 and WG             # ... with two sets of A fragments (a group's loads beside the last group's wgmmas)
-    WG5 = P5WG and not emulate         # phase 5 on wgmma
+    WG5 = bool(P5WG) and not emulate   # phase 5 on wgmma
+    WG5E = P5WG == 2 and WG5           # ... o's wgmmas issued before the S copy is written
 
     def s_word(d, n):   # the S copy's word of row d (K), column n (V): the B operand of phase 3
         if P3WG:   # K-major tiles of 32 columns of d (128-byte rows, 128-byte swizzle), BV rows each
@@ -1299,6 +1304,15 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                         T.evaluate(wgmma_wait(1))
                 else:
                     T.evaluate(wgmma_wait(0))
+
+    @T.macro
+    def o_chain(SM, Y, af, tx, c):
+        """``p5_wg`` on the GPU, warpgroup 1: Y += Aqk vn for its 64 rows over every k-step (A zero
+        above the diagonal); the last group left in flight."""
+        wg_gemm(SM, Y, af,
+                lambda i, j: T.Select(j <= (tx // 32 - 4) * 16 + i, la(SM, (tx // 32 - 4) * 16 + i, j, c % 2 if PIPE else 0),
+                                      T.float32(0)),
+                tx % 32, O_QR, C // 8, False)
 
     @T.macro
     def copy_rows(SM, tx, c0, off, stride, src, width, h, n_tok):
@@ -1923,6 +1937,9 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                         gemm(Sr, tx * EM, af,
                              lambda i, j: a_kd(SM, tx // 32 * 16, i, j, c % 2 if PIPE else 0),
                              lambda j, n: vn(SM, j, n), C // 8, N8, tx % 32, None)
+                if WG5E and "o" not in ABL:   # o's wgmmas in flight while the S copy is written
+                    if tx // 32 >= 4:
+                        o_chain(SM, Y, af, tx, c)
                 if "scopy" not in ABL:
                     for nt in T.unroll(N8):
                         for e in T.unroll(4):
@@ -1931,10 +1948,9 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                         T.evaluate(fence_proxy_async())
                 if tx // 32 >= 4:
                     if "o" not in ABL:
-                        if WG5:   # every k-step for the warpgroup's 64 rows (A zero above the diagonal)
-                            wg_gemm(SM, Y, af,
-                                    lambda i, j: T.Select(j <= (tx // 32 - 4) * 16 + i, la(SM, (tx // 32 - 4) * 16 + i, j, c % 2 if PIPE else 0), T.float32(0)),
-                                    tx % 32, O_QR, C // 8, False)
+                        if WG5:
+                            if not WG5E:
+                                o_chain(SM, Y, af, tx, c)
                             T.evaluate(wgmma_wait(0))
                         else:
                             gemm(Y, tx * EM, af,
