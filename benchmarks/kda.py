@@ -124,13 +124,10 @@ PREFILL_FUSED = ([("fused", bv, ab, {}) for bv, ab in ((128, 4), (64, 8), (32, 8
                     ("fusedpre_p2ovfvw5", 128, 4, {"lower_bound": LOWER_BOUND, "p2_one": True, "v_async": True,
                                                    "fast_gate": True, "o_vec": True, "p3_wg": True, "p5_wg": True}),
                     ("fusedpre_p2ovfvw25", 128, 4, {"lower_bound": LOWER_BOUND, "p2_one": True, "v_async": True,
-                                                    "fast_gate": True, "o_vec": True, "p3_wg": 2, "p5_wg": True}),
-                    # ... with o's wgmmas issued before warpgroup 1's S copy stores (p5_wg=2)
-                    ("fusedpre_p2ovfvw252", 128, 4, {"lower_bound": LOWER_BOUND, "p2_one": True, "v_async": True,
-                                                     "fast_gate": True, "o_vec": True, "p3_wg": 2, "p5_wg": 2}),
-                    # ... the same in groups of 8 k-steps, one set of A fragments
-                    ("fusedpre_p2ovfvw852", 128, 8, {"lower_bound": LOWER_BOUND, "p2_one": True, "v_async": True,
-                                                     "fast_gate": True, "o_vec": True, "p3_wg": True, "p5_wg": 2})])
+                                                    "fast_gate": True, "o_vec": True, "p3_wg": 2, "p5_wg": True})])
+                 # (o's wgmmas issued before warpgroup 1's S copy stores, with groups of 4 or 8 k-steps:
+                 # 4% slower, fusedpre_p2ovfvw252 / _w852 in kda_prefill_wgmma_c_h200_2026-12-01.json,
+                 # removed after commit 9333988)
 # the split form (schedules/kda_prefill_fused.py: kda_prefill_split_intra_kernel for every
 # chunk in parallel, then the fused kernel's phases 3-5 with ``split``): (name, block_v,
 # a_batch, options); splitpre_*: L2 norms, gate and β in the intra kernel (raw inputs)

@@ -71,7 +71,9 @@ def prefill_dispatch(heads: int) -> tuple[str, int | None, int | None]:
       (benchmarks/results/kda_prefill_vearly_h200_2026-12-01.json; without the last three 0.89 /
       0.48 ms, kda_prefill_p2one_final_h200_2026-12-01.json); both kernels in one PrimFunc
       (kda_prefill_split_kernel), which for one sequence overlaps them in one kernel: 0.75 ms
-      (kda_prefill_overlap_bv32_1_h200_2026-12-01.json).
+      (kda_prefill_overlap_bv32_1_h200_2026-12-01.json); on Hopper the state kernels of several
+      sequences with phase 3 on wgmma: 4 × 2048 in 0.467 ms against 0.495
+      (kda_prefill_wgmma_c_h200_2026-12-01.json).
 
     a_batch 4 at 128 columns keeps ptxas at 255 registers without spills."""
     if heads >= 96:
@@ -137,8 +139,9 @@ class KimiDeltaAttention(nn.Module):
         self.prefill_tiling = None if bv is None else (bv, ab)
         self.prefill_preprocess_in_kernel = True
         # Hopper (``wgmma``: cuda-sm90a): the fused kernel at 128 columns runs phases 3 and 5 on
-        # warpgroup MMA (``p3_wg=2``, ``p5_wg``; prefill_dispatch's numbers)
-        self.prefill_wgmma = wgmma and self.prefill_form == "fused" and bv == 128
+        # warpgroup MMA (``p3_wg=2``, ``p5_wg``), the split form's state kernels phase 3
+        # (``p3_wg=2``; prefill_dispatch's numbers)
+        self.prefill_wgmma = wgmma and (self.prefill_form == "split" or (self.prefill_form == "fused" and bv == 128))
         self.eps = config.rms_norm_eps
         self.dtype = dtype
         hidden, HK = config.hidden_size, H * K
@@ -326,7 +329,8 @@ class KimiDeltaAttention(nn.Module):
                    ((T, H, K), (T, H, K), (T, H, K), (max_chunks(T, B), H, K), (T, H, TC_CHUNK), (T, H, 16),
                     (T, H, K))])
         res = op.tensor_ir_inplace_op(
-            kda_prefill_split_kernel(H, K, K, K ** -0.5, lower_bound=lower_bound),
+            kda_prefill_split_kernel(H, K, K, K ** -0.5, lower_bound=lower_bound,
+                                     p3_wg=2 if self.prefill_wgmma else False),
             "kda_prefill_split" + ("_pre" if lower_bound is not None else ""),
             intra_in + [meta.cu_seqlens, meta.seq_slots, v, kda_state, flags, _i32(kda_index)],
             [n_in + 3, n_in + 4] + [-1] * 7, outs)

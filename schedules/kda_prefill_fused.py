@@ -442,7 +442,7 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
                              p2_wide: bool = False, v_async: bool = False, fast_gate: bool = False,
                              p2_one: bool = False, o_vec: bool = False, tmat: bool = False,
                              pipe: bool = False, v_early: bool = False, ablate: frozenset = frozenset(),
-                             p3_wg: bool | int = False, p5_wg: bool | int = False, emulate: bool = False):
+                             p3_wg: bool | int = False, p5_wg: bool = False, emulate: bool = False):
     """The fused chunked prefill, one block per (sequence, head, ``block_v`` columns of V).
     PrimFunc arguments::
 
@@ -559,8 +559,7 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
 
     ``p5_wg`` (sm_90a): vn written into the q region (free after phase 3) in the same swizzled
     layout, rows of the chunk as K, and phase 5's S update and o = Y + Aqk vn as wgmma chains on
-    it (2: o's wgmmas issued before warpgroup 1 writes its rows of the S copy). Emulated: that
-    layout with the ``mma`` products.
+    it. Emulated: that layout with the ``mma`` products.
 
     ``ablate`` (a subset of ``ABLATE_PHASES``, or of ``ABLATE_STATE`` with ``split``; a
     diagnostic): leave that work out, so that the time it saves is its cost on the chunk's
@@ -780,9 +779,9 @@ def kda_prefill_split_kernel(H: int, K: int, V: int, scale: float, lower_bound: 
     state block. ``trace`` (profiling, overlapped form): thread 0 of block b also writes flags[2 + n_items +
     6b + j], j = 0 … 5: its ticket, the items it did, %globaltimer_lo (ns) at its start, when it
     stopped claiming and at its end, and its %smid (n_items = (⌈T/64⌉ + B)·H; emulated: times 0).
-    ``p3_wg`` (sm_90a): the state kernels' phase 3 on wgmma, as :func:`kda_prefill_fused_kernel`'s,
-    for several sequences (the overlapped kernel keeps ``mma.sync``: its shared memory also holds
-    the tickets, so the S copy is not 1024-byte aligned there).
+    ``p3_wg`` (sm_90a): the state kernels' phase 3 on wgmma, as :func:`kda_prefill_fused_kernel`'s
+    (in the overlapped kernel too, whose shared tiles are allocated 1024-byte aligned beside the
+    tickets).
 
     Raises ValueError as the two kernels do, and for ``lead`` outside 0-100."""
     if not 0 <= lead <= 100:
@@ -818,7 +817,7 @@ __device__ __forceinline__ int k3_{name}() {{
     item, intra_body = intra["item"], intra["body"]
     if OVL:
         state = _build(H, K, V, scale, bv1, 8, lower_bound, False, False, emulate, "state", True, o_vec=True,
-                       tmat=True, pipe=True, v_early=True, overlap=True, parts=True)
+                       tmat=True, pipe=True, v_early=True, overlap=True, parts=True, p3_wg=p3_wg)
         run = state["run"]
         NSM = max(intra["nsm"], state["nsm"])
     else:
@@ -830,7 +829,8 @@ __device__ __forceinline__ int k3_{name}() {{
         for blk in BLK(OVERLAP_SMS):
             n_items = T.Cast("int32", ((n_tok + C - 1) // C + n_cu - 1) * H)   # as the intra kernel's grid
             n_lead = n_items * lead // 100
-            SM = T.alloc_buffer((NSM,), "float32", scope=SH)
+            # 1024-byte aligned beside meta and tk: the wgmma descriptors' swizzled tiles (p3_wg)
+            SM = T.alloc_buffer((NSM,), "float32", scope=SH, align=1024)
             meta = T.alloc_buffer((2,), "int32", scope=SH)   # the intra item's chunk start, sequence end
             # ticket, the item being done (−1: none), trace: items done, start; the next item claimed
             tk = T.alloc_buffer((5,), "int32", scope=SH)
@@ -984,12 +984,9 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
     vn in the q region (free after phase 3) in the same swizzled K-major layout (``vn_word``: rows of
     the chunk as K), and on the GPU phase 5's products — the S update (both warpgroups, 64 rows of S
     each) and o = Y + Aqk vn (warpgroup 1) — as wgmma chains on it; R and phase 4's intermediate
-    stay row-major in the X region; 2: warpgroup 1 issues o's wgmmas before it writes its rows of the
-    S copy, so that those stores overlap them."""
+    stay row-major in the X region."""
     if p3_wg not in (False, True, 1, 2):
         raise ValueError(f"p3_wg: False, True (1) or 2, got {p3_wg!r}")
-    if p5_wg not in (False, True, 1, 2):
-        raise ValueError(f"p5_wg: False, True (1) or 2, got {p5_wg!r}")
     if p5_wg and stage != "fused":
         raise ValueError("p5_wg belongs to the fused kernel (vn takes the q region after phase 3)")
     P5WG = p5_wg
@@ -1092,8 +1089,7 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                                          wgmma_fence, wgmma_tf32_rs, wgmma_wait)
     WG = bool(P3WG) and not emulate   # phase 3 on wgmma
     WG2 = P3WG == 2 and WG             # ... with two sets of A fragments (a group's loads beside the last group's wgmmas)
-    WG5 = bool(P5WG) and not emulate   # phase 5 on wgmma
-    WG5E = P5WG == 2 and WG5           # ... o's wgmmas issued before the S copy is written
+    WG5 = P5WG and not emulate         # phase 5 on wgmma
 
     def s_word(d, n):   # the S copy's word of row d (K), column n (V): the B operand of phase 3
         if P3WG:   # K-major tiles of 32 columns of d (128-byte rows, 128-byte swizzle), BV rows each
@@ -1937,9 +1933,6 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                         gemm(Sr, tx * EM, af,
                              lambda i, j: a_kd(SM, tx // 32 * 16, i, j, c % 2 if PIPE else 0),
                              lambda j, n: vn(SM, j, n), C // 8, N8, tx % 32, None)
-                if WG5E and "o" not in ABL:   # o's wgmmas in flight while the S copy is written
-                    if tx // 32 >= 4:
-                        o_chain(SM, Y, af, tx, c)
                 if "scopy" not in ABL:
                     for nt in T.unroll(N8):
                         for e in T.unroll(4):
@@ -1949,8 +1942,7 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                 if tx // 32 >= 4:
                     if "o" not in ABL:
                         if WG5:
-                            if not WG5E:
-                                o_chain(SM, Y, af, tx, c)
+                            o_chain(SM, Y, af, tx, c)
                             T.evaluate(wgmma_wait(0))
                         else:
                             gemm(Y, tx * EM, af,

@@ -233,7 +233,7 @@ def test_emulated_split_state_kernel_with_runtime_block_v_matches_reference(lens
 
 
 @pytest.mark.parametrize("lens,p3_wg", [([70], False), ([200], False), ([130, 1, 64, 70], False),
-                                        ([130, 1, 64, 70], True)])
+                                        ([70], True), ([130, 1, 64, 70], True)])
 def test_emulated_split_kernel_matches_reference(lens, p3_wg):
     """kda_prefill_split_kernel as the model dispatches it (raw inputs: L2 norms, gate and β in
     the kernel) against the reference: one sequence through the overlapped kernel's code (its
@@ -465,12 +465,15 @@ def test_model_dispatches_prefill_form_by_head_count():
     from relax_modules.kda import FUSED_PREFILL_MIN_HEADS, KimiDeltaAttention
 
     nano = K3Config.from_file("models/k3-nano")   # 2 KDA heads
-    for heads, form, tiling in ((2, "split", None), (FUSED_PREFILL_MIN_HEADS - 1, "split", None),
-                                (FUSED_PREFILL_MIN_HEADS, "fused", (64, 8)), (96, "fused", (128, 4))):
+    for heads, form, tiling, wg in ((2, "split", None, True), (FUSED_PREFILL_MIN_HEADS - 1, "split", None, True),
+                                    (FUSED_PREFILL_MIN_HEADS, "fused", (64, 8), False),
+                                    (96, "fused", (128, 4), True)):
         cfg = dataclasses.replace(nano, kda_num_heads=heads)
         layer = KimiDeltaAttention(cfg, "bfloat16", gpu=True)
         assert (layer.prefill_form, layer.prefill_tiling) == (form, tiling), heads
-        assert layer.prefill_preprocess_in_kernel
+        assert layer.prefill_preprocess_in_kernel and not layer.prefill_wgmma
+        # Hopper: wgmma in the split form's state kernels and the fused kernel at 128 columns
+        assert KimiDeltaAttention(cfg, "bfloat16", gpu=True, wgmma=True).prefill_wgmma == wg, heads
         # the generic fallback (k3 compile --generic-kernels), CPU builds and fp32 builds
         assert KimiDeltaAttention(cfg, "bfloat16", gpu=True, tuned=False).prefill_form == "generic"
         assert KimiDeltaAttention(cfg, "bfloat16", gpu=False).prefill_form == "generic"
@@ -490,11 +493,11 @@ def test_k3_dispatches_fused_prefill():
 
 @pytest.mark.parametrize("form,preprocess,wgmma", [("fused", False, False), ("fused", True, False),
                                                   ("fused", True, True), ("split", False, False),
-                                                  ("split", True, False)])
+                                                  ("split", True, False), ("split", True, True)])
 def test_model_with_fused_or_split_prefill_matches_generic_model(form, preprocess, wgmma):
     """The model's fused and split prefill paths (relax_modules/kda.py: argument order, scratch
     shapes, in-place state; with ``preprocess`` the kernels' own L2 norms, gate and β; with
-    ``wgmma`` the fused kernel's swizzled S copy and vn of ``p3_wg`` / ``p5_wg``) with the
+    ``wgmma`` the swizzled S copy and (fused) vn of ``p3_wg`` / ``p5_wg``) with the
     kernels emulated on the CPU give k3-nano's logits of the generic model
     (``helpers_tvm.nano_kda_prefill_vs_generic``)."""
     import functools
