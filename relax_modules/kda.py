@@ -71,9 +71,9 @@ def prefill_dispatch(heads: int) -> tuple[str, int | None, int | None]:
       (benchmarks/results/kda_prefill_vearly_h200_2026-12-01.json; without the last three 0.89 /
       0.48 ms, kda_prefill_p2one_final_h200_2026-12-01.json); both kernels in one PrimFunc
       (kda_prefill_split_kernel), which for one sequence overlaps them in one kernel: 0.75 ms
-      (kda_prefill_overlap_bv32_1_h200_2026-12-01.json); on Hopper the state kernels of several
-      sequences with phase 3 on wgmma: 4 × 2048 in 0.467 ms against 0.495
-      (kda_prefill_wgmma_c_h200_2026-12-01.json).
+      (kda_prefill_overlap_bv32_1_h200_2026-12-01.json); on Hopper with phase 3 of every state
+      kernel on wgmma 0.72 / 0.48 ms against 0.75 / 0.51 without
+      (kda_prefill_wgmma_d12_h200_2026-12-01.json).
 
     a_batch 4 at 128 columns keeps ptxas at 255 registers without spills."""
     if heads >= 96:

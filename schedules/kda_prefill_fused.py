@@ -108,7 +108,9 @@ form it uses ``p2_one``, ``fast_gate`` and ``tmat`` in the intra kernel and ``o_
 ``kda_prefill_vearly_h200_2026-12-01.json``). :func:`kda_prefill_split_kernel` is the split form as the
 model calls it, one PrimFunc: for one sequence the intra items and the state chunk loop overlap in
 one kernel of 132 blocks (0.749–0.751 ms against 0.772–0.776 for the two kernels,
-``kda_prefill_overlap_bv32_{1,2}_h200_2026-12-01.json``), for several the two kernels. Where a chunk's time goes (``ablate``,
+``kda_prefill_overlap_bv32_{1,2}_h200_2026-12-01.json``), for several the two kernels; on sm_90a
+the model passes ``p3_wg=2`` (phase 3 of every state kernel on wgmma: 0.72 / 0.48 ms against
+0.75 / 0.51 at 12 heads, ``kda_prefill_wgmma_d12_h200_2026-12-01.json``). Where a chunk's time goes (``ablate``,
 ``kda_prefill_phases_c_h200_2026-12-01.json``, ``kda_prefill_split_parts_b_h200_2026-12-01.json``):
 docs/DESIGN.md.
 
