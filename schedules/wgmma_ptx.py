@@ -81,17 +81,25 @@ def _acc_operands(n: int):
     return nd, ", ".join(f"%{i}" for i in range(nd)), ", ".join(f'"+f"(d[{i}])' for i in range(nd))
 
 
-def _wgmma_src(n: int) -> str:
+def _rs_src(n: int, name: str, ptx: str, a_type: str, a_in, imms: str) -> str:
+    """Source of a register-A wgmma device function ``name`` (``ptx`` the instruction, ``a_type``
+    the C type of the four A words, ``a_in(i)`` the asm input of word i, ``imms`` the immediate
+    operands after scale-d)."""
     nd, dregs, outs = _acc_operands(n)
     return (
-        f"__forceinline__ __device__ void k3_wgmma_m64n{n}k16_bf16_rs(float* d, unsigned a0, unsigned a1,\n"
-        f"    unsigned a2, unsigned a3, unsigned long long desc, int accumulate) {{\n"
+        f"__forceinline__ __device__ void {name}(float* d, {a_type} a0, {a_type} a1,\n"
+        f"    {a_type} a2, {a_type} a3, unsigned long long desc, int accumulate) {{\n"
         f"  asm volatile(\"{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{nd + 5}, 0;\\n\"\n"
-        f"      \"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 \"\n"
-        f"      \"{{{dregs}}}, {{%{nd}, %{nd + 1}, %{nd + 2}, %{nd + 3}}}, %{nd + 4}, p, 1, 1, 0;\\n}}\\n\"\n"
+        f"      \"{ptx} \"\n"
+        f"      \"{{{dregs}}}, {{%{nd}, %{nd + 1}, %{nd + 2}, %{nd + 3}}}, %{nd + 4}, p, {imms};\\n}}\\n\"\n"
         f"      : {outs}\n"
-        f"      : \"r\"(a0), \"r\"(a1), \"r\"(a2), \"r\"(a3), \"l\"(desc), \"r\"(accumulate));\n"
+        f"      : {', '.join(a_in(i) for i in range(4))}, \"l\"(desc), \"r\"(accumulate));\n"
         f"}}\n")
+
+
+def _wgmma_src(n: int) -> str:
+    return _rs_src(n, f"k3_wgmma_m64n{n}k16_bf16_rs", f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16",
+                   "unsigned", lambda i: f'"r"(a{i})', "1, 1, 0")
 
 
 def wgmma_bf16_rs(n: int, d, a0, a1, a2, a3, desc, accumulate=1):
@@ -138,17 +146,8 @@ def wgmma_bf16_ss(n: int, d, desc_a, desc_b, accumulate=1):
 
 
 def _wgmma_tf32_src(n: int) -> str:
-    nd, dregs, outs = _acc_operands(n)
-    return (
-        f"__forceinline__ __device__ void k3_wgmma_m64n{n}k8_tf32_rs(float* d, float a0, float a1,\n"
-        f"    float a2, float a3, unsigned long long desc, int accumulate) {{\n"
-        f"  asm volatile(\"{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{nd + 5}, 0;\\n\"\n"
-        f"      \"wgmma.mma_async.sync.aligned.m64n{n}k8.f32.tf32.tf32 \"\n"
-        f"      \"{{{dregs}}}, {{%{nd}, %{nd + 1}, %{nd + 2}, %{nd + 3}}}, %{nd + 4}, p, 1, 1;\\n}}\\n\"\n"
-        f"      : {outs}\n"
-        f"      : \"r\"(__float_as_uint(a0)), \"r\"(__float_as_uint(a1)), \"r\"(__float_as_uint(a2)),\n"
-        f"        \"r\"(__float_as_uint(a3)), \"l\"(desc), \"r\"(accumulate));\n"
-        f"}}\n")
+    return _rs_src(n, f"k3_wgmma_m64n{n}k8_tf32_rs", f"wgmma.mma_async.sync.aligned.m64n{n}k8.f32.tf32.tf32",
+                   "float", lambda i: f'"r"(__float_as_uint(a{i}))', "1, 1")
 
 
 def wgmma_tf32_rs(n: int, d, a0, a1, a2, a3, desc, accumulate=1):
