@@ -58,7 +58,8 @@ def prefill_dispatch(heads: int) -> tuple[str, int | None, int | None]:
       2.36 ms at 8192 tokens, 1.84 ms at 4 × 2048,
       benchmarks/results/kda_prefill_p2one_final_h200_2026-12-01.json; on Hopper with phases 3
       and 5 on wgmma 2.11 / 1.60 ms, fla's gated call 2.83 / 2.80 ms in the same run,
-      kda_prefill_wgmma_fla_h200_2026-12-01.json; the split form at best
+      kda_prefill_wgmma_fla_h200_2026-12-01.json; wgmma is not measured at 64 columns, so 48-95
+      heads keep mma.sync; the split form at best
       3.51 / 3.20 ms without them, kda_prefill_split_h200_2026-11-30.json), 64 below (not
       measured at 48);
     - below 48 heads the split form (all chunks' intra part in parallel, then ~5.5 µs per

@@ -123,7 +123,7 @@ class K3ForCausalLM(nn.Module):
             schedules/kda_decode_cuda.py); False keeps the generic kernels (the fallback).
         wgmma: the tuned kernels may use Hopper's warpgroup MMA (cuda-sm90a only: the MoE
             prefill grouped GEMMs of schedules/moe_mxfp4_prefill_wgmma.py, phases 3 and 5 of the fused
-            KDA prefill at 128 columns).
+            KDA prefill at 128 columns, phase 3 of the split form's state kernels).
     """
 
     def __init__(self, cfg: K3Config, dtype: str = "float32", page_size: int = DEFAULT_PAGE_SIZE,

@@ -129,6 +129,7 @@ from tvm.script import tirx as T
 from schedules.barriers import mark
 from schedules.kda_prefill_cuda import C, SUB, block_thread_loops, kda_prefill_reference  # noqa: F401
 from schedules.kda_prefill_tc import mma_tf32_macros
+from schedules.wgmma_ptx import sw128_tf32_kstep, sw128_tf32_word
 
 NT = 256                 # threads per block (8 warps)
 BLOCK_V = (16, 32, 64, 128)   # supported columns of V per block
@@ -561,7 +562,8 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
 
     ``p5_wg`` (sm_90a): vn written into the q region (free after phase 3) in the same swizzled
     layout, rows of the chunk as K, and phase 5's S update and o = Y + Aqk vn as wgmma chains on
-    it. Emulated: that layout with the ``mma`` products.
+    it. Emulated: that layout with the ``mma`` products. Both are measured at block_v 128 (the
+    model passes them there only); with ``p3_wg`` on the GPU ``ldsm`` has nothing left to do.
 
     ``ablate`` (a subset of ``ABLATE_PHASES``, or of ``ABLATE_STATE`` with ``split``; a
     diagnostic): leave that work out, so that the time it saves is its cost on the chunk's
@@ -573,10 +575,12 @@ def kda_prefill_fused_kernel(H: int, K: int, V: int, scale: float, block_v: int 
     ``block_v`` (16, 32, 64 or 128): columns of V per block; fewer columns give more blocks
     (more SMs busy when B·H is small) at the cost of repeating phase 2 in every block.
     ``a_batch`` (4 or 8): k-steps whose A fragments are loaded before their mmas in phases 3
-    and 5. Raises ValueError for other head sizes or tilings.
+    and 5. Raises ValueError for other head sizes or tilings, for ``p3_wg`` outside False / True /
+    2, ``p5_wg`` outside False / True, and for either with ``split``.
     """
     if split and (p3_wg or p5_wg):
-        raise ValueError("p3_wg and p5_wg belong to the fused kernel")
+        raise ValueError("p3_wg / p5_wg: the fused kernel's options here (the split form's state kernels take "
+                         "p3_wg through kda_prefill_split_kernel)")
     if split and (p2_pairs or p2_wide or v_async or fast_gate or p2_one):
         raise ValueError("split: p2_pairs, p2_wide, p2_one, fast_gate belong to kda_prefill_split_intra_kernel; "
                          "v_async to the fused kernel")
@@ -978,7 +982,7 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
     ``overlap`` (state kernel with ``pipe``): thread 0 waits for the flags of the chunks it
     stages (``kda_prefill_split_kernel``). ``parts``: instead of a PrimFunc the dict of the
     kernel's macros (``item`` / ``body`` of the intra kernel, ``run`` / ``body`` of the state
-    kernel) and its shared-memory floats ``nsm``. ``p3_wg`` (fused): the S copy in the 128-byte
+    kernel) and its shared-memory floats ``nsm``. ``p3_wg`` (fused, state): the S copy in the 128-byte
     swizzled K-major layout of a wgmma B operand (``s_word``) and, on the GPU, phase 3's products
     as ``wgmma.m64n{block_v}k8`` TF32 (A from registers, B = the S copy through a descriptor; each
     warpgroup's 64 rows at once) instead of per-warp ``mma.sync``; 2: with two sets of A fragments,
@@ -989,6 +993,8 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
     stay row-major in the X region."""
     if p3_wg not in (False, True, 1, 2):
         raise ValueError(f"p3_wg: False, True (1) or 2, got {p3_wg!r}")
+    if p5_wg not in (False, True):
+        raise ValueError(f"p5_wg: False or True, got {p5_wg!r}")
     if p5_wg and stage != "fused":
         raise ValueError("p5_wg belongs to the fused kernel (vn takes the q region after phase 3)")
     P5WG = p5_wg
@@ -1075,6 +1081,8 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
     # pipe: the second set of the state kernel's staged e^{Γ_last−Γ} k, L / Aqk, D^{-1}, e^{Γ_last}
     O_LA2, O_D2, O_GL2 = O_G2 + C * KS, O_G2 + C * KS + C * LS, O_G2 + C * KS + C * LS + C * DS
     NSM = O_GL2 + K if PIPE else O_G2
+    if (P3WG and O_SS * 4 % 1024) or (P5WG and O_QR * 4 % 1024):   # a layout error, not an input one
+        raise ValueError("p3_wg / p5_wg: the S copy and the q region must start at multiples of 1024 bytes")
     if not emulate and NSM * 4 > 227 * 1024:
         raise ValueError(f"block_v={BV} needs {NSM * 4} bytes of shared memory (> 227 KB)")
     frag_a, mma, mma_rb, syncwarp, prefetch = _macros(emulate)
@@ -1095,7 +1103,7 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
 
     def s_word(d, n):   # the S copy's word of row d (K), column n (V): the B operand of phase 3
         if P3WG:   # K-major tiles of 32 columns of d (128-byte rows, 128-byte swizzle), BV rows each
-            return O_SS + d // 32 * (BV * 32) + n * 32 + ((d % 32 // 4) ^ (n % 8)) * 4 + d % 4
+            return O_SS + sw128_tf32_word(d, n, BV)
         return O_SS + n * SN + d   # column-major, padded rows
 
     def kr(SM, r, d):   # raw k / q of chunk row r, Γ (log2 units)
@@ -1145,7 +1153,7 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
 
     def vn_word(j, n):   # vn's word of chunk row j, column n
         if P5WG:   # K-major tiles of 32 rows of the chunk in the q region (128-byte rows and swizzle)
-            return O_QR + j // 32 * (BV * 32) + n * 32 + ((j % 32 // 4) ^ (n % 8)) * 4 + j % 4
+            return O_QR + sw128_tf32_word(j, n, BV)
         return (O_V if TM_S else O_X) + j * RS + n
 
     def vn(SM, j, n):
@@ -1273,6 +1281,9 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
         else:
             gemm(acc, row, af, A, lambda d, n: SM[s_word(d, n)], steps, tiles, lane, None)
 
+    def fset(kh):   # wg_gemm: the first A fragment word of group kh (two sets with p3_wg=2)
+        return (kh % 2 * AB if WG2 else 0) * 4
+
     @T.macro
     def wg_gemm(SM, acc, af, A, lane, base, steps, fresh):
         """``p3_wg`` / ``p5_wg`` on the GPU: acc[0, 0:NR] (+)= the warp's 16 rows of A[:, 0:8·steps]
@@ -1285,15 +1296,12 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
         wd[0] = sw128_desc(smem_address(T.address_of(SM[base])))
         for kh in T.unroll(steps // AB):
             for ks in T.unroll(AB):
-                frag_a(af, (kh % 2 * AB if WG2 else 0) * 4 + ks * 4, A, lane, (kh * AB + ks) * 8)
+                frag_a(af, fset(kh) + ks * 4, A, lane, (kh * AB + ks) * 8)
             T.evaluate(wgmma_fence())
             for ks in T.unroll(AB):
-                # k-step s: tile s // 4 (BV rows of 128 bytes), 32 bytes per k8 slice in it
-                T.evaluate(wgmma_tf32_rs(BV, T.address_of(acc[0, 0]), af[(kh % 2 * AB if WG2 else 0) * 4 + ks * 4],
-                                         af[(kh % 2 * AB if WG2 else 0) * 4 + ks * 4 + 1],
-                                         af[(kh % 2 * AB if WG2 else 0) * 4 + ks * 4 + 2],
-                                         af[(kh % 2 * AB if WG2 else 0) * 4 + ks * 4 + 3],
-                                         wd[0] + T.Cast("uint64", (kh * AB + ks) // 4 * (BV * 8) + (kh * AB + ks) % 4 * 2),
+                T.evaluate(wgmma_tf32_rs(BV, T.address_of(acc[0, 0]), af[fset(kh) + ks * 4], af[fset(kh) + ks * 4 + 1],
+                                         af[fset(kh) + ks * 4 + 2], af[fset(kh) + ks * 4 + 3],
+                                         wd[0] + T.Cast("uint64", sw128_tf32_kstep(kh * AB + ks, BV)),
                                          T.Cast("int32", kh * AB + ks > 0) if fresh else T.int32(1)))
             T.evaluate(wgmma_commit())
             if kh < steps // AB - 1:
@@ -1979,7 +1987,7 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
         """The kernel over its buffers; ``g`` / ``beta`` are f / b and ``A_log`` / ``dt_bias``
         are read when ``PRE`` (None otherwise)."""
         for blk in BLK((n_cu - 1) * (H * NVB)):
-            SM = T.alloc_buffer((NSM,), "float32", scope=SH)
+            SM = T.alloc_buffer((NSM,), "float32", scope=SH, align=1024)   # (p3_wg / p5_wg: swizzled tiles)
             if not SYNC:   # emulated: a read of shared memory that nothing wrote gives NaN
                 nan_fill(SM, NSM)
             state_run(SM, blk, q, k, v, g, beta, A_log, dt_bias, la_g, dinv_g, gl_g, cu, slots, S, layer, o, n_tok,

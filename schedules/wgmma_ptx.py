@@ -226,6 +226,22 @@ def words_to_1024(buf):
                   % T.uint32(1024) // T.uint32(4))
 
 
+def sw128_tf32_word(k, n, rows: int):
+    """Word (4-byte) offset of element (k, n) of a TF32 wgmma operand stored K-major (k the
+    reduction index, n its row: a column of D for B, a row for A) in tiles of 32 k — 128-byte rows
+    with the 128-byte swizzle (16-byte chunk c of row n at chunk c XOR n % 8), ``rows`` rows per
+    tile, tile k // 32 at word (k // 32)·rows·32 — from a 1024-byte-aligned base: the layout that
+    :func:`sw128_desc` plus :func:`sw128_tf32_kstep` read. PTX ISA 9.7.15.5.1 (shared memory
+    matrix layouts, 128B swizzling). Ints or TIR expressions."""
+    return k // 32 * (rows * 32) + n * 32 + ((k % 32 // 4) ^ (n % 8)) * 4 + k % 4
+
+
+def sw128_tf32_kstep(s, rows: int):
+    """Descriptor units (16 bytes) from the base of :func:`sw128_tf32_word`'s tiles to k8 step
+    ``s`` of a TF32 wgmma: tile s // 4 (rows·128 bytes each), 32 bytes per step inside it."""
+    return s // 4 * (rows * 8) + s % 4 * 2
+
+
 def swizzle128_word(row, chunk):
     """uint32 word offset, within a 1024-byte-aligned tile of 128-byte rows, of 16-byte chunk
     ``chunk`` (0..7) of row ``row`` under the 128-byte swizzle (Python ints or TIR exprs)."""

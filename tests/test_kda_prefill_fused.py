@@ -416,12 +416,12 @@ def test_fused_kernel_compiles_to_fatbin_for_sm90a(tmp_path):
         "e = kda_prefill_fused_kernel(3, 128, 128, 128 ** -0.5, block_v=64, a_batch=8, p2_one=True, ldsm=True,\n"
         "                             v_async=True, fast_gate=True, o_vec=True, lower_bound=-5.0)\n"
         "r = kda_prefill_fused_kernel(3, 128, 128, 128 ** -0.5, block_v=16, p2_pairs=True, ldsm=True)\n"
-        # phase 3 on wgmma (p3_wg)
-        "w = kda_prefill_fused_kernel(3, 128, 128, 128 ** -0.5, block_v=128, a_batch=4, p2_one=True, v_async=True,\n"
-        "                             fast_gate=True, o_vec=True, lower_bound=-5.0, p3_wg=True, p5_wg=True)\n"
+        # phases 3 and 5 on wgmma, as dispatched on sm_90a from 96 heads
+        "w = kda_prefill_fused_kernel(3, 128, 128, 128 ** -0.5, block_v=128, a_batch=4, p2_one=True, ldsm=True,\n"
+        "                             v_async=True, fast_gate=True, o_vec=True, lower_bound=-5.0, p3_wg=2, p5_wg=True)\n"
         "from schedules.kda_prefill_fused import kda_prefill_split_kernel\n"
-        # the split form as dispatched below 48 heads
-        "s = kda_prefill_split_kernel(3, 128, 128, 128 ** -0.5, lower_bound=-5.0)\n"
+        # the split form as dispatched below 48 heads on sm_90a (phase 3 of its state kernels on wgmma)
+        "s = kda_prefill_split_kernel(3, 128, 128, 128 ** -0.5, lower_bound=-5.0, p3_wg=2)\n"
         "mod = tvm.IRModule({n: x.with_attr('global_symbol', n) for n, x in\n"
         "                    (('f', f), ('p', p), ('r', r), ('d', d), ('e', e), ('s', s), ('w', w))})", tmp_path,
         contexts="respect_manual_barriers()", keep_src=True)
@@ -454,8 +454,37 @@ def test_fused_kernel_compiles_to_fatbin_for_sm90a(tmp_path):
     # (phase 3: one call site per warpgroup's branch) p5_wg: 8 for the S update (one code path for
     # both warpgroups), 8 more in warpgroup 1's branch for o; plus the definition
     assert src.count("k3_wgmma_m64n128k8_tf32_rs(") == 2 * 16 + 8 + 8 + 1
+    # s: phase 3 of the state kernels at 64 / 32 / 16 columns and of the overlapped one at 32
+    for n, kernels in ((64, 1), (32, 2), (16, 1)):
+        assert src.count(f"k3_wgmma_m64n{n}k8_tf32_rs(") == kernels * 2 * 16 + 1, n
+    # the tiles the descriptors read are 1024-byte aligned (w and the state kernels' own buffer;
+    # the overlapped kernel's merged one is checked at run time by the trap)
+    assert src.count("__align__(1024) float SM_ptr[]") == 4
     # pipe (s at 32 and 16 columns): chunk c waits for all but the group of chunk c + 1's copies
     assert "cp.async.wait_group 1" in src
+
+
+@pytest.mark.parametrize("rows", [16, 32, 64, 128])
+def test_swizzled_tf32_tiles_match_the_wgmma_address_rule(rows):
+    """The S copy / vn layout of ``p3_wg`` / ``p5_wg`` (``sw128_tf32_word``) against the address
+    a K-major TF32 wgmma computes from its descriptor (PTX ISA, matrix descriptor and 128B swizzle):
+    for k8 step s the start address base + 16·``sw128_tf32_kstep(s)``, row n of the step's 8 k at
+    (n // 8)·1024 (stride byte offset) + (n % 8)·128, element kk at 4·kk, then address bits 4-6
+    XOR bits 7-9. Every element of 128 k × ``rows`` rows lands on its own word of the region."""
+    from schedules.wgmma_ptx import DESC_SW128_BITS, sw128_tf32_kstep, sw128_tf32_word
+
+    assert (DESC_SW128_BITS >> 32) & 0x3FFF == 1024 // 16 and DESC_SW128_BITS >> 62 == 1
+    base = 7 * 1024
+    seen = set()
+    for s in range(128 // 8):
+        for n in range(rows):
+            for kk in range(8):
+                addr = base + 16 * sw128_tf32_kstep(s, rows) + n // 8 * 1024 + n % 8 * 128 + 4 * kk
+                addr ^= (addr >> 7 & 7) << 4
+                word = sw128_tf32_word(8 * s + kk, n, rows)
+                assert addr == base + 4 * word, (s, n, kk)
+                seen.add(word)
+    assert seen == set(range(128 * rows))
 
 
 def test_model_dispatches_prefill_form_by_head_count():
