@@ -456,9 +456,10 @@ def test_fused_kernel_compiles_to_fatbin_for_sm90a(tmp_path):
     # s: phase 3 of the state kernels at 64 / 32 / 16 columns and of the overlapped one at 32
     for n, kernels in ((64, 1), (32, 2), (16, 1)):
         assert src.count(f"k3_wgmma_m64n{n}k8_tf32_rs(") == kernels * 2 * 16 + 1, n
-    # the tiles the descriptors read are 1024-byte aligned (w and the state kernels' own buffer;
-    # the overlapped kernel's merged one is checked at run time by the trap)
-    assert src.count("__align__(1024) float SM_ptr[]") == 4
+    # the tiles the descriptors read are 1024-byte aligned: the fused kernels' and the state kernels'
+    # own buffer (f, p, r, d, e, w and s's three; the overlapped kernel's merged buffer is checked at
+    # run time by the trap)
+    assert src.count("__align__(1024) float SM_ptr[]") == 6 + 3
     # pipe (s at 32 and 16 columns): chunk c waits for all but the group of chunk c + 1's copies
     assert "cp.async.wait_group 1" in src
 
