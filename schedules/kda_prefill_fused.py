@@ -1281,6 +1281,10 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
         else:
             gemm(acc, row, af, A, lambda d, n: SM[s_word(d, n)], steps, tiles, lane, None)
 
+    def a_aqk(SM, tx, c):   # phase 5's A for o: warp tx // 32 ≥ 4's rows of Aqk, zero above the diagonal
+        return lambda i, j: T.Select(j <= (tx // 32 - 4) * 16 + i, la(SM, (tx // 32 - 4) * 16 + i, j, c % 2 if PIPE else 0),
+                                     T.float32(0))
+
     def fset(kh):   # wg_gemm: the first A fragment word of group kh (two sets with p3_wg=2)
         return (kh % 2 * AB if WG2 else 0) * 4
 
@@ -1315,10 +1319,7 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
     def o_chain(SM, Y, af, tx, c):
         """``p5_wg`` on the GPU, warpgroup 1: Y += Aqk vn for its 64 rows over every k-step (A zero
         above the diagonal); the last group left in flight."""
-        wg_gemm(SM, Y, af,
-                lambda i, j: T.Select(j <= (tx // 32 - 4) * 16 + i, la(SM, (tx // 32 - 4) * 16 + i, j, c % 2 if PIPE else 0),
-                                      T.float32(0)),
-                tx % 32, O_QR, C // 8, False)
+        wg_gemm(SM, Y, af, a_aqk(SM, tx, c), tx % 32, O_QR, C // 8, False)
 
     @T.macro
     def copy_rows(SM, tx, c0, off, stride, src, width, h, n_tok):
@@ -1956,7 +1957,7 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                             T.evaluate(wgmma_wait(0))
                         else:
                             gemm(Y, tx * EM, af,
-                                 lambda i, j: T.Select(j <= (tx // 32 - 4) * 16 + i, la(SM, (tx // 32 - 4) * 16 + i, j, c % 2 if PIPE else 0), T.float32(0)),
+                                 a_aqk(SM, tx, c),
                                  lambda j, n: vn(SM, j, n), C // 8, N8, tx % 32, (tx // 32 - 4) * 2 + 1)
                     if "ost" not in ABL:
                         if O_VEC:   # entries e, e + 1 (adjacent columns, 8-byte aligned: the
