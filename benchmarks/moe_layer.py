@@ -240,7 +240,7 @@ def _kernel_times(fn, calls: int) -> dict:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
-def run(lib_dir: Path) -> dict:
+def run(lib_dir: Path, decode_only: bool = False) -> dict:
     """Check and time the layer library in ``lib_dir`` (``build``'s output) on the GPU; returns
     the result dict written as JSON (checks, per-T timings, kernel breakdown)."""
     import torch
@@ -342,6 +342,8 @@ def run(lib_dir: Path) -> dict:
     # prefill: the grouped MXFP4 GEMMs and the dense projections at many tokens, against the
     # bf16 tensor-core peak measured here (torch.matmul 8192³, CUDA-graph replays)
     res["prefill"] = []
+    if decode_only:
+        return res
     ma = torch.randn(8192, 8192, device=dev, generator=g).bfloat16()
     mb = torch.randn(8192, 8192, device=dev, generator=g).bfloat16()
     mc_ = torch.empty(8192, 8192, device=dev).bfloat16()
@@ -432,6 +434,8 @@ def main(argv=None) -> int:
     r.add_argument("lib_dir", type=Path)
     r.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     r.add_argument("--name", default="moe_layer_decode_h200")
+    r.add_argument("--decode-only", action="store_true",
+                   help="checks and decode timings only (no prefill section): for A/B runs of two libraries")
     args = ap.parse_args(argv)
     if args.cmd == "build":
         if not args.config.exists():
@@ -448,7 +452,7 @@ def main(argv=None) -> int:
         return 0
     import torch
 
-    res = run(args.lib_dir)
+    res = run(args.lib_dir, args.decode_only)
     res.update({"machine": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
                 "commit": git_commit()})
     args.out.mkdir(parents=True, exist_ok=True)

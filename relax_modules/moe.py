@@ -33,7 +33,8 @@ bf16 path; in fp32 every cast is a no-op):
    the model dtype; ``o = w2 a`` (fp32 accumulation, rounded to the model dtype).
 4. ``y = Σ_k w_k · o_k`` accumulated in **fp32** (spec; mlx-lm multiplies/sums in bf16),
    rounded to the model dtype; ``y = routed_expert_norm(y)`` (fp32 normalize, cast, × w);
-   ``y = routed_expert_up_proj y``.
+   ``y = routed_expert_up_proj y``. (GPU bf16 builds: step 1's rounding of the weights, the
+   combine and the norm in one kernel, :func:`schedules.moe_combine.moe_combine_kernel`.)
 5. ``out = y + shared_experts(x)`` in the model dtype.
 """
 
@@ -261,10 +262,14 @@ class LatentMoE(nn.Module):
                                        if c.latent_moe_use_norm else None)
         else:
             self.routed_expert_norm = None
-        # GPU bf16 builds: the combine (step 4) as schedules/moe_combine.py's kernel
+        # GPU bf16 builds: the combine (step 4) as schedules/moe_combine.py's kernel, with the
+        # router weights' bf16 rounding and (latent) routed_expert_norm in the same launch
         width = L if self.latent else c.hidden_size
-        self.combine_kernel = (mcb.moe_combine_kernel(c.num_experts_per_token, width)
+        fuse_norm = self.routed_expert_norm is not None and width // mcb.VEC <= 1024
+        self.combine_kernel = (mcb.moe_combine_kernel(c.num_experts_per_token, width, round_w=True,
+                                                      norm_eps=c.rms_norm_eps if fuse_norm else None)
                                if gpu and tuned and dtype == "bfloat16" and width % mcb.VEC == 0 else None)
+        self.combine_norm = self.combine_kernel is not None and fuse_norm
         self.experts = RoutedExperts(
             c.num_experts, L, c.moe_intermediate_size, c.num_experts_per_token,
             c.quantization.experts_mxfp4, c.activation_situ_beta, c.activation_situ_linear_beta,
@@ -280,16 +285,19 @@ class LatentMoE(nn.Module):
         """``decode``: one token per sequence (T == B), which lets CUDA builds use the tuned
         decode kernels for the routed experts."""
         ids, w = self.gate(x)
-        if self.dtype != "float32":
+        if self.dtype != "float32" and self.combine_kernel is None:   # (the kernel rounds them itself)
             w = op.astype(op.astype(w, self.dtype), "float32")  # mlx: weights.astype(in_type)
         z = self.routed_expert_down_proj(x) if self.latent else x
         o = self.experts(z, ids, decode)  # [T, k, L]
-        if self.combine_kernel is not None:
+        if self.combine_norm:   # combine + routed_expert_norm in one kernel
+            y = _fill(self.combine_kernel, "moe_combine_norm", [o, w, self.routed_expert_norm.weight],
+                      [([x.shape[0], o.shape[2]], self.dtype)])
+        elif self.combine_kernel is not None:
             y = _fill(self.combine_kernel, "moe_combine", [o, w], [([x.shape[0], o.shape[2]], self.dtype)])
         else:
             y = op.sum(op.astype(o, "float32") * op.unsqueeze(w, -1), axis=1)  # fp32 accumulation
             y = op.astype(y, self.dtype)
-        if self.routed_expert_norm is not None:
+        if self.routed_expert_norm is not None and not self.combine_norm:
             y = self.routed_expert_norm(y)
         if self.latent:
             y = self.routed_expert_up_proj(y)

@@ -132,6 +132,11 @@ def test_tuned_moe_kernels_dispatched_where_they_fit():
     nano = export_model(K3Config.from_file(NANO), "bfloat16", gpu=True).mod
     assert "moe_mxfp4_gate_up" in nano["decode"].script(show_meta=False)
     assert "moe_grouped_gate_up" in nano["prefill"].script(show_meta=False)
+    # the combine with the router weights' rounding and routed_expert_norm in one kernel
+    for fn in ("decode", "prefill"):
+        assert "moe_combine_norm" in nano[fn].script(show_meta=False)
+    assert "moe_combine_norm" not in export_model(K3Config.from_file(NANO), "bfloat16", gpu=True,
+                                                  tuned=False).mod["decode"].script(show_meta=False)
 
 
 def test_gpu_pipeline_dense_matmuls_read_weights_as_stored_and_branch_on_tokens():

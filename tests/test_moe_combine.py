@@ -48,3 +48,61 @@ def test_gpu_variant_reads_and_writes_16_bytes():
     src = lib.imports[0].inspect_source()
     kernel = src[src.index('extern "C" __global__'):]
     assert kernel.count("*(uint4*)") >= 17, kernel[:3000]  # 16 rows read, one row of outputs written
+
+
+@pytest.mark.parametrize("n,k,width", [(1, 16, 24), (5, 3, 136), (2, 4, 128)])
+def test_cpu_combine_norm_matches_references(n, k, width):
+    """The combine with the router weights' bf16 rounding and routed_expert_norm fused in,
+    against the NumPy form of the model's dtype flow and an independent torch float64 RMSNorm."""
+    import torch
+    import tvm
+
+    from helpers_tvm import compile_prim, nd
+
+    rng = np.random.default_rng(n * 1000 + width)
+    o = (rng.standard_normal((n, k, width)) * 3).astype(ml_dtypes.bfloat16)
+    w = rng.random((n, k)).astype(np.float32)
+    nw = (1 + 0.5 * rng.standard_normal(width)).astype(ml_dtypes.bfloat16)
+    f = compile_prim(mc.moe_combine_kernel(k, width, gpu=False, round_w=True, norm_eps=1e-5))
+    y = tvm.runtime.empty((n, width), "bfloat16", tvm.cpu())
+    f(nd(o), nd(w), nd(nw), y)
+    got = y.numpy().astype(np.float32)
+    ref = mc.moe_combine_norm_reference(o, w, nw, 1e-5)
+    # the same operations in the same dtypes; the sum of squares may round differently (order)
+    # and flip a bf16 rounding of the normalized value: at most one bf16 step apart
+    np.testing.assert_allclose(got, ref, rtol=2 ** -7, atol=0)
+    assert (got == ref).mean() > 0.99
+    wr = torch.from_numpy(w.astype(ml_dtypes.bfloat16).astype(np.float32)).double()
+    comb = (torch.from_numpy(o.astype(np.float32)).double() * wr[..., None]).sum(1)
+    ind = comb * torch.rsqrt((comb * comb).mean(-1, keepdim=True) + 1e-5) * torch.from_numpy(nw.astype(np.float32)).double()
+    np.testing.assert_allclose(got, ind.numpy(), rtol=2 ** -6, atol=1e-2)
+
+
+def test_round_w_rounds_the_router_weights():
+    import tvm
+
+    from helpers_tvm import compile_prim, nd
+
+    o = np.ones((1, 2, 8), ml_dtypes.bfloat16)
+    w = np.array([[1 + 2 ** -10, 1 + 2 ** -10]], np.float32)   # not a bf16 value: rounds to 1
+    y = tvm.runtime.empty((1, 8), "bfloat16", tvm.cpu())
+    compile_prim(mc.moe_combine_kernel(2, 8, gpu=False, round_w=True))(nd(o), nd(w), y)
+    np.testing.assert_array_equal(y.numpy().astype(np.float32), np.full((1, 8), 2.0, np.float32))
+    compile_prim(mc.moe_combine_kernel(2, 8, gpu=False))(nd(o), nd(w), y)
+    assert y.numpy().astype(np.float32)[0, 0] == np.float32(2 + 2 ** -9).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def test_gpu_combine_norm_builds_one_block_per_row():
+    import tvm
+
+    from targets import get_target
+
+    for width in (3584, 128):   # K3's latent (448 threads) and k3-nano's (16 threads in one warp)
+        f = mc.moe_combine_kernel(16, width, round_w=True, norm_eps=1e-5)
+        lib = tvm.tirx.build(tvm.IRModule({"c": f.with_attr("global_symbol", "c")}),
+                             target=get_target("cuda-sm90a").tvm_target())
+        src = lib.imports[0].inspect_source()
+        assert "__shfl_xor_sync" in src and "__syncthreads" in src
+        assert f"__launch_bounds__({-(-width // 8 // 32) * 32})" in src, src[:2000]
+    with pytest.raises(ValueError, match="over 1024"):
+        mc.moe_combine_kernel(16, 8200 * 8 // 8 * 2, norm_eps=1e-5)
