@@ -1882,6 +1882,7 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                             SM[O_BT + tx] = beta_value(cu[blk // (H * NVB)] + (c + 1) * C + tx < cu[blk // (H * NVB) + 1],
                                                        bnext[tx * EM, 0])
             elif "p4" not in ABL:
+                # (each L / D^{-1} fragment loaded once for the warp's NTW n-tiles, not once per n-tile)
                 for I in T.unroll(NSUB):
                     for tx in THR(NT):
                         af = T.alloc_buffer((4,), "float32", scope="local")
@@ -1889,11 +1890,16 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                             if tx // 32 + t * NW < N8:
                                 for e in T.unroll(4):
                                     Z[tx * EM, t * 4 + e] = rx(SM, I * SUB + tx % 32 // 4 + e // 2 * 8, (tx // 32 + t * NW) * 8 + tx % 4 * 2 + e % 2)
-                                for ks in T.unroll(2 * NSUB - 2):
-                                    if ks < 2 * I:
-                                        frag_a(af, 0, lambda i, j: T.float32(0) - la(SM, j, I * SUB + i), tx % 32, ks * 8)
-                                        mma(Z, tx * EM, t * 4, af, 0, lambda i, j: T.float32(0) - la(SM, j, I * SUB + i),
-                                            lambda j, n: vn(SM, j, n), tx % 32, ks * 8, (tx // 32 + t * NW) * 8)
+                        if tx // 32 < N8:
+                            for ks in T.unroll(2 * NSUB - 2):
+                                if ks < 2 * I:
+                                    frag_a(af, 0, lambda i, j: T.float32(0) - la(SM, j, I * SUB + i), tx % 32, ks * 8)
+                                    for t in T.unroll(NTW):
+                                        if tx // 32 + t * NW < N8:
+                                            mma(Z, tx * EM, t * 4, af, 0, lambda i, j: T.float32(0) - la(SM, j, I * SUB + i),
+                                                lambda j, n: vn(SM, j, n), tx % 32, ks * 8, (tx // 32 + t * NW) * 8)
+                        for t in T.unroll(NTW):
+                            if tx // 32 + t * NW < N8:
                                 for e in T.unroll(4):
                                     SM[O_X + (I * SUB + tx % 32 // 4 + e // 2 * 8) * RS + (tx // 32 + t * NW) * 8 + tx % 4 * 2 + e % 2] = tf32(Z[tx * EM, t * 4 + e])
                         syncwarp()
@@ -1903,10 +1909,13 @@ def _build(H, K, V, scale, block_v, a_batch, lower_bound, p2_pairs, ldsm, emulat
                             if tx // 32 + t * NW < N8:
                                 for e in T.unroll(4):
                                     Z[tx * EM, t * 4 + e] = T.float32(0)
-                                for ks in T.unroll(2):
-                                    frag_a(af, 0, lambda i, j: SM[O_D + (I * SUB + i) * DS + j], tx % 32, ks * 8)
-                                    mma(Z, tx * EM, t * 4, af, 0, lambda i, j: SM[O_D + (I * SUB + i) * DS + j],
-                                        lambda j, n: rx(SM, I * SUB + j, n), tx % 32, ks * 8, (tx // 32 + t * NW) * 8)
+                        if tx // 32 < N8:
+                            for ks in T.unroll(2):
+                                frag_a(af, 0, lambda i, j: SM[O_D + (I * SUB + i) * DS + j], tx % 32, ks * 8)
+                                for t in T.unroll(NTW):
+                                    if tx // 32 + t * NW < N8:
+                                        mma(Z, tx * EM, t * 4, af, 0, lambda i, j: SM[O_D + (I * SUB + i) * DS + j],
+                                            lambda j, n: rx(SM, I * SUB + j, n), tx % 32, ks * 8, (tx // 32 + t * NW) * 8)
                         syncwarp()
                     for tx in THR(NT):
                         for t in T.unroll(NTW):
