@@ -242,7 +242,9 @@ def _kernel_times(fn, calls: int) -> dict:
 
 def run(lib_dir: Path, decode_only: bool = False) -> dict:
     """Check and time the layer library in ``lib_dir`` (``build``'s output) on the GPU; returns
-    the result dict written as JSON (checks, per-T timings, kernel breakdown)."""
+    the result dict written as JSON (checks, per-T timings, kernel breakdown). ``decode_only``:
+    the checks and decode timings only (``prefill`` left empty; no bf16 peak and no
+    ``decode_path_at_prefill_sizes``)."""
     import torch
     import tvm
     from tvm.runtime.vm import VirtualMachine

@@ -10,8 +10,13 @@ reduction rules with the 16-long reduction in the middle axis; on the H200 it to
 outputs of a token: it reads the token's ``top_k`` rows of 16 bytes each (independent loads)
 and its ``top_k`` weights, and writes 16 bytes.
 
-Reference: :func:`moe_combine_reference` (NumPy); tests/test_moe_combine.py compares the CPU
-variant on odd sizes, benchmarks/moe_layer.py the GPU one inside the K3 MoE layer.
+With ``norm_eps`` the kernel also applies the latent ``routed_expert_norm`` (RMSNorm) to each
+token's row, and with ``round_w`` it first rounds the router weights to bf16 (the model's dtype
+flow), so that the combine and the norm take one launch on the GPU.
+
+Reference: :func:`moe_combine_reference` / :func:`moe_combine_norm_reference` (NumPy);
+tests/test_moe_combine.py compares the CPU variant on odd sizes, benchmarks/moe_layer.py the GPU
+one inside the K3 MoE layer.
 """
 
 from __future__ import annotations
@@ -38,12 +43,14 @@ def moe_combine_reference(o: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 def bf16_round(x):
     """fp32 ``x`` rounded to the nearest bf16 value (ties to even), as fp32: the integer form of
-    the rounding, because TVM's bf16 legalization folds ``float32(bfloat16(x))`` back to ``x``
-    on targets without native bf16 arithmetic (llvm), which would skip the model's rounding.
-    Finite ``x`` only (a NaN payload may turn into infinity)."""
+    the rounding, because TVM's llvm backend folds ``float32(bfloat16(x))`` in TIR back to ``x``
+    (the CPU variant would skip the model's rounding). ±inf stay ±inf, finite values past the
+    largest bf16 round to ±inf, and a NaN stays a NaN (its quiet bit set: the GPU's canonical NaN
+    0x7FFFFFFF would otherwise carry into the sign bit and come out as −0)."""
     b = T.reinterpret("uint32", x)
-    return T.reinterpret("float32", (b + T.uint32(0x7FFF) + ((b >> T.uint32(16)) & T.uint32(1)))
-                         & T.uint32(0xFFFF0000))
+    r = (b + T.uint32(0x7FFF) + ((b >> T.uint32(16)) & T.uint32(1))) & T.uint32(0xFFFF0000)
+    return T.reinterpret("float32", T.Select((b & T.uint32(0x7FFFFFFF)) > T.uint32(0x7F800000),
+                                             (b | T.uint32(0x00400000)) & T.uint32(0xFFFF0000), r))
 
 
 def moe_combine_norm_reference(o: np.ndarray, w: np.ndarray, norm_weight: np.ndarray, eps: float,
@@ -73,10 +80,11 @@ def moe_combine_kernel(top_k: int, width: int, gpu: bool = True, threads: int = 
 
     ``round_w``: each weight is first rounded to bf16 (the model's ``w.astype(dtype)``, mlx-lm),
     so that the rounding needs no kernel of its own. ``norm_eps``: the latent ``routed_expert_norm``
-    fused in (RMSNorm, :func:`moe_combine_norm_reference`): the PrimFunc takes ``norm_weight
-    [width]`` bf16 before ``y``, and on the GPU one block of ``width / 8`` threads (rounded up to
-    a warp) owns a token's row, its sum of squares met by warp shuffles and shared memory —
-    one launch instead of the combine's and the norm's three (cast, square, mean + scale).
+    fused in (RMSNorm, :func:`moe_combine_norm_reference`): the PrimFunc, named ``moe_combine_norm``,
+    takes ``norm_weight [width]`` bf16 before ``y``, and on the GPU one block of ``width / 8``
+    threads (rounded up to a warp; ``threads`` is then unused) owns a token's row, its sum of
+    squares met by warp shuffles and shared memory — one launch instead of the combine's and the
+    norm's three (cast, square, mean + scale). The CPU variant takes any width.
 
     Raises:
         ValueError: ``width`` not a multiple of :data:`VEC`; with ``norm_eps`` on the GPU, a

@@ -139,6 +139,33 @@ def test_tuned_moe_kernels_dispatched_where_they_fit():
                                                   tuned=False).mod["decode"].script(show_meta=False)
 
 
+def test_fused_combine_norm_replaces_the_separate_norm():
+    """k3-nano's LatentMoE alone: with the fused kernel (GPU, bf16, tuned) the block has no Relax
+    RMSNorm left (routed_expert_norm is its only norm: no rsqrt, no mean) and no separate rounding
+    of the router weights; without it (tuned=False) it has both — the norm is applied once either way."""
+    from tvm.relax.frontend import nn
+
+    from relax_modules.moe import LatentMoE
+
+    cfg = K3Config.from_file(NANO)
+
+    class Block(nn.Module):
+        def __init__(self, tuned):
+            self.moe = LatentMoE(cfg, "bfloat16", gpu=True, tuned=tuned)
+
+        def forward(self, x):
+            return self.moe(x, True)
+
+    def script(tuned):
+        mod, _ = Block(tuned).export_tvm({"forward": {"x": nn.spec.Tensor(["n", cfg.hidden_size], "bfloat16")}})
+        return mod["forward"].script(show_meta=False)
+
+    fused, plain = script(True), script(False)
+    assert "moe_combine_norm" in fused and "R.rsqrt" not in fused and "R.mean" not in fused
+    assert fused.count('R.astype') < plain.count('R.astype')
+    assert "moe_combine_norm" not in plain and plain.count("R.rsqrt") == 1 and plain.count("R.mean") == 1
+
+
 def test_gpu_pipeline_dense_matmuls_read_weights_as_stored_and_branch_on_tokens():
     """The GPU pipeline's dense projections (k3_compile.build): ``x @ Wᵀ`` is one NT_matmul on
     the stored ``W [out, in]`` (no transpose kernel: before, each call of the K3 MoE layer

@@ -105,4 +105,54 @@ def test_gpu_combine_norm_builds_one_block_per_row():
         assert "__shfl_xor_sync" in src and "__syncthreads" in src
         assert f"__launch_bounds__({-(-width // 8 // 32) * 32})" in src, src[:2000]
     with pytest.raises(ValueError, match="over 1024"):
-        mc.moe_combine_kernel(16, 8200 * 8 // 8 * 2, norm_eps=1e-5)
+        mc.moe_combine_kernel(16, 8 * 1025, norm_eps=1e-5)   # 1025 threads per row
+
+
+def test_bf16_round_keeps_nan_and_inf():
+    """The integer rounding of the combine kernel on the bit patterns that matter: the GPU's
+    canonical NaN 0x7FFFFFFF (which a plain add-and-mask turns into -0), x86's 0xFFC00000, ±inf,
+    the largest finite fp32 (rounds to inf), a tie to even and an ordinary value."""
+    import tvm
+    from tvm.script import tirx as T
+
+    from helpers_tvm import compile_prim, nd
+
+    @T.prim_func(private=True)
+    def f(a: T.Buffer((8,), "float32"), b: T.Buffer((8,), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        for i in range(8):
+            b[i] = mc.bf16_round(a[i])
+
+    bits = np.array([0x7FFFFFFF, 0xFFC00000, 0x7F800000, 0xFF800000, 0x7F7FFFFF, 0x3F808000, 0x3F818000,
+                     0x3FA0ABCD], np.uint32)
+    out = tvm.runtime.tensor(np.zeros(8, np.float32))
+    compile_prim(f)(nd(bits.view(np.float32)), out)
+    got = out.numpy()
+    assert np.isnan(got[:2]).all()
+    np.testing.assert_array_equal(got[2:5], [np.inf, -np.inf, np.inf])
+    # ties to even: 1 + 2^-8 -> 1, 1 + 3·2^-8 -> 1 + 2^-6; ordinary: as ml_dtypes rounds
+    np.testing.assert_array_equal(got[5:], bits[5:].view(np.float32).astype(ml_dtypes.bfloat16).astype(np.float32))
+    assert got[5] == 1.0
+
+
+def test_cpu_combine_norm_propagates_nan_and_inf():
+    """Non-finite combines give what the Relax norm gives (the NumPy form of it): a NaN row all
+    NaN, a row holding an inf NaN there and 0 elsewhere (rsqrt(inf) = 0), never a silent finite
+    value where the inf was; the other rows are unaffected."""
+    import tvm
+
+    from helpers_tvm import compile_prim, nd
+
+    o = np.ones((3, 2, 16), ml_dtypes.bfloat16)
+    o[0, 0, 3] = np.inf
+    o[1, 1, 5] = np.nan
+    w = np.full((3, 2), 0.5, np.float32)
+    y = tvm.runtime.empty((3, 16), "bfloat16", tvm.cpu())
+    compile_prim(mc.moe_combine_kernel(2, 16, gpu=False, round_w=True, norm_eps=1e-5))(
+        nd(o), nd(w), nd(np.ones(16, ml_dtypes.bfloat16)), y)
+    got = y.numpy().astype(np.float32)
+    with np.errstate(invalid="ignore"):
+        ref = mc.moe_combine_norm_reference(o, w, np.ones(16, ml_dtypes.bfloat16), 1e-5)
+    np.testing.assert_array_equal(got, ref)   # (NaN where NaN)
+    assert np.isnan(got[1]).all() and np.isnan(got[0, 3]) and (got[0, np.arange(16) != 3] == 0).all()
+    np.testing.assert_allclose(got[2], 1.0, rtol=2 ** -7)
