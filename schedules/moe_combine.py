@@ -44,11 +44,12 @@ def moe_combine_reference(o: np.ndarray, w: np.ndarray) -> np.ndarray:
 def bf16_round(x):
     """fp32 ``x`` rounded to the nearest bf16 value (ties to even), as fp32: the integer form of
     the rounding, for the CPU variant, because TVM's llvm backend folds ``float32(bfloat16(x))``
-    in TIR back to ``x`` (the CUDA backend keeps the cast, which the GPU variant uses: a cvt
-    instead of this Select: 4.4-4.5 µs per call of the combine + norm kernel at one token on the
-    H200 against 5.4-5.6, moe_layer_combine_norm_cast_h200_2026-12-01.json). ±inf stay ±inf, finite values past the
-    largest bf16 round to ±inf, and a NaN stays a NaN (its quiet bit set: the GPU's canonical NaN
-    0x7FFFFFFF would otherwise carry into the sign bit and come out as −0)."""
+    in TIR back to ``x``. (The CUDA backend keeps the cast, which the GPU variant uses: a cvt
+    instead of this Select, 4.4-4.5 µs per call of the combine + norm kernel at one token on the
+    H200 against 5.4-5.6, moe_layer_combine_norm_cast_h200_2026-12-01.json.) ±inf stay ±inf,
+    finite values past the largest bf16 round to ±inf, and a NaN stays a NaN (its quiet bit set:
+    the GPU's canonical NaN 0x7FFFFFFF would otherwise carry into the sign bit and come out as
+    −0)."""
     b = T.reinterpret("uint32", x)
     r = (b + T.uint32(0x7FFF) + ((b >> T.uint32(16)) & T.uint32(1))) & T.uint32(0xFFFF0000)
     return T.reinterpret("float32", T.Select((b & T.uint32(0x7FFFFFFF)) > T.uint32(0x7F800000),
