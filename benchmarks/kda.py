@@ -43,14 +43,22 @@ HEADS = (96, 12)
 DECODE_BATCHES = (1, 16, 64)
 K = V = 128
 LOWER_BOUND = -5.0
-# (cols_per_block, k_split) tilings of the decode kernel compiled and timed; the JSON keeps
-# every variant and the best one per shape. (A persistent grid with the next item's state
-# prefetched into a second register set was slower at every shape on 2026-11-29, by 3-40%.)
-DECODE_TILINGS = ((32, 4), (64, 2), (16, 8), (32, 2), (128, 1))
+# (cols_per_block, k_split, vec, min_blocks) tilings of the decode kernel compiled and timed
+# (vec: adjacent columns per thread, loaded and stored as one 8- or 16-byte access; min_blocks:
+# blocks per SM asked of ptxas through __launch_bounds__, 0 for none); the JSON keeps every
+# variant and the best one per shape. Measured and dropped: a persistent grid with the next
+# item's state prefetched into a second register set (3-40% slower at every shape, 2026-11-29);
+# 128 columns a block with vec 4 and 8 or 16 row splits, (32, 16, 4) and (32, 8, 2) (slower than
+# (64, 4, 2) at every shape with 16 or more sequences, kda_decode_vec_h200_2026-12-02.json); the
+# state's loads issued before q, k and the gate are staged (within noise at every shape,
+# kda_decode_loadfirst_h200_2026-12-02.json).
+DECODE_TILINGS = ((32, 4, 1, 0), (64, 2, 1, 0), (16, 8, 1, 0), (32, 2, 1, 0), (128, 1, 1, 0),
+                  (64, 8, 4, 0), (64, 4, 2, 0), (32, 4, 2, 0),
+                  (64, 4, 2, 5), (64, 4, 2, 6), (64, 8, 2, 0), (64, 8, 2, 3), (128, 8, 2, 2), (128, 8, 2, 0))
 
 
-def _tiling_name(cb: int, ks: int) -> str:
-    return f"cb{cb}_ks{ks}"
+def _tiling_name(cb: int, ks: int, vec: int = 1, min_blocks: int = 0) -> str:
+    return f"cb{cb}_ks{ks}" + (f"_v{vec}" if vec > 1 else "") + (f"_mb{min_blocks}" if min_blocks else "")
 
 
 def build(out_dir: Path, prefill: bool = True) -> None:
@@ -66,12 +74,13 @@ def build(out_dir: Path, prefill: bool = True) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     spec = get_target("cuda-sm90a")
     for h in HEADS:
-        for cb, ks in DECODE_TILINGS:
-            f = kda_decode_fused_kernel(h, K, V, LOWER_BOUND, cols_per_block=cb, k_split=ks)
+        for cb, ks, vec, mb in DECODE_TILINGS:
+            f = kda_decode_fused_kernel(h, K, V, LOWER_BOUND, cols_per_block=cb, k_split=ks, vec=vec,
+                                        min_blocks=mb)
             f = f.with_attr("global_symbol", "kda_decode_fused")
             with precompiled_cuda(spec.nvcc_arch):
                 lib = tvm.compile(tvm.IRModule({"kda_decode_fused": f}), target=spec.tvm_target())
-            path = out_dir / f"kda_decode_h{h}_{_tiling_name(cb, ks)}.so"
+            path = out_dir / f"kda_decode_h{h}_{_tiling_name(cb, ks, vec, mb)}.so"
             lib.export_library(str(path))
             print(f"built {path}")
     if prefill:

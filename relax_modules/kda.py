@@ -372,8 +372,8 @@ class KimiDeltaAttention(nn.Module):
         T, H, K = x.shape[0], self.H, self.K
         f = op.astype(op.reshape(self.f_b_proj(self.f_a_proj(x)), (T, H, K)), "float32")
         b = op.astype(self.b_proj(x), "float32")
-        cb, ks = self.decode_tiling
-        kernel = kda_decode_fused_kernel(H, K, K, self.lower_bound, cols_per_block=cb, k_split=ks)
+        cb, ks, vec = self.decode_tiling
+        kernel = kda_decode_fused_kernel(H, K, K, self.lower_bound, cols_per_block=cb, k_split=ks, vec=vec)
         kda_state, o = op.tensor_ir_inplace_op(
             kernel, "kda_decode_fused",
             [q, k, v, f, b, self.A_log, self.dt_bias, meta.seq_slots, kda_state, _i32(kda_index)],

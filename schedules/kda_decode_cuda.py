@@ -12,8 +12,8 @@ that reads and writes each sequence's fp32 state exactly once, in place:
 Mapping (why it approaches the HBM roofline): the state of one head is K×V fp32 (64 KiB for
 K = V = 128). Column e of S evolves independently of the other columns: the reductions
 ``S'ᵀ k̂`` and ``Sᵀ q̂`` run over K, i.e. *down* a column. So each column is read once into
-registers (coalesced: a warp reads 32 consecutive floats of a row), updated, and written
-once — no second pass over global memory. A column is split over ``k_split`` threads so that
+registers (coalesced: a warp reads 32 consecutive floats of a row, or 64 as 8-byte pairs with
+``vec`` 2, the model's choice), updated, and written once — no second pass over global memory. A column is split over ``k_split`` threads so that
 each holds only K/k_split floats (registers bound occupancy, and occupancy bounds the bytes
 in flight); their partial dot products meet in shared memory. A block is (sequence, head,
 group of ``cols_per_block`` columns); q, k and the decay of the head are staged in shared
@@ -40,50 +40,67 @@ import numpy as np
 from tvm.script import tirx as T
 
 
-def _check_tiling(K: int, V: int, cols_per_block: int, k_split: int) -> None:
+def _check_tiling(K: int, V: int, cols_per_block: int, k_split: int, vec: int = 1) -> None:
     CB, KS = cols_per_block, k_split
-    NT = CB * KS
-    if V % CB or K % NT or NT % 32:
-        raise ValueError(f"V={V} must be a multiple of cols_per_block={CB} and K={K} of "
-                         f"cols_per_block × k_split = {NT}, itself a multiple of 32")
+    if vec not in (1, 2, 4) or CB % vec:
+        raise ValueError(f"vec={vec} must be 1, 2 or 4 and divide cols_per_block={CB}")
+    NT = CB // vec * KS
+    if V % CB or K % KS or NT % 32 or (K % NT and NT % K):
+        raise ValueError(f"V={V} must be a multiple of cols_per_block={CB}, K={K} of k_split={KS}, "
+                         f"and the threads of a block (cols_per_block / vec × k_split = {NT}) "
+                         f"divide K or be a multiple of it, itself a multiple of 32")
 
 
-def _step_macros(K: int, lower_bound: float | None, CB: int, KS: int):
+def _step_macros(K: int, lower_bound: float | None, CB: int, KS: int, VEC: int = 1):
     """The per-token pieces of the fused step shared by the decode and verify kernels, as
-    TVMScript macros (``x(r)`` etc. are callables giving the token's inputs):
+    TVMScript macros (``x(r)`` etc. are callables giving the token's inputs). Thread ``tx``
+    holds ``VEC`` adjacent columns (``c = tx % (CB / VEC)``: columns ``c·VEC … c·VEC + VEC − 1``
+    of the block's ``CB``) of rows ``s·K/KS …`` (``s = tx // (CB / VEC)``); ``col[i·VEC + j]``
+    is row offset ``i``, column ``j`` of that slice; ``red[0:2]`` hold the norms,
+    ``red[2 + j]`` / ``red[2 + VEC + j]`` column j's u and partial Sᵀq.
 
     - ``stage(...)``: q, k and the decay e^g of the head → shared memory, this thread's sums
       of squares of q and k into ``red[0:2]``;
     - ``norms(...)``: the sums over the block → ``red[0]`` = K^-½ / ‖q‖, ``red[1]`` = 1 / ‖k‖;
     - ``update(...)``: S' = diag(e^g) S, u = β (v − S'ᵀ k̂), S = S' + k̂ uᵀ on the thread's
-      column slice ``col``, ``red[3]`` = its partial Sᵀ q; each updated element (row offset
-      ``i`` of the slice) is also written to ``out_buf[out_index(i)]``;
+      slice ``col``, ``red[2 + VEC + j]`` its partial Sᵀ q; each updated row of the slice
+      (row offset ``i``) is also written to ``out_buf[out_index(i, j)]``, ``j < VEC`` (as
+      one ``VEC``-wide store);
     - ``output(...)``: the partials of Sᵀ q̂ summed over the ``k_split`` threads →
-      ``o_buf[o_index]``.
+      ``o_buf[o_index(j)]``.
     """
-    NT = CB * KS
+    TPR = CB // VEC         # threads across the block's columns
+    NT = TPR * KS
     KR = K // KS            # rows per thread
     scale = float(K) ** -0.5
     LB = float(lower_bound) if lower_bound is not None else 0.0
     use_lb = lower_bound is not None
-    per_thread = K // NT    # staging loads per thread
+    per_thread = -(-K // NT)    # staging loads per thread
+    guard = K % NT != 0         # more threads than K: only the first K stage
+
+    @T.macro
+    def stage_row(q_s, k_s, d_s, red, qv, kv, fv, A_log, dt_bias, h, r):
+        q_s[r] = qv(r)
+        k_s[r] = kv(r)
+        red[0] = red[0] + qv(r) * qv(r)
+        red[1] = red[1] + kv(r) * kv(r)
+        x = fv(r) + dt_bias[h * K + r]
+        if use_lb:
+            d_s[r] = T.exp(T.float32(LB) * T.sigmoid(T.exp(A_log[h]) * x))
+        else:  # −exp(A_log)·softplus(x), softplus(x) = max(x, 0) + log(1 + e^−|x|)
+            d_s[r] = T.exp(T.float32(0) - T.exp(A_log[h]) * (
+                T.max(x, T.float32(0)) + T.log(T.float32(1) + T.exp(T.float32(0) - T.fabs(x)))))
 
     @T.macro
     def stage(q_s, k_s, d_s, red, qv, kv, fv, A_log, dt_bias, h, tx):
         red[0] = T.float32(0)
         red[1] = T.float32(0)
         for i in T.unroll(per_thread):
-            r = i * NT + tx
-            q_s[r] = qv(r)
-            k_s[r] = kv(r)
-            red[0] = red[0] + qv(r) * qv(r)
-            red[1] = red[1] + kv(r) * kv(r)
-            x = fv(r) + dt_bias[h * K + r]
-            if use_lb:
-                d_s[r] = T.exp(T.float32(LB) * T.sigmoid(T.exp(A_log[h]) * x))
-            else:  # −exp(A_log)·softplus(x), softplus(x) = max(x, 0) + log(1 + e^−|x|)
-                d_s[r] = T.exp(T.float32(0) - T.exp(A_log[h]) * (
-                    T.max(x, T.float32(0)) + T.log(T.float32(1) + T.exp(T.float32(0) - T.fabs(x)))))
+            if guard:
+                if tx < K:
+                    stage_row(q_s, k_s, d_s, red, qv, kv, fv, A_log, dt_bias, h, tx)
+            else:
+                stage_row(q_s, k_s, d_s, red, qv, kv, fv, A_log, dt_bias, h, i * NT + tx)
 
     @T.macro
     def norms(nrm, red, tx):
@@ -109,47 +126,73 @@ def _step_macros(K: int, lower_bound: float | None, CB: int, KS: int):
     @T.macro
     def update(col, q_s, k_s, d_s, part, red, beta_logit, v_e, out_buf, out_index, tx):
         # partial S'ᵀ k over this thread's rows, then over the k_split threads
-        red[2] = T.float32(0)
+        for j in T.unroll(VEC):
+            red[2 + j] = T.float32(0)
         for i in T.unroll(KR):
-            col[i] = col[i] * d_s[(tx // CB) * KR + i]
-            red[2] = red[2] + col[i] * k_s[(tx // CB) * KR + i]
-        part[(tx // CB), (tx % CB)] = red[2]
+            for j in T.unroll(VEC):
+                col[i * VEC + j] = col[i * VEC + j] * d_s[(tx // TPR) * KR + i]
+                red[2 + j] = red[2 + j] + col[i * VEC + j] * k_s[(tx // TPR) * KR + i]
+        for j in T.unroll(VEC):
+            part[(tx // TPR), (tx % TPR) * VEC + j] = red[2 + j]
         T.tvm_storage_sync("shared")
-        red[2] = T.float32(0)
-        for j in T.unroll(KS):
-            red[2] = red[2] + part[j, (tx % CB)]
-        # u = β (v − S'ᵀ k̂), folded with the 1/‖k‖ of k̂ in the update below
-        red[2] = T.sigmoid(beta_logit) * (v_e - red[2] * red[1]) * red[1]
-        red[3] = T.float32(0)
+        for j in T.unroll(VEC):
+            red[2 + j] = T.float32(0)
+            for jj in T.unroll(KS):
+                red[2 + j] = red[2 + j] + part[jj, (tx % TPR) * VEC + j]
+            # u = β (v − S'ᵀ k̂), folded with the 1/‖k‖ of k̂ in the update below
+            red[2 + j] = T.sigmoid(beta_logit) * (v_e(j) - red[2 + j] * red[1]) * red[1]
+            red[2 + VEC + j] = T.float32(0)
         for i in T.unroll(KR):
-            col[i] = col[i] + k_s[(tx // CB) * KR + i] * red[2]
-            red[3] = red[3] + col[i] * q_s[(tx // CB) * KR + i]
-            out_buf[out_index(i)] = col[i]
+            for j in T.unroll(VEC):
+                col[i * VEC + j] = col[i * VEC + j] + k_s[(tx // TPR) * KR + i] * red[2 + j]
+                red[2 + VEC + j] = red[2 + VEC + j] + col[i * VEC + j] * q_s[(tx // TPR) * KR + i]
+            if VEC == 1:
+                out_buf[out_index(i, 0)] = col[i]
+            else:
+                for j in T.vectorized(VEC):
+                    out_buf[out_index(i, j)] = col[i * VEC + j]
         T.tvm_storage_sync("shared")
 
     @T.macro
     def output(part, red, o_buf, o_index, tx):
-        part[(tx // CB), (tx % CB)] = red[3]
+        for j in T.unroll(VEC):
+            part[(tx // TPR), (tx % TPR) * VEC + j] = red[2 + VEC + j]
         T.tvm_storage_sync("shared")
-        if (tx // CB) == 0:
-            red[3] = T.float32(0)
-            for j in T.unroll(KS):
-                red[3] = red[3] + part[j, (tx % CB)]
-            o_buf[o_index] = red[3] * red[0]
+        if (tx // TPR) == 0:
+            for j in T.unroll(VEC):
+                red[2 + VEC + j] = T.float32(0)
+                for jj in T.unroll(KS):
+                    red[2 + VEC + j] = red[2 + VEC + j] + part[jj, (tx % TPR) * VEC + j]
+                o_buf[o_index(j)] = red[2 + VEC + j] * red[0]
 
-    return stage, norms, update, output
+    @T.macro
+    def load(col, S_buf, s_index):
+        # this thread's rows of its columns, VEC-wide loads
+        for i in T.unroll(KR):
+            if VEC == 1:
+                col[i] = S_buf[s_index(i, 0)]
+            else:
+                for j in T.vectorized(VEC):
+                    col[i * VEC + j] = S_buf[s_index(i, j)]
+
+    return stage, norms, update, output, load
 
 
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def kda_decode_fused_kernel(H: int, K: int, V: int, lower_bound: float | None,
-                            cols_per_block: int = 32, k_split: int = 4):
+                            cols_per_block: int = 32, k_split: int = 4, vec: int = 1,
+                            min_blocks: int = 0):
     """Build the fused decode PrimFunc (CUDA only: uses thread bindings and shared memory).
 
-    A block is (sequence, head, ``cols_per_block`` columns) with ``cols_per_block × k_split``
-    threads: thread (c, s) holds rows ``s·K/k_split … (s+1)·K/k_split − 1`` of column c in
-    registers; the two dot products down a column (S'ᵀk̂, Sᵀq̂) are reduced over the
+    A block is (sequence, head, ``cols_per_block`` columns) with ``cols_per_block / vec ×
+    k_split`` threads: thread (c, s) holds rows ``s·K/k_split … (s+1)·K/k_split − 1`` of the
+    ``vec`` adjacent columns ``c·vec …`` in registers, each row's ``vec`` floats loaded and
+    stored as one access (8 bytes for ``vec`` 2: a warp then moves 256 contiguous bytes per
+    instruction); the two dot products down a column (S'ᵀk̂, Sᵀq̂) are reduced over the
     ``k_split`` threads through shared memory. Splitting K keeps registers per thread low
-    (K/k_split floats of state), so more warps — and more loads in flight — fit per SM.
+    (vec·K/k_split floats of state), so more warps — and more loads in flight — fit per SM.
+    ``min_blocks`` > 0 asks ptxas for that many blocks per SM (``__launch_bounds__``).
+    :func:`decode_tiling` gives the model's choice and the measurements behind it.
 
     PrimFunc arguments (in order)::
 
@@ -165,16 +208,45 @@ def kda_decode_fused_kernel(H: int, K: int, V: int, lower_bound: float | None,
         o         [B, H, V]        float32   output
 
     Raises:
-        ValueError: ``V`` not a multiple of ``cols_per_block``, ``K`` not a multiple of
-            ``cols_per_block × k_split``, or that (the threads of a block) not a multiple of 32
-            (the norms are reduced with warp shuffles).
+        ValueError: ``vec`` not 1, 2 or 4 or not dividing ``cols_per_block``; ``V`` not a
+            multiple of ``cols_per_block`` or ``K`` of ``k_split``; the threads of a block
+            (``cols_per_block / vec × k_split``) not a multiple of 32 (the norms are reduced
+            with warp shuffles), or neither dividing ``K`` nor a multiple of it (the staging of
+            q, k and the gate).
     """
-    CB, KS = cols_per_block, k_split
-    _check_tiling(K, V, CB, KS)
-    NT = CB * KS
+    CB, KS, VEC = cols_per_block, k_split, vec
+    _check_tiling(K, V, CB, KS, VEC)
+    TPR = CB // VEC
+    NT = TPR * KS
     NCB = V // CB
     KR = K // KS            # rows per thread
-    stage, norms, update, output = _step_macros(K, lower_bound, CB, KS)
+    stage, norms, update, output, load = _step_macros(K, lower_bound, CB, KS, VEC)
+
+    def column(blk, tx, j):
+        # column j of the thread's VEC, as an expression: a name assigned in the PrimFunc is a
+        # local variable, and the codegen could then not prove the VEC-wide loads aligned
+        return blk % NCB * CB + (tx % TPR) * VEC + j
+
+    @T.macro
+    def block(q, k, v, f, bb, A_log, dt_bias, slots, S, layer, o, blk, tx):
+        q_s = T.alloc_buffer((K,), "float32", scope="shared")
+        k_s = T.alloc_buffer((K,), "float32", scope="shared")
+        d_s = T.alloc_buffer((K,), "float32", scope="shared")
+        part = T.alloc_buffer((KS, CB), "float32", scope="shared")
+        nrm = T.alloc_buffer((NT // 32, 2), "float32", scope="shared")  # per-warp ‖q‖², ‖k‖²
+        col = T.alloc_buffer((KR * VEC,), "float32", scope="local")
+        red = T.alloc_buffer((2 + 2 * VEC,), "float32", scope="local")
+        bi = blk // (H * NCB)
+        h = blk % (H * NCB) // NCB
+        slot = slots[bi]
+        stage(q_s, k_s, d_s, red, lambda r: q[bi, h, r], lambda r: k[bi, h, r],
+              lambda r: f[bi, h, r], A_log, dt_bias, h, tx)
+        # this thread's slice of the state, loaded once (the loads overlap the norms' barrier)
+        load(col, S, lambda i, j: (layer, slot, h, (tx // TPR) * KR + i, column(blk, tx, j)))
+        norms(nrm, red, tx)
+        update(col, q_s, k_s, d_s, part, red, bb[bi, h], lambda j: v[bi, h, column(blk, tx, j)], S,
+               lambda i, j: (layer, slot, h, (tx // TPR) * KR + i, column(blk, tx, j)), tx)
+        output(part, red, o, lambda j: (bi, h, column(blk, tx, j)), tx)
 
     @T.prim_func(private=True)
     def kda_decode_fused(q_h: T.handle, k_h: T.handle, v_h: T.handle, f_h: T.handle,
@@ -194,33 +266,19 @@ def kda_decode_fused_kernel(H: int, K: int, V: int, lower_bound: float | None,
         o = T.match_buffer(o_h, (n_seq, H, V), "float32")
         for blk in T.thread_binding(n_seq * (H * NCB), thread="blockIdx.x"):
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                q_s = T.alloc_buffer((K,), "float32", scope="shared")
-                k_s = T.alloc_buffer((K,), "float32", scope="shared")
-                d_s = T.alloc_buffer((K,), "float32", scope="shared")
-                part = T.alloc_buffer((KS, CB), "float32", scope="shared")
-                nrm = T.alloc_buffer((NT // 32, 2), "float32", scope="shared")  # per-warp ‖q‖², ‖k‖²
-                col = T.alloc_buffer((KR,), "float32", scope="local")
-                red = T.alloc_buffer((4,), "float32", scope="local")
-                bi = blk // (H * NCB)
-                h = blk % (H * NCB) // NCB
-                e = blk % NCB * CB + (tx % CB)
-                slot = slots[bi]
-                stage(q_s, k_s, d_s, red, lambda r: q[bi, h, r], lambda r: k[bi, h, r],
-                      lambda r: f[bi, h, r], A_log, dt_bias, h, tx)
-                # load this thread's rows of the column once (the loads overlap the norms' barrier)
-                for i in T.unroll(KR):
-                    col[i] = S[layer, slot, h, (tx // CB) * KR + i, e]
-                norms(nrm, red, tx)
-                update(col, q_s, k_s, d_s, part, red, bb[bi, h], v[bi, h, e],
-                       S, lambda i: (layer, slot, h, (tx // CB) * KR + i, e), tx)
-                output(part, red, o, (bi, h, e), tx)
+                if min_blocks > 0:
+                    with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", min_blocks):
+                        block(q, k, v, f, bb, A_log, dt_bias, slots, S, layer, o, blk, tx)
+                else:
+                    block(q, k, v, f, bb, A_log, dt_bias, slots, S, layer, o, blk, tx)
 
     return kda_decode_fused
 
 
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def kda_verify_fused_kernel(H: int, K: int, V: int, lower_bound: float | None, tokens: int,
-                            cols_per_block: int | None = None, k_split: int | None = None):
+                            cols_per_block: int | None = None, k_split: int | None = None,
+                            vec: int = 1):
     """Build the fused multi-token step for speculative verification (CUDA only): ``tokens``
     consecutive tokens of each sequence through the decode step of
     :func:`kda_decode_fused_kernel`, the state read once and kept in registers between tokens,
@@ -233,7 +291,7 @@ def kda_verify_fused_kernel(H: int, K: int, V: int, lower_bound: float | None, t
     kept (``a = 0`` cannot be undone), and the short convolution's ``conv_state`` is the caller's
     to keep. The kept states cost ``tokens - 1`` states per KDA layer and sequence (3 × 6 MiB
     at 96 heads and 4 tokens). Mapping as the decode kernel's; ``cols_per_block`` /
-    ``k_split`` default to :func:`decode_tiling` (the model's). The state bytes moved are one
+    ``k_split`` / ``vec`` default to :func:`decode_tiling` (the model's). The state bytes moved are one
     read and ``tokens`` writes (``tokens - 1`` of them to ``states``).
 
     PrimFunc arguments (in order)::
@@ -262,13 +320,17 @@ def kda_verify_fused_kernel(H: int, K: int, V: int, lower_bound: float | None, t
         tiling = decode_tiling(K)
         if tiling is None:
             raise ValueError(f"no decode tiling fits head_dim {K}")
-        cols_per_block, k_split = tiling
-    CB, KS, TV = cols_per_block, k_split, tokens
-    _check_tiling(K, V, CB, KS)
-    NT = CB * KS
+        cols_per_block, k_split, vec = tiling
+    CB, KS, VEC, TV = cols_per_block, k_split, vec, tokens
+    _check_tiling(K, V, CB, KS, VEC)
+    TPR = CB // VEC
+    NT = TPR * KS
     NCB = V // CB
     KR = K // KS
-    stage, norms, update, output = _step_macros(K, lower_bound, CB, KS)
+    stage, norms, update, output, load = _step_macros(K, lower_bound, CB, KS, VEC)
+
+    def column(blk, tx, j):  # as in kda_decode_fused_kernel
+        return blk % NCB * CB + (tx % TPR) * VEC + j
 
     @T.prim_func(private=True)
     def kda_verify_fused(q_h: T.handle, k_h: T.handle, v_h: T.handle, f_h: T.handle,
@@ -294,29 +356,29 @@ def kda_verify_fused_kernel(H: int, K: int, V: int, lower_bound: float | None, t
                 d_s = T.alloc_buffer((K,), "float32", scope="shared")
                 part = T.alloc_buffer((KS, CB), "float32", scope="shared")
                 nrm = T.alloc_buffer((NT // 32, 2), "float32", scope="shared")
-                col = T.alloc_buffer((KR,), "float32", scope="local")
-                red = T.alloc_buffer((4,), "float32", scope="local")
+                col = T.alloc_buffer((KR * VEC,), "float32", scope="local")
+                red = T.alloc_buffer((2 + 2 * VEC,), "float32", scope="local")
                 bi = blk // (H * NCB)
                 h = blk % (H * NCB) // NCB
-                e = blk % NCB * CB + (tx % CB)
                 slot = slots[bi]
                 # the state once, then the tokens in order with the state in registers; shared
                 # buffers are reused per token: q_s / k_s / d_s / nrm are last read before the
                 # previous token's update / output barriers, part before this token's norms
                 # barrier
-                for i in T.unroll(KR):
-                    col[i] = S[layer, slot, h, (tx // CB) * KR + i, e]
+                load(col, S, lambda i, j: (layer, slot, h, (tx // TPR) * KR + i, column(blk, tx, j)))
                 for t in range(TV):
                     stage(q_s, k_s, d_s, red, lambda r: q[bi, t, h, r], lambda r: k[bi, t, h, r],
                           lambda r: f[bi, t, h, r], A_log, dt_bias, h, tx)
                     norms(nrm, red, tx)
                     if t < TV - 1:
-                        update(col, q_s, k_s, d_s, part, red, bb[bi, t, h], v[bi, t, h, e],
-                               states, lambda i: (bi, t, h, (tx // CB) * KR + i, e), tx)
+                        update(col, q_s, k_s, d_s, part, red, bb[bi, t, h],
+                               lambda j: v[bi, t, h, column(blk, tx, j)], states,
+                               lambda i, j: (bi, t, h, (tx // TPR) * KR + i, column(blk, tx, j)), tx)
                     else:
-                        update(col, q_s, k_s, d_s, part, red, bb[bi, t, h], v[bi, t, h, e],
-                               S, lambda i: (layer, slot, h, (tx // CB) * KR + i, e), tx)
-                    output(part, red, o, (bi, t, h, e), tx)
+                        update(col, q_s, k_s, d_s, part, red, bb[bi, t, h],
+                               lambda j: v[bi, t, h, column(blk, tx, j)], S,
+                               lambda i, j: (layer, slot, h, (tx // TPR) * KR + i, column(blk, tx, j)), tx)
+                    output(part, red, o, lambda j: (bi, t, h, column(blk, tx, j)), tx)
 
     return kda_verify_fused
 
@@ -342,16 +404,18 @@ def kda_verify_fused_reference(q, k, v, f, b, A_log, dt_bias, seq_slots, kda_sta
     return np.stack(o, 1), np.stack(states, 1).astype(np.float32)
 
 
-def decode_tiling(head_dim: int) -> tuple[int, int] | None:
-    """The (cols_per_block, k_split) the model uses for ``head_dim``, or None if none fits.
+def decode_tiling(head_dim: int) -> tuple[int, int, int] | None:
+    """The (cols_per_block, k_split, vec) the model uses for ``head_dim``, or None if none fits.
 
-    (64, 2) was fastest at K3's shapes on the H200 (benchmarks/results/
-    kda_decode_graph_h200_2026-11-29.json, GPU time with the state cold in HBM: 87% / 92% of
-    the HBM roofline at batch 16 / 64 for 96 heads, 80% at batch 64 for 12 heads).
+    (64, 4, 2) — 64 columns a block, 4 row splits, 2 adjacent columns per thread loaded and
+    stored as one 8-byte access — was fastest at K3's shapes with 16 or more sequences on the
+    H200 (benchmarks/results/kda_decode_vec_h200_2026-12-02.json and the runs beside it, GPU time
+    with the state cold in HBM: 89–90% / 94% of the HBM roofline at batch 16 / 64 for 96 heads,
+    83–84% at batch 64 for 12 heads, where (64, 2, 1) reached 87% / 92% / 80%).
     """
-    for cb, ks in ((64, 2), (32, 4), (32, 1)):
-        if head_dim % cb == 0 and head_dim % (cb * ks) == 0:
-            return cb, ks
+    for cb, ks, vec in ((64, 4, 2), (64, 2, 1), (32, 4, 1), (32, 1, 1)):
+        if head_dim % cb == 0 and head_dim % (cb // vec * ks) == 0:
+            return cb, ks, vec
     return None
 
 

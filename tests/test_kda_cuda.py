@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from helpers_tvm import build_sm90a_fatbin, needs_nvcc
-from schedules.kda_decode_cuda import (kda_decode_fused_kernel, kda_decode_fused_reference, kda_verify_fused_kernel,
-                                       kda_verify_fused_reference)
+from schedules.kda_decode_cuda import (decode_tiling, kda_decode_fused_kernel, kda_decode_fused_reference,
+                                       kda_verify_fused_kernel, kda_verify_fused_reference)
 
 
 @pytest.mark.parametrize("lower_bound", [-5.0, None])
@@ -49,6 +49,24 @@ def test_kernel_rejects_bad_tiling():
     # 16 threads a block: the norms' warp shuffles need whole warps
     with pytest.raises(ValueError, match="itself a multiple of 32"):
         kda_decode_fused_kernel(2, 128, 128, -5.0, cols_per_block=16, k_split=1)
+    # 64 columns, one row split: 64 threads with vec 1, 16 with vec 4
+    kda_decode_fused_kernel(2, 128, 128, -5.0, cols_per_block=64, k_split=1)
+    with pytest.raises(ValueError, match="itself a multiple of 32"):
+        kda_decode_fused_kernel(2, 128, 128, -5.0, cols_per_block=64, k_split=1, vec=4)
+    with pytest.raises(ValueError, match="vec=3 must be 1, 2 or 4"):
+        kda_decode_fused_kernel(2, 128, 128, -5.0, cols_per_block=64, k_split=4, vec=3)
+    # 96 rows: 128 threads neither divide them nor are a multiple of them
+    with pytest.raises(ValueError, match="divide K or be a multiple of it"):
+        kda_decode_fused_kernel(2, 96, 96, -5.0, cols_per_block=32, k_split=4)
+
+
+def test_model_tiling():
+    """K3's head_dim 128 takes the 8-byte column pairs; sizes whose rows the threads do not
+    divide fall back to one column per thread, as before vec existed."""
+    assert decode_tiling(128) == (64, 4, 2)
+    assert decode_tiling(64) == (32, 1, 1)
+    assert decode_tiling(96) == (32, 1, 1)
+    assert decode_tiling(48) is None
 
 
 @needs_nvcc
@@ -58,6 +76,20 @@ def test_kernel_compiles_to_fatbin_for_sm90a(tmp_path):
         "f = kda_decode_fused_kernel(3, 128, 128, -5.0).with_attr('global_symbol', 'k')\n"
         "mod = tvm.IRModule({'k': f})", tmp_path)
     assert "fatbin" in out
+
+
+@needs_nvcc
+def test_model_tiling_moves_the_state_in_8_byte_accesses(tmp_path):
+    """With the model's tiling each thread's 32 rows of its column pair are loaded and stored
+    as float2 (the codegen falls back to gathering single floats, ``make_float2(S_ptr[...])``,
+    where it cannot prove the pair's address aligned — 4-7% slower on the H200)."""
+    build_sm90a_fatbin(
+        "from schedules.kda_decode_cuda import decode_tiling, kda_decode_fused_kernel\n"
+        "f = kda_decode_fused_kernel(12, 128, 128, -5.0, *decode_tiling(128)).with_attr('global_symbol', 'k')\n"
+        "mod = tvm.IRModule({'k': f})", tmp_path, keep_src=True)
+    src = "".join(p.read_text() for p in (tmp_path / "src").glob("*.cu"))
+    assert src.count("*(float2*)(S_ptr + ") == 2 * 32
+    assert "make_float2(S_ptr[" not in src
 
 
 @pytest.mark.parametrize("lower_bound", [-5.0, None])

@@ -8,8 +8,8 @@ Here (with nvcc): ``python tests/gpu/check_kda_verify.py build dist/kdaverify``.
 out.json``.
 
 Checks (odd batches, scattered pool slots in a two-layer pool written at layer 1, both gate
-forms, two tilings; outputs NaN-filled beforehand): every token's output, the final state in
-the pool, each kept state against ``naive_recurrent_kda`` over that prefix of the tokens, and
+forms, four tilings, the model's among them; outputs NaN-filled beforehand): every token's
+output, the final state in the pool, each kept state against ``naive_recurrent_kda`` over that prefix of the tokens, and
 that the other layer and the unused slots are untouched. Timing (K3 head_dim 128; 96 and 12
 heads; CUDA-graph replays, each call on its own copy of the state pool and of ``states`` so the
 state comes from HBM): one verify call against ``tokens`` times one cold decode step (in a model
@@ -30,14 +30,15 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 K = V = 128
 LB = -5.0
-# (heads, tokens, batch, gate, tiling)
-CHECKS = [(12, 2, 3, LB, (64, 2)), (12, 4, 5, None, (64, 2)), (96, 7, 3, LB, (64, 2)), (12, 3, 4, LB, (32, 4))]
+# (heads, tokens, batch, gate, tiling (cols_per_block, k_split, vec))
+CHECKS = [(12, 2, 3, LB, (64, 4, 2)), (12, 4, 5, None, (64, 4, 2)), (96, 7, 3, LB, (64, 4, 2)),
+          (12, 3, 4, LB, (32, 4, 1)), (12, 4, 5, None, (64, 2, 1)), (12, 3, 3, LB, (64, 8, 4))]
 TIMINGS = [(96, 4, 16), (96, 4, 64), (12, 4, 16), (12, 4, 64), (96, 2, 16)]  # (heads, tokens, batch)
-TILING = (64, 2)   # as the model's decode (schedules.kda_decode_cuda.decode_tiling(128))
+TILING = (64, 4, 2)   # as the model's decode (schedules.kda_decode_cuda.decode_tiling(128))
 
 
 def _name(kind: str, h: int, tv: int, lb, tiling=TILING) -> str:
-    return f"{kind}_h{h}_t{tv}_{'lb' if lb is not None else 'sp'}_c{tiling[0]}k{tiling[1]}"
+    return f"{kind}_h{h}_t{tv}_{'lb' if lb is not None else 'sp'}_c{tiling[0]}k{tiling[1]}v{tiling[2]}"
 
 
 def build(out: Path) -> None:
