@@ -51,7 +51,9 @@ LOWER_BOUND = -5.0
 # 128 columns a block with vec 4 and 8 or 16 row splits, (32, 16, 4) and (32, 8, 2) (slower than
 # (64, 4, 2) at every shape with 16 or more sequences, kda_decode_vec_h200_2026-12-02.json); the
 # state's loads issued before q, k and the gate are staged (within noise at every shape,
-# kda_decode_loadfirst_h200_2026-12-02.json).
+# kda_decode_loadfirst_h200_2026-12-02.json); each row split taking every k_split-th row instead
+# of a block of rows, and (128, 4, 2) (1.00-1.11x the time of (64, 4, 2) at batch >= 16,
+# kda_decode_interleave_h200_2026-12-02.json).
 DECODE_TILINGS = ((32, 4, 1, 0), (64, 2, 1, 0), (16, 8, 1, 0), (32, 2, 1, 0), (128, 1, 1, 0),
                   (64, 8, 4, 0), (64, 4, 2, 0), (32, 4, 2, 0),
                   (64, 4, 2, 5), (64, 4, 2, 6), (64, 8, 2, 0), (64, 8, 2, 3), (128, 8, 2, 2), (128, 8, 2, 0))
