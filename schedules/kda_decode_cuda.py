@@ -13,11 +13,12 @@ Mapping (why it approaches the HBM roofline): the state of one head is K×V fp32
 K = V = 128). Column e of S evolves independently of the other columns: the reductions
 ``S'ᵀ k̂`` and ``Sᵀ q̂`` run over K, i.e. *down* a column. So each column is read once into
 registers (coalesced: a warp reads 32 consecutive floats of a row, or 64 as 8-byte pairs with
-``vec`` 2, the model's choice), updated, and written once — no second pass over global memory. A column is split over ``k_split`` threads so that
-each holds only K/k_split floats (registers bound occupancy, and occupancy bounds the bytes
-in flight); their partial dot products meet in shared memory. A block is (sequence, head,
-group of ``cols_per_block`` columns); q, k and the decay of the head are staged in shared
-memory, and the state loads are issued before the staging barrier so they overlap it.
+``vec`` 2, the model's choice), updated, and written once — no second pass over global
+memory. A column is split over ``k_split`` threads so that each holds only K/k_split floats
+(registers bound occupancy, and occupancy bounds the bytes in flight); their partial dot
+products meet in shared memory. A block is (sequence, head, group of ``cols_per_block``
+columns); q, k and the decay of the head are staged in shared memory, and the state loads are
+issued before the staging barrier so they overlap it.
 
 :func:`kda_verify_fused_kernel` is the same step over a few tokens per sequence for
 speculative verification: the state is read once and stays in registers from token to token;
