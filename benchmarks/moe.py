@@ -70,9 +70,14 @@ FUNCS = ("moe_expert_chain", "moe_mxfp4_gate_up", "moe_mxfp4_down")
 # moe_mxfp4.so) is what the model dispatches, "tensor_cores" the tensor-core GEMVs
 # (schedules/moe_mxfp4_decode_tc.py), "cuda_cores" the CUDA-core ones (moe_mxfp4_cuda.py).
 DECODE_VARIANTS = {"": ("tensor_cores", {}, {}), "cuda_cores": ("cuda_cores", {}, {}),
-                   # the defaults: chains=2, unroll=True; W1/W3 stages 4; W2 pair, skip_x, stages 3
+                   # the defaults: chains=2, unroll=True, l2_prefetch=128; W1/W3 stages 4; W2 pair,
+                   # skip_x, stages 3
                    "d_unpaired": ("tensor_cores", {}, {"pair": False, "stages": 4}),
-                   "no_skipx": ("tensor_cores", {}, {"skip_x": False})}
+                   "no_skipx": ("tensor_cores", {}, {"skip_x": False}),
+                   # the weight copies without the L2 prefetch-size hint (default .L2::128B), and
+                   # with 256 bytes (mixed 128 / 256 and 64 measured too: moe_decode_l2pf_b_h200_2026-12-02.json)
+                   "no_l2pf": ("tensor_cores", {"l2_prefetch": 0}, {"l2_prefetch": 0}),
+                   "l2pf256": ("tensor_cores", {"l2_prefetch": 256}, {"l2_prefetch": 256})}
 # A library folder holding this file reads the codes in the checkpoint layout ("ocp"); the
 # others (the tensor-core kernels) in the tc layout (schedules/mxfp4_tc_layout.py), which the
 # run makes on the GPU with repack.so (the in-place permutation the model library runs at load).

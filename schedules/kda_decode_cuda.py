@@ -46,10 +46,10 @@ def _check_tiling(K: int, V: int, cols_per_block: int, k_split: int, vec: int = 
     if vec not in (1, 2, 4) or CB % vec:
         raise ValueError(f"vec={vec} must be 1, 2 or 4 and divide cols_per_block={CB}")
     NT = CB // vec * KS
-    if V % CB or K % KS or NT % 32 or (K % NT and NT % K):
+    if V % CB or K % KS or NT % 32 or (K % NT and NT % K) or NT > 1024:
         raise ValueError(f"V={V} must be a multiple of cols_per_block={CB}, K={K} of k_split={KS}, "
                          f"and the threads of a block (cols_per_block / vec × k_split = {NT}) "
-                         f"divide K or be a multiple of it, itself a multiple of 32")
+                         f"divide K or be a multiple of it, itself a multiple of 32, at most 1024")
 
 
 def _step_macros(K: int, lower_bound: float | None, CB: int, KS: int, VEC: int = 1):
@@ -213,7 +213,7 @@ def kda_decode_fused_kernel(H: int, K: int, V: int, lower_bound: float | None,
             multiple of ``cols_per_block`` or ``K`` of ``k_split``; the threads of a block
             (``cols_per_block / vec × k_split``) not a multiple of 32 (the norms are reduced
             with warp shuffles), or neither dividing ``K`` nor a multiple of it (the staging of
-            q, k and the gate).
+            q, k and the gate), or over 1024 (CUDA's limit).
     """
     CB, KS, VEC = cols_per_block, k_split, vec
     _check_tiling(K, V, CB, KS, VEC)
@@ -279,7 +279,7 @@ def kda_decode_fused_kernel(H: int, K: int, V: int, lower_bound: float | None,
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def kda_verify_fused_kernel(H: int, K: int, V: int, lower_bound: float | None, tokens: int,
                             cols_per_block: int | None = None, k_split: int | None = None,
-                            vec: int = 1):
+                            vec: int | None = None):
     """Build the fused multi-token step for speculative verification (CUDA only): ``tokens``
     consecutive tokens of each sequence through the decode step of
     :func:`kda_decode_fused_kernel`, the state read once and kept in registers between tokens,
@@ -292,7 +292,8 @@ def kda_verify_fused_kernel(H: int, K: int, V: int, lower_bound: float | None, t
     kept (``a = 0`` cannot be undone), and the short convolution's ``conv_state`` is the caller's
     to keep. The kept states cost ``tokens - 1`` states per KDA layer and sequence (3 × 6 MiB
     at 96 heads and 4 tokens). Mapping as the decode kernel's; ``cols_per_block`` /
-    ``k_split`` / ``vec`` default to :func:`decode_tiling` (the model's). The state bytes moved are one
+    ``k_split`` / ``vec`` default to :func:`decode_tiling` (the model's) when none is given;
+    with ``cols_per_block`` and ``k_split`` given, ``vec`` defaults to 1. The state bytes moved are one
     read and ``tokens`` writes (``tokens - 1`` of them to ``states``).
 
     PrimFunc arguments (in order)::
@@ -312,16 +313,21 @@ def kda_verify_fused_kernel(H: int, K: int, V: int, lower_bound: float | None, t
     Reference: :func:`kda_verify_fused_reference` (the decode reference token by token).
 
     Raises:
-        ValueError: ``tokens < 2`` (one token is :func:`kda_decode_fused_kernel`), or a tiling
-            the decode kernel rejects (or none fits ``K`` when not given).
+        ValueError: ``tokens < 2`` (one token is :func:`kda_decode_fused_kernel`), a tiling
+            the decode kernel rejects (or none fits ``K`` when not given), or only part of
+            ``cols_per_block`` / ``k_split`` given.
     """
     if tokens < 2:
         raise ValueError(f"tokens must be at least 2 (one token is the decode kernel), got {tokens}")
     if cols_per_block is None or k_split is None:
+        if cols_per_block is not None or k_split is not None or vec is not None:
+            raise ValueError("give cols_per_block and k_split (and optionally vec) together, or none "
+                             "of them for the model's tiling")
         tiling = decode_tiling(K)
         if tiling is None:
             raise ValueError(f"no decode tiling fits head_dim {K}")
         cols_per_block, k_split, vec = tiling
+    vec = 1 if vec is None else vec
     CB, KS, VEC, TV = cols_per_block, k_split, vec, tokens
     _check_tiling(K, V, CB, KS, VEC)
     TPR = CB // VEC

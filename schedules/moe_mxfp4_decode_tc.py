@@ -91,7 +91,7 @@ def _check(kd: int, n: int, rows_per_block: int, E: int):
 def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
              beta_lin: float | None = None, out_dtype: str = "bfloat16", warps: int = 4,
              stages: int = 4, chains: int = 1, unroll: bool = False, skip_x: bool = False,
-             pair: bool = False, act: str = "bf16"):
+             pair: bool = False, act: str = "bf16", l2_prefetch: int = 0):
     """Builder of both kernels (``kind`` "gate_up": two weight matrices + SiTU; "down": one).
     ``chains``: accumulators per matrix, mma step ``s`` adding into chain ``s % chains`` (shorter
     dependency chains of mmas); ``unroll``: unroll the K loop; ``skip_x``: lanes of columns past
@@ -111,6 +111,8 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
         raise ValueError(f"warps must be 1, 2, 4, 8 or 16, got {warps}")
     if stages < 2:
         raise ValueError(f"stages must be at least 2, got {stages}")
+    if l2_prefetch not in (0, 64, 128, 256):
+        raise ValueError(f"l2_prefetch must be 0, 64, 128 or 256 (bytes), got {l2_prefetch}")
     NW = warps
     NT = 32 * NW
     RB = 16                      # weight rows per matrix tile (the mma's m16); the warps split K
@@ -154,7 +156,8 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
         ``slot0``, ``slot0 + 1``: each thread reads back only what it copied itself."""
         for h in T.unroll(2):
             T.evaluate(cp_async16(T.address_of(w_s[((j % NS * SLOTS + slot0 + h) * NT + tx) * 4]),
-                                  T.address_of(wq[(row + h * 8) * RW + kb * 16 + tx % 4 * 4]), 1))
+                                  T.address_of(wq[(row + h * 8) * RW + kb * 16 + tx % 4 * 4]), 1,
+                                  l2_prefetch))
             T.evaluate(cp_async4(T.address_of(s_s[(j % NS * SLOTS + slot0 + h) * NT + tx]),
                                  T.address_of(sw[(row + h * 8) * (KG // 4) + kb])))
 
@@ -478,7 +481,7 @@ def split_k_warps(in_width: int) -> int:
 def moe_mxfp4_gate_up_tc_kernel(num_experts: int, latent: int, inter: int, top_k: int,
                                 beta: float, beta_lin: float | None, out_dtype: str = "bfloat16",
                                 warps: int = 4, stages: int = 4, chains: int = 2, unroll: bool = True,
-                                skip_x: bool = False, act: str = "bf16"):
+                                skip_x: bool = False, act: str = "bf16", l2_prefetch: int = 128):
     """Fused W1/W3 GEMV + SiTU on tensor cores. Arguments as
     :func:`schedules.moe_mxfp4_cuda.moe_mxfp4_gate_up_kernel`, codes in the tc layout
     (:mod:`schedules.mxfp4_tc_layout`): ``z [T, L] bf16, w1_packed,
@@ -487,35 +490,41 @@ def moe_mxfp4_gate_up_tc_kernel(num_experts: int, latent: int, inter: int, top_k
     E8M0 from :func:`schedules.mxfp8_act.quantize_kernel`, two arguments), the codes are in
     the fp8 layout (:mod:`schedules.mxfp8_act`), weight scale bytes up to
     ``mxfp8_act.MAX_WEIGHT_SCALE_BYTE``, and ``chains`` does not apply (each E4M3 mma starts
-    from zero).
+    from zero). ``l2_prefetch`` (0, 64, 128 or 256): the weight copies' L2 prefetch-size
+    hint in bytes (:func:`schedules.mxfp4_ptx.cp_async16`), 0 for none; 128 (each 64-byte K
+    block of a row brings the next one into L2) took 2–4% less time at 1 / 8 / 64 tokens on
+    the H200, 256 about as much, 64 none (benchmarks/results/moe_decode_l2pf_h200_2026-12-02.json,
+    ``_b_``).
 
     Raises:
         ValueError: ``act`` not "bf16" or "mxfp8"; ``chains`` not 1, 2, 4 or 8;
             L not a multiple of 128; I not a multiple of 16; ``warps`` not 1, 2, 4, 8
-            or 16 or not dividing L/128; ``stages < 2``; the stages (10 KiB each at 4 warps)
+            or 16 or not dividing L/128; ``stages < 2``; ``l2_prefetch`` not 0, 64, 128 or 256; the stages (10 KiB each at 4 warps)
             and the other buffers over 48 KiB of shared memory; the codes over 2^31 words.
     """
     return _gemv_tc("gate_up", num_experts, inter, latent, top_k, beta, beta_lin, out_dtype, warps, stages,
-                    chains, unroll, skip_x, act=act)
+                    chains, unroll, skip_x, act=act, l2_prefetch=l2_prefetch)
 
 
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def moe_mxfp4_down_tc_kernel(num_experts: int, latent: int, inter: int, top_k: int,
                              out_dtype: str = "bfloat16", warps: int = 4, stages: int = 3,
                              chains: int = 2, unroll: bool = True, skip_x: bool = True,
-                             pair: bool = True, act: str = "bf16"):
+                             pair: bool = True, act: str = "bf16", l2_prefetch: int = 128):
     """W2 GEMV on tensor cores. Arguments as :func:`schedules.moe_mxfp4_cuda.
     moe_mxfp4_down_kernel`, codes in the tc layout: ``a [T, k, I] bf16, w2_packed, w2_scale, chain, expert_ids, o [T, k, L]``.
     ``act="mxfp8"``: ``a`` is MXFP8 (``a [T, k, I]`` uint8 E4M3 and ``a_scale [T, k, I/32]``
     uint8 E8M0), the codes are in the fp8 layout (:mod:`schedules.mxfp8_act`), weight scale
     bytes up to ``mxfp8_act.MAX_WEIGHT_SCALE_BYTE``; ``chains`` does not apply.
+    ``l2_prefetch``: as in :func:`moe_mxfp4_gate_up_tc_kernel`.
 
     Raises:
         ValueError: ``act`` not "bf16" or "mxfp8"; ``chains`` not 1, 2, 4 or 8;
             I not a multiple of 128; L not a multiple of 32 (16 without ``pair``);
-            ``warps`` not 1, 2, 4, 8 or 16 or not dividing I/128; ``stages < 2``; the stages
-            (10 KiB each at 4 warps with ``pair``) and the other buffers over 48 KiB of shared
+            ``warps`` not 1, 2, 4, 8 or 16 or not dividing I/128; ``stages < 2``;
+            ``l2_prefetch`` not 0, 64, 128 or 256; the stages (10 KiB each at 4 warps with ``pair``) and the other buffers over 48 KiB of shared
             memory; the codes over 2^31 words.
     """
     return _gemv_tc("down", num_experts, latent, inter, top_k, out_dtype=out_dtype, warps=warps,
-                    stages=stages, chains=chains, unroll=unroll, skip_x=skip_x, pair=pair, act=act)
+                    stages=stages, chains=chains, unroll=unroll, skip_x=skip_x, pair=pair, act=act,
+                    l2_prefetch=l2_prefetch)

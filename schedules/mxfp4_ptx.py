@@ -96,8 +96,18 @@ def mma_e4m3(d, a0, a1, a2, a3, b0, b1):
     return cuda_func_call("k3_mma_e4m3", d, a0, a1, a2, a3, b0, b1, source_code=_MMA_E4M3)
 
 
-def cp_async16(dst, src, valid):
-    return cuda_func_call("k3_cp_async16", dst, src, valid, source_code=_CP_ASYNC)
+def cp_async16(dst, src, valid, l2_prefetch: int = 0):
+    """16-byte ``cp.async.cg`` global -> shared copy (zero-filled where ``valid`` is 0);
+    ``l2_prefetch`` 64, 128 or 256: the ``.L2::<n>B`` hint that L2 fetch that many bytes
+    around the address (PTX ISA, cp.async ``.level::prefetch_size``)."""
+    if not l2_prefetch:
+        return cuda_func_call("k3_cp_async16", dst, src, valid, source_code=_CP_ASYNC)
+    if l2_prefetch not in (64, 128, 256):
+        raise ValueError(f"l2_prefetch must be 0, 64, 128 or 256, got {l2_prefetch}")
+    name = f"k3_cp_async16_l2_{l2_prefetch}"
+    src_code = _CP_ASYNC.replace("k3_cp_async16", name).replace(
+        "cp.async.cg.shared.global ", f"cp.async.cg.shared.global.L2::{l2_prefetch}B ")
+    return cuda_func_call(name, dst, src, valid, source_code=src_code)
 
 
 def cp_async4(dst, src):

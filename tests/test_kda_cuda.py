@@ -58,6 +58,9 @@ def test_kernel_rejects_bad_tiling():
     # 96 rows: 128 threads neither divide them nor are a multiple of them
     with pytest.raises(ValueError, match="divide K or be a multiple of it"):
         kda_decode_fused_kernel(2, 96, 96, -5.0, cols_per_block=32, k_split=4)
+    # 128 × 16 = 2048 threads: a multiple of K, past CUDA's 1024 per block
+    with pytest.raises(ValueError, match="at most 1024"):
+        kda_decode_fused_kernel(2, 128, 128, -5.0, cols_per_block=128, k_split=16)
 
 
 def test_model_tiling():
@@ -135,6 +138,8 @@ def test_verify_kernel_rejects_one_token_and_bad_tiling():
         kda_verify_fused_kernel(2, 128, 100, -5.0, 4)
     with pytest.raises(ValueError, match="no decode tiling fits head_dim 48"):
         kda_verify_fused_kernel(2, 48, 48, -5.0, 4)
+    with pytest.raises(ValueError, match="together"):   # vec alone would drop the model's tiling
+        kda_verify_fused_kernel(2, 128, 128, -5.0, 4, vec=2)
     pool = np.ones((1, 1, 1, 32, 32), np.float32)
     one = np.zeros((1, 1, 1, 32), np.float32)
     with pytest.raises(ValueError, match="at least 2 tokens"):

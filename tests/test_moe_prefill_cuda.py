@@ -146,6 +146,8 @@ def test_bad_sizes_rejected():
         mp.moe_grouped_gate_up_kernel(4, 128 * 1024, 128, 2, 4.0, 25.0)
     with pytest.raises(ValueError, match="stages must be at least 2"):
         dt.moe_mxfp4_down_tc_kernel(4, 256, 128, 2, stages=1)
+    with pytest.raises(ValueError, match="l2_prefetch must be 0, 64, 128 or 256"):
+        dt.moe_mxfp4_down_tc_kernel(4, 256, 128, 2, l2_prefetch=32)
     with pytest.raises(ValueError, match="3 K blocks of 128 inputs must split evenly over 2 warps"):
         dt.moe_mxfp4_down_tc_kernel(4, 256, 384, 2, warps=2)
     with pytest.raises(ValueError, match="shared memory"):
@@ -200,3 +202,20 @@ def test_kernels_compile_to_fatbin_for_sm90a(tmp_path):
         "from schedules.barriers import respect_manual_barriers\n"
         "mod = _module()", tmp_path, contexts="respect_manual_barriers()")
     assert "fatbin" in out
+
+
+@needs_nvcc
+def test_decode_weight_copies_carry_the_l2_prefetch_hint(tmp_path):
+    """The decode GEMVs' weight copies ask L2 for 128 bytes by default (the next K block of the
+    row comes with this one: 2-4% less time on the H200), none with ``l2_prefetch=0``."""
+    build_sm90a_fatbin(
+        "from schedules import moe_mxfp4_decode_tc as dt\n"
+        "from schedules.barriers import respect_manual_barriers\n"
+        "d = dt.moe_mxfp4_down_tc_kernel(5, 256, 128, 3, warps=1)\n"
+        "g = dt.moe_mxfp4_gate_up_tc_kernel(5, 256, 96, 3, 4.0, 25.0, warps=2, l2_prefetch=0)\n"
+        "mod = tvm.IRModule({'d': d.with_attr('global_symbol', 'd'), 'g': g.with_attr('global_symbol', 'g')})",
+        tmp_path, contexts="respect_manual_barriers()", keep_src=True)
+    src = "".join(p.read_text() for p in (tmp_path / "src").glob("*.cu"))
+    assert "cp.async.cg.shared.global.L2::128B " in src
+    # d's weight copies hinted, g's plain
+    assert "k3_cp_async16_l2_128((" in src and "k3_cp_async16((" in src

@@ -8,9 +8,9 @@ Here (with nvcc): ``python tests/gpu/check_kda_verify.py build dist/kdaverify``.
 out.json``.
 
 Checks (odd batches, scattered pool slots in a two-layer pool written at layer 1, both gate
-forms, four tilings, the model's among them; outputs NaN-filled beforehand): every token's
-output, the final state in the pool, each kept state against ``naive_recurrent_kda`` over that prefix of the tokens, and
-that the other layer and the unused slots are untouched. Timing (K3 head_dim 128; 96 and 12
+forms, five tilings, the model's among them and one with more threads than K; outputs
+NaN-filled beforehand): every token's output, the final state in the pool, each kept state
+against ``naive_recurrent_kda`` over that prefix of the tokens, and that the other layer and the unused slots are untouched. Timing (K3 head_dim 128; 96 and 12
 heads; CUDA-graph replays, each call on its own copy of the state pool and of ``states`` so the
 state comes from HBM): one verify call against ``tokens`` times one cold decode step (in a model
 the other layers' traffic evicts a layer's state between steps), and against the roofline of
@@ -32,7 +32,8 @@ K = V = 128
 LB = -5.0
 # (heads, tokens, batch, gate, tiling (cols_per_block, k_split, vec))
 CHECKS = [(12, 2, 3, LB, (64, 4, 2)), (12, 4, 5, None, (64, 4, 2)), (96, 7, 3, LB, (64, 4, 2)),
-          (12, 3, 4, LB, (32, 4, 1)), (12, 4, 5, None, (64, 2, 1)), (12, 3, 3, LB, (64, 8, 4))]
+          (12, 3, 4, LB, (32, 4, 1)), (12, 4, 5, None, (64, 2, 1)), (12, 3, 3, LB, (64, 8, 4)),
+          (12, 2, 3, None, (64, 8, 2))]   # 256 threads for K = 128 rows: half the block stages
 TIMINGS = [(96, 4, 16), (96, 4, 64), (12, 4, 16), (12, 4, 64), (96, 2, 16)]  # (heads, tokens, batch)
 TILING = (64, 4, 2)   # as the model's decode (schedules.kda_decode_cuda.decode_tiling(128))
 
