@@ -25,7 +25,8 @@ speculative verification: the state is read once and stays in registers from tok
 the state after each token but the last is written to ``states`` so that a rejected suffix's
 KDA state rolls back by one copy instead of a replay (the conv state is the caller's), and the
 last one goes to the pool. Measured on the H200 in tests/gpu/check_kda_verify.py
-(benchmarks/results/kda_verify_h200_2026-11-30.json) against the same tokens as decode steps.
+(benchmarks/results/kda_verify_h200_2026-11-30.json; with the model's column pairs
+kda_verify_vec_b_h200_2026-12-02.json) against the same tokens as decode steps.
 Not dispatched yet: the model exports no verify function, and the runtime rolls back by
 checkpoint and replay (k3_compile/runtime/engine.py).
 
@@ -188,8 +189,8 @@ def kda_decode_fused_kernel(H: int, K: int, V: int, lower_bound: float | None,
     A block is (sequence, head, ``cols_per_block`` columns) with ``cols_per_block / vec ×
     k_split`` threads: thread (c, s) holds rows ``s·K/k_split … (s+1)·K/k_split − 1`` of the
     ``vec`` adjacent columns ``c·vec …`` in registers, each row's ``vec`` floats loaded and
-    stored as one access (8 bytes for ``vec`` 2: a warp then moves 256 contiguous bytes per
-    instruction); the two dot products down a column (S'ᵀk̂, Sᵀq̂) are reduced over the
+    stored as one access (8 bytes for ``vec`` 2: with 32 or more threads across the columns a
+    warp then moves 256 contiguous bytes per instruction); the two dot products down a column (S'ᵀk̂, Sᵀq̂) are reduced over the
     ``k_split`` threads through shared memory. Splitting K keeps registers per thread low
     (vec·K/k_split floats of state), so more warps — and more loads in flight — fit per SM.
     ``min_blocks`` > 0 asks ptxas for that many blocks per SM (``__launch_bounds__``).
@@ -412,13 +413,15 @@ def kda_verify_fused_reference(q, k, v, f, b, A_log, dt_bias, seq_slots, kda_sta
 
 
 def decode_tiling(head_dim: int) -> tuple[int, int, int] | None:
-    """The (cols_per_block, k_split, vec) the model uses for ``head_dim``, or None if none fits.
+    """The (cols_per_block, k_split, vec) the model uses for ``head_dim``, or None if none of
+    its four candidates fits (``head_dim`` a multiple of the columns and of the threads).
 
     (64, 4, 2) — 64 columns a block, 4 row splits, 2 adjacent columns per thread loaded and
-    stored as one 8-byte access — was fastest at K3's shapes with 16 or more sequences on the
-    H200 (benchmarks/results/kda_decode_vec_h200_2026-12-02.json and the runs beside it, GPU time
-    with the state cold in HBM: 89–90% / 94% of the HBM roofline at batch 16 / 64 for 96 heads,
-    83–84% at batch 64 for 12 heads, where (64, 2, 1) reached 87% / 92% / 80%).
+    stored as one 8-byte access — was fastest at K3's shapes on the H200 with 96 heads at batch
+    16 and 64 and with 12 heads at batch 64 (benchmarks/results/kda_decode_vec_h200_2026-12-02.json
+    and the runs beside it, GPU time with the state cold in HBM: 89–90% / 94% of the HBM roofline
+    for 96 heads, 82–84% for 12 heads at batch 64, where (64, 2, 1) reached 86–87% / 91–92% /
+    79–80%); with 12 heads at batch 16, (32, 4, 1) is up to 4% faster, within the run-to-run spread.
     """
     for cb, ks, vec in ((64, 4, 2), (64, 2, 1), (32, 4, 1), (32, 1, 1)):
         if head_dim % cb == 0 and head_dim % (cb // vec * ks) == 0:

@@ -23,7 +23,8 @@ and for mma step ``s`` (0..7) supplies inputs ``32q + 4s + {0,1}`` as ``k = 2q, 
 to B (the column's activations, read from L1) alike.
 
 Pipeline: per thread, ``stages`` K blocks in flight as ``cp.async`` copies (16 bytes per row
-and matrix, 4 bytes of scales) into the thread's own shared-memory slots: a thread reads back
+and matrix, 4 bytes of scales; the weight copies ask L2 for 128 bytes, ``l2_prefetch``, so a
+row's next K block comes with this one) into the thread's own shared-memory slots: a thread reads back
 only what it copied, so ``cp.async.wait_group`` suffices and no barrier is needed in the K
 loop; registers stay below 100 (gate_up), so 5 blocks of 4 warps fit on an SM. Splitting K
 over the warps (rather than rows) gives 3072 blocks for W1/W3 at one token instead of 768,
@@ -32,9 +33,10 @@ i.e. 4.7 waves instead of 1.2 (a partial second wave left most SMs idle).
 fp32 accumulation; the outputs are rounded as the model's dtype flow says
 (relax_modules/moe.py).
 
-Status (H200, K3 shapes, GPU time of chain + gate_up + down; benchmarks/results/
-moe_decode_tuned_h200_2026-11-30.json, _variants_, _parts_, _skipx_, _pair_, _final_):
-70–73% / 76–80% / 71–74% of the HBM roofline at 1 / 8 / 64 tokens with the defaults (tc
+Status (H200, K3 shapes, GPU time of chain + gate_up + down): with the L2 hint 77–78% /
+79–81% / 74–79% of the HBM roofline at 1 / 8 / 64 tokens (benchmarks/results/
+moe_decode_l2pf_h200_2026-12-02.json, _b_); before it (moe_decode_tuned_h200_2026-11-30.json,
+_variants_, _parts_, _skipx_, _pair_, _final_) 70–73% / 76–80% / 71–74% with the defaults (tc
 layout, ``chains=2``, ``unroll``; W2 with ``skip_x``, ``pair`` and 3 stages); the previous version (prmt look-ups on the
 checkpoint layout, one chain, rolled loop) 57–58% / 61–62% / 57–59% in the same runs, the
 CUDA-core GEMVs 52–53% / 55% / 35–36%. Chains and unrolling turned the K loop from
