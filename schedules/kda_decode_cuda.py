@@ -26,7 +26,7 @@ the state after each token but the last is written to ``states`` so that a rejec
 KDA state rolls back by one copy instead of a replay (the conv state is the caller's), and the
 last one goes to the pool. Measured on the H200 in tests/gpu/check_kda_verify.py
 (benchmarks/results/kda_verify_h200_2026-11-30.json; with the model's column pairs
-kda_verify_vec_b_h200_2026-12-02.json) against the same tokens as decode steps.
+kda_verify_vec_h200_2026-12-02.json and _vec_b_) against the same tokens as decode steps.
 Not dispatched yet: the model exports no verify function, and the runtime rolls back by
 checkpoint and replay (k3_compile/runtime/engine.py).
 
@@ -315,8 +315,9 @@ def kda_verify_fused_kernel(H: int, K: int, V: int, lower_bound: float | None, t
 
     Raises:
         ValueError: ``tokens < 2`` (one token is :func:`kda_decode_fused_kernel`), a tiling
-            the decode kernel rejects (or none fits ``K`` when not given), or only part of
-            ``cols_per_block`` / ``k_split`` given.
+            the decode kernel rejects (or none fits ``K`` when not given), or
+            ``cols_per_block`` / ``k_split`` not given together (``vec`` without both
+            included).
     """
     if tokens < 2:
         raise ValueError(f"tokens must be at least 2 (one token is the decode kernel), got {tokens}")
@@ -421,7 +422,7 @@ def decode_tiling(head_dim: int) -> tuple[int, int, int] | None:
     16 and 64 and with 12 heads at batch 64 (benchmarks/results/kda_decode_vec_h200_2026-12-02.json
     and the runs beside it, GPU time with the state cold in HBM: 89–90% / 94% of the HBM roofline
     for 96 heads, 82–84% for 12 heads at batch 64, where (64, 2, 1) reached 86–87% / 91–92% /
-    79–80%); with 12 heads at batch 16, (32, 4, 1) is up to 4% faster, within the run-to-run spread.
+    79–80%); with 12 heads at batch 16, (32, 4, 1) is up to 3% faster, within the run-to-run spread.
     """
     for cb, ks, vec in ((64, 4, 2), (64, 2, 1), (32, 4, 1), (32, 1, 1)):
         if head_dim % cb == 0 and head_dim % (cb // vec * ks) == 0:

@@ -23,8 +23,8 @@ and for mma step ``s`` (0..7) supplies inputs ``32q + 4s + {0,1}`` as ``k = 2q, 
 to B (the column's activations, read from L1) alike.
 
 Pipeline: per thread, ``stages`` K blocks in flight as ``cp.async`` copies (16 bytes per row
-and matrix, 4 bytes of scales; the weight copies ask L2 for 128 bytes, ``l2_prefetch``, so a
-row's next K block comes with this one) into the thread's own shared-memory slots: a thread reads back
+and matrix, 4 bytes of scales; the weight copies ask L2 for the aligned 128 bytes around
+them, ``l2_prefetch``) into the thread's own shared-memory slots: a thread reads back
 only what it copied, so ``cp.async.wait_group`` suffices and no barrier is needed in the K
 loop; registers stay below 100 (gate_up), so 5 blocks of 4 warps fit on an SM. Splitting K
 over the warps (rather than rows) gives 3072 blocks for W1/W3 at one token instead of 768,
@@ -34,7 +34,7 @@ fp32 accumulation; the outputs are rounded as the model's dtype flow says
 (relax_modules/moe.py).
 
 Status (H200, K3 shapes, GPU time of chain + gate_up + down): with the L2 hint 77–78% /
-79–81% / 74–79% of the HBM roofline at 1 / 8 / 64 tokens (benchmarks/results/
+79–81% / 74–78% of the HBM roofline at 1 / 8 / 64 tokens (benchmarks/results/
 moe_decode_l2pf_h200_2026-12-02.json, _b_); before it (moe_decode_tuned_h200_2026-11-30.json,
 _variants_, _parts_, _skipx_, _pair_, _final_) 70–73% / 76–80% / 71–74% with the defaults (tc
 layout, ``chains=2``, ``unroll``; W2 with ``skip_x``, ``pair`` and 3 stages); the previous version (prmt look-ups on the
@@ -493,9 +493,9 @@ def moe_mxfp4_gate_up_tc_kernel(num_experts: int, latent: int, inter: int, top_k
     the fp8 layout (:mod:`schedules.mxfp8_act`), weight scale bytes up to
     ``mxfp8_act.MAX_WEIGHT_SCALE_BYTE``, and ``chains`` does not apply (each E4M3 mma starts
     from zero). ``l2_prefetch`` (0, 64, 128 or 256): the weight copies' L2 prefetch-size
-    hint in bytes (:func:`schedules.mxfp4_ptx.cp_async16`), 0 for none; 128 (each 64-byte K
-    block of a row brings the next one into L2) took 2–4% less time at 1 / 8 / 64 tokens on
-    the H200, 256 about as much, 64 none (benchmarks/results/moe_decode_l2pf_h200_2026-12-02.json,
+    hint in bytes (:func:`schedules.mxfp4_ptx.cp_async16`), 0 for none; 128 (L2 fetches the
+    aligned 128 bytes around each 64-byte K block of a row) took 3% / 0–2% / 3–4% less time at
+    1 / 8 / 64 tokens on the H200, 256 about as much, 64 none (benchmarks/results/moe_decode_l2pf_h200_2026-12-02.json,
     ``_b_``).
 
     Raises:

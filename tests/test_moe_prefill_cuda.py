@@ -207,7 +207,7 @@ def test_kernels_compile_to_fatbin_for_sm90a(tmp_path):
 @needs_nvcc
 def test_decode_weight_copies_carry_the_l2_prefetch_hint(tmp_path):
     """The decode GEMVs' weight copies ask L2 for 128 bytes by default (the next K block of the
-    row comes with this one: 2-4% less time on the H200), none with ``l2_prefetch=0``."""
+    row comes with the even ones: 0-4% less time on the H200), none with ``l2_prefetch=0``."""
     build_sm90a_fatbin(
         "from schedules import moe_mxfp4_decode_tc as dt\n"
         "from schedules.barriers import respect_manual_barriers\n"
