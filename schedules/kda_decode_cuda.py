@@ -191,8 +191,9 @@ def kda_decode_fused_kernel(H: int, K: int, V: int, lower_bound: float | None,
     ``vec`` adjacent columns ``c·vec …`` in registers, each row's ``vec`` floats loaded and
     stored as one access (8 bytes for ``vec`` 2: with 32 or more threads across the columns a
     warp then moves 256 contiguous bytes per instruction); the two dot products down a column
-    (S'ᵀk̂, Sᵀq̂) are reduced over the ``k_split`` threads through shared memory. Splitting K keeps registers per thread low
-    (vec·K/k_split floats of state), so more warps — and more loads in flight — fit per SM.
+    (S'ᵀk̂, Sᵀq̂) are reduced over the ``k_split`` threads through shared memory. Splitting K
+    keeps registers per thread low (vec·K/k_split floats of state), so more warps — and more
+    loads in flight — fit per SM.
     ``min_blocks`` > 0 asks ptxas for that many blocks per SM (``__launch_bounds__``).
     :func:`decode_tiling` gives the model's choice and the measurements behind it.
 

@@ -495,14 +495,15 @@ def moe_mxfp4_gate_up_tc_kernel(num_experts: int, latent: int, inter: int, top_k
     from zero). ``l2_prefetch`` (0, 64, 128 or 256): the weight copies' L2 prefetch-size
     hint in bytes (:func:`schedules.mxfp4_ptx.cp_async16`), 0 for none; 128 (L2 fetches the
     aligned 128 bytes around each 64-byte K block of a row) took 3% / 0–2% / 3–4% less time at
-    1 / 8 / 64 tokens on the H200, 256 about as much, 64 none (benchmarks/results/moe_decode_l2pf_h200_2026-12-02.json,
-    ``_b_``).
+    1 / 8 / 64 tokens on the H200, 256 about as much, 64 none (benchmarks/results/
+    moe_decode_l2pf_h200_2026-12-02.json, ``_b_``).
 
     Raises:
         ValueError: ``act`` not "bf16" or "mxfp8"; ``chains`` not 1, 2, 4 or 8;
             L not a multiple of 128; I not a multiple of 16; ``warps`` not 1, 2, 4, 8
-            or 16 or not dividing L/128; ``stages < 2``; ``l2_prefetch`` not 0, 64, 128 or 256; the stages (10 KiB each at 4 warps)
-            and the other buffers over 48 KiB of shared memory; the codes over 2^31 words.
+            or 16 or not dividing L/128; ``stages < 2``; ``l2_prefetch`` not 0, 64, 128 or
+            256; the stages (10 KiB each at 4 warps) and the other buffers over 48 KiB of
+            shared memory; the codes over 2^31 words.
     """
     return _gemv_tc("gate_up", num_experts, inter, latent, top_k, beta, beta_lin, out_dtype, warps, stages,
                     chains, unroll, skip_x, act=act, l2_prefetch=l2_prefetch)
@@ -524,8 +525,9 @@ def moe_mxfp4_down_tc_kernel(num_experts: int, latent: int, inter: int, top_k: i
         ValueError: ``act`` not "bf16" or "mxfp8"; ``chains`` not 1, 2, 4 or 8;
             I not a multiple of 128; L not a multiple of 32 (16 without ``pair``);
             ``warps`` not 1, 2, 4, 8 or 16 or not dividing I/128; ``stages < 2``;
-            ``l2_prefetch`` not 0, 64, 128 or 256; the stages (10 KiB each at 4 warps with ``pair``) and the other buffers over 48 KiB of shared
-            memory; the codes over 2^31 words.
+            ``l2_prefetch`` not 0, 64, 128 or 256; the stages (10 KiB each at 4 warps with
+            ``pair``) and the other buffers over 48 KiB of shared memory; the codes over 2^31
+            words.
     """
     return _gemv_tc("down", num_experts, latent, inter, top_k, out_dtype=out_dtype, warps=warps,
                     stages=stages, chains=chains, unroll=unroll, skip_x=skip_x, pair=pair, act=act,
