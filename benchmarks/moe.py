@@ -75,7 +75,8 @@ DECODE_VARIANTS = {"": ("tensor_cores", {}, {}), "cuda_cores": ("cuda_cores", {}
                    "d_unpaired": ("tensor_cores", {}, {"pair": False, "stages": 4}),
                    "no_skipx": ("tensor_cores", {}, {"skip_x": False}),
                    # the weight copies without the L2 prefetch-size hint (default .L2::128B), and
-                   # with 256 bytes (mixed 128 / 256 and 64 measured too: moe_decode_l2pf_b_h200_2026-12-02.json)
+                   # with 256 bytes (mixed 128 / 256 and 64 measured too:
+                   # moe_decode_l2pf_b_h200_2026-12-02.json)
                    "no_l2pf": ("tensor_cores", {"l2_prefetch": 0}, {"l2_prefetch": 0}),
                    "l2pf256": ("tensor_cores", {"l2_prefetch": 256}, {"l2_prefetch": 256})}
 # A library folder holding this file reads the codes in the checkpoint layout ("ocp"); the
