@@ -85,7 +85,8 @@ def test_kernel_compiles_to_fatbin_for_sm90a(tmp_path):
 def test_model_tiling_moves_the_state_in_8_byte_accesses(tmp_path):
     """With the model's tiling each thread's 32 rows of its column pair are loaded and stored
     as float2 (the codegen falls back to gathering single floats, ``make_float2(S_ptr[...])``,
-    where it cannot prove the pair's address aligned — 4-7% slower on the H200)."""
+    where it cannot prove the pair's address aligned, which would lose the 8-byte accesses the
+    tiling was chosen for)."""
     build_sm90a_fatbin(
         "from schedules.kda_decode_cuda import decode_tiling, kda_decode_fused_kernel\n"
         "f = kda_decode_fused_kernel(12, 128, 128, -5.0, *decode_tiling(128)).with_attr('global_symbol', 'k')\n"
