@@ -53,7 +53,27 @@ def _check_tiling(K: int, V: int, cols_per_block: int, k_split: int, vec: int = 
                          f"divide K or be a multiple of it, itself a multiple of 32, at most 1024")
 
 
-def _step_macros(K: int, lower_bound: float | None, CB: int, KS: int, VEC: int = 1):
+def _geometry(K: int, V: int, CB: int, KS: int, VEC: int):
+    """The tiling's derived sizes and index expressions, shared by both kernels and their
+    macros (checked by :func:`_check_tiling`): ``TPR`` threads across the block's columns, ``NT``
+    threads a block, ``NCB`` column groups a head, ``KR`` rows a thread; ``row(tx, i)`` is the
+    thread's i-th row, ``column(blk, tx, j)`` its j-th column. Both are expressions, not names
+    assigned in the PrimFunc: such a name is a local variable, and the codegen could then not
+    prove the VEC-wide state accesses aligned."""
+    _check_tiling(K, V, CB, KS, VEC)
+    TPR = CB // VEC
+    NCB, KR = V // CB, K // KS
+
+    def row(tx, i):
+        return (tx // TPR) * KR + i
+
+    def column(blk, tx, j):
+        return blk % NCB * CB + (tx % TPR) * VEC + j
+
+    return TPR, TPR * KS, NCB, KR, row, column
+
+
+def _step_macros(K: int, V: int, lower_bound: float | None, CB: int, KS: int, VEC: int = 1):
     """The per-token pieces of the fused step shared by the decode and verify kernels, as
     TVMScript macros (``x(r)`` etc. are callables giving the token's inputs). Thread ``tx``
     holds ``VEC`` adjacent columns (``c = tx % (CB / VEC)``: columns ``c·VEC … c·VEC + VEC − 1``
@@ -71,9 +91,7 @@ def _step_macros(K: int, lower_bound: float | None, CB: int, KS: int, VEC: int =
     - ``output(...)``: the partials of Sᵀ q̂ summed over the ``k_split`` threads →
       ``o_buf[o_index(j)]``.
     """
-    TPR = CB // VEC         # threads across the block's columns
-    NT = TPR * KS
-    KR = K // KS            # rows per thread
+    TPR, NT, _, KR, row, _ = _geometry(K, V, CB, KS, VEC)
     scale = float(K) ** -0.5
     LB = float(lower_bound) if lower_bound is not None else 0.0
     use_lb = lower_bound is not None
@@ -132,8 +150,8 @@ def _step_macros(K: int, lower_bound: float | None, CB: int, KS: int, VEC: int =
             red[2 + j] = T.float32(0)
         for i in T.unroll(KR):
             for j in T.unroll(VEC):
-                col[i * VEC + j] = col[i * VEC + j] * d_s[(tx // TPR) * KR + i]
-                red[2 + j] = red[2 + j] + col[i * VEC + j] * k_s[(tx // TPR) * KR + i]
+                col[i * VEC + j] = col[i * VEC + j] * d_s[row(tx, i)]
+                red[2 + j] = red[2 + j] + col[i * VEC + j] * k_s[row(tx, i)]
         for j in T.unroll(VEC):
             part[(tx // TPR), (tx % TPR) * VEC + j] = red[2 + j]
         T.tvm_storage_sync("shared")
@@ -146,8 +164,8 @@ def _step_macros(K: int, lower_bound: float | None, CB: int, KS: int, VEC: int =
             red[2 + VEC + j] = T.float32(0)
         for i in T.unroll(KR):
             for j in T.unroll(VEC):
-                col[i * VEC + j] = col[i * VEC + j] + k_s[(tx // TPR) * KR + i] * red[2 + j]
-                red[2 + VEC + j] = red[2 + VEC + j] + col[i * VEC + j] * q_s[(tx // TPR) * KR + i]
+                col[i * VEC + j] = col[i * VEC + j] + k_s[row(tx, i)] * red[2 + j]
+                red[2 + VEC + j] = red[2 + VEC + j] + col[i * VEC + j] * q_s[row(tx, i)]
             if VEC == 1:
                 out_buf[out_index(i, 0)] = col[i]
             else:
@@ -218,17 +236,8 @@ def kda_decode_fused_kernel(H: int, K: int, V: int, lower_bound: float | None,
             q, k and the gate), or over 1024 (CUDA's limit).
     """
     CB, KS, VEC = cols_per_block, k_split, vec
-    _check_tiling(K, V, CB, KS, VEC)
-    TPR = CB // VEC
-    NT = TPR * KS
-    NCB = V // CB
-    KR = K // KS            # rows per thread
-    stage, norms, update, output, load = _step_macros(K, lower_bound, CB, KS, VEC)
-
-    def column(blk, tx, j):
-        # column j of the thread's VEC, as an expression: a name assigned in the PrimFunc is a
-        # local variable, and the codegen could then not prove the VEC-wide loads aligned
-        return blk % NCB * CB + (tx % TPR) * VEC + j
+    _, NT, NCB, KR, row, column = _geometry(K, V, CB, KS, VEC)
+    stage, norms, update, output, load = _step_macros(K, V, lower_bound, CB, KS, VEC)
 
     @T.macro
     def block(q, k, v, f, bb, A_log, dt_bias, slots, S, layer, o, blk, tx):
@@ -245,10 +254,10 @@ def kda_decode_fused_kernel(H: int, K: int, V: int, lower_bound: float | None,
         stage(q_s, k_s, d_s, red, lambda r: q[bi, h, r], lambda r: k[bi, h, r],
               lambda r: f[bi, h, r], A_log, dt_bias, h, tx)
         # this thread's slice of the state, loaded once (the loads overlap the norms' barrier)
-        load(col, S, lambda i, j: (layer, slot, h, (tx // TPR) * KR + i, column(blk, tx, j)))
+        load(col, S, lambda i, j: (layer, slot, h, row(tx, i), column(blk, tx, j)))
         norms(nrm, red, tx)
         update(col, q_s, k_s, d_s, part, red, bb[bi, h], lambda j: v[bi, h, column(blk, tx, j)], S,
-               lambda i, j: (layer, slot, h, (tx // TPR) * KR + i, column(blk, tx, j)), tx)
+               lambda i, j: (layer, slot, h, row(tx, i), column(blk, tx, j)), tx)
         output(part, red, o, lambda j: (bi, h, column(blk, tx, j)), tx)
 
     @T.prim_func(private=True)
@@ -332,15 +341,8 @@ def kda_verify_fused_kernel(H: int, K: int, V: int, lower_bound: float | None, t
         cols_per_block, k_split, vec = tiling
     vec = 1 if vec is None else vec
     CB, KS, VEC, TV = cols_per_block, k_split, vec, tokens
-    _check_tiling(K, V, CB, KS, VEC)
-    TPR = CB // VEC
-    NT = TPR * KS
-    NCB = V // CB
-    KR = K // KS
-    stage, norms, update, output, load = _step_macros(K, lower_bound, CB, KS, VEC)
-
-    def column(blk, tx, j):  # as in kda_decode_fused_kernel
-        return blk % NCB * CB + (tx % TPR) * VEC + j
+    _, NT, NCB, KR, row, column = _geometry(K, V, CB, KS, VEC)
+    stage, norms, update, output, load = _step_macros(K, V, lower_bound, CB, KS, VEC)
 
     @T.prim_func(private=True)
     def kda_verify_fused(q_h: T.handle, k_h: T.handle, v_h: T.handle, f_h: T.handle,
@@ -375,7 +377,7 @@ def kda_verify_fused_kernel(H: int, K: int, V: int, lower_bound: float | None, t
                 # buffers are reused per token: q_s / k_s / d_s / nrm are last read before the
                 # previous token's update / output barriers, part before this token's norms
                 # barrier
-                load(col, S, lambda i, j: (layer, slot, h, (tx // TPR) * KR + i, column(blk, tx, j)))
+                load(col, S, lambda i, j: (layer, slot, h, row(tx, i), column(blk, tx, j)))
                 for t in range(TV):
                     stage(q_s, k_s, d_s, red, lambda r: q[bi, t, h, r], lambda r: k[bi, t, h, r],
                           lambda r: f[bi, t, h, r], A_log, dt_bias, h, tx)
@@ -383,11 +385,11 @@ def kda_verify_fused_kernel(H: int, K: int, V: int, lower_bound: float | None, t
                     if t < TV - 1:
                         update(col, q_s, k_s, d_s, part, red, bb[bi, t, h],
                                lambda j: v[bi, t, h, column(blk, tx, j)], states,
-                               lambda i, j: (bi, t, h, (tx // TPR) * KR + i, column(blk, tx, j)), tx)
+                               lambda i, j: (bi, t, h, row(tx, i), column(blk, tx, j)), tx)
                     else:
                         update(col, q_s, k_s, d_s, part, red, bb[bi, t, h],
                                lambda j: v[bi, t, h, column(blk, tx, j)], S,
-                               lambda i, j: (layer, slot, h, (tx // TPR) * KR + i, column(blk, tx, j)), tx)
+                               lambda i, j: (layer, slot, h, row(tx, i), column(blk, tx, j)), tx)
                     output(part, red, o, lambda j: (bi, t, h, column(blk, tx, j)), tx)
 
     return kda_verify_fused

@@ -11,10 +11,11 @@ Checks (odd batches, scattered pool slots in a two-layer pool written at layer 1
 forms, five tilings, the model's among them and one with more threads than K; outputs
 NaN-filled beforehand): every token's output, the final state in the pool, each kept state
 against ``naive_recurrent_kda`` over that prefix of the tokens, and that the other layer and
-the unused slots are untouched. Timing (K3 head_dim 128; 96 and 12 heads; CUDA-graph replays, each call on its own copy of the state pool and of ``states`` so the
-state comes from HBM): one verify call against ``tokens`` times one cold decode step (in a model
-the other layers' traffic evicts a layer's state between steps), and against the roofline of
-its bytes (one state read, ``tokens`` state writes) at the measured copy bandwidth.
+the unused slots are untouched. Timing (K3 head_dim 128; 96 and 12 heads; CUDA-graph replays,
+each call on its own copy of the state pool and of ``states`` so the state comes from HBM):
+one verify call against ``tokens`` times one cold decode step (in a model the other layers'
+traffic evicts a layer's state between steps), and against the roofline of its bytes (one
+state read, ``tokens`` state writes) at the measured copy bandwidth.
 """
 
 from __future__ import annotations
