@@ -68,7 +68,8 @@ from tvm.script import tirx as T
 from schedules.barriers import mark
 from schedules.moe_mxfp4_prefill_cuda import situ_expr
 from schedules import mxfp8_act as A8
-from schedules.mxfp4_ptx import commit, cp_async4, cp_async16, dequant8, factor_bf16x2, mma_bf16, mma_e4m3, wait
+from schedules.mxfp4_ptx import (check_l2_prefetch, commit, cp_async4, cp_async16, dequant8, factor_bf16x2,
+                                 mma_bf16, mma_e4m3, wait)
 
 KB = 128        # inputs per K block (4 lanes × 32 codes)
 COLS = 8        # mma columns = entries per pass over a chain (the mma's n8)
@@ -113,8 +114,7 @@ def _gemv_tc(kind: str, E: int, N: int, KD: int, top_k: int, beta: float = 0.0,
         raise ValueError(f"warps must be 1, 2, 4, 8 or 16, got {warps}")
     if stages < 2:
         raise ValueError(f"stages must be at least 2, got {stages}")
-    if l2_prefetch not in (0, 64, 128, 256):
-        raise ValueError(f"l2_prefetch must be 0, 64, 128 or 256 (bytes), got {l2_prefetch}")
+    check_l2_prefetch(l2_prefetch)   # before any TVMScript parsing, which would wrap the error
     NW = warps
     NT = 32 * NW
     RB = 16                      # weight rows per matrix tile (the mma's m16); the warps split K

@@ -45,13 +45,21 @@ __forceinline__ __device__ void k3_mma_e4m3(float* d, unsigned a0, unsigned a1, 
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(0.0f));
 }
 """
+# {name}: the function's name, {hint}: "" or an L2 prefetch-size qualifier such as ".L2::128B"
 _CP_ASYNC = r"""
-__forceinline__ __device__ void k3_cp_async16(void* smem, const void* gmem, int valid) {
+__forceinline__ __device__ void {name}(void* smem, const void* gmem, int valid) {{
   unsigned s = (unsigned)__cvta_generic_to_shared(smem);
   int n = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(s), "l"(gmem), "r"(n) : "memory");
-}
+  asm volatile("cp.async.cg.shared.global{hint} [%0], [%1], 16, %2;\n" :: "r"(s), "l"(gmem), "r"(n) : "memory");
+}}
 """
+L2_PREFETCH_BYTES = (0, 64, 128, 256)   # cp.async's .level::prefetch_size (0: no hint)
+
+
+def check_l2_prefetch(l2_prefetch) -> None:
+    """Raise ValueError unless ``l2_prefetch`` is one of :data:`L2_PREFETCH_BYTES`."""
+    if l2_prefetch not in L2_PREFETCH_BYTES:
+        raise ValueError(f"l2_prefetch must be 0, 64, 128 or 256 (bytes), got {l2_prefetch}")
 _CP_ASYNC4 = r"""
 __forceinline__ __device__ void k3_cp_async4(void* smem, const void* gmem) {
   unsigned s = (unsigned)__cvta_generic_to_shared(smem);
@@ -99,15 +107,14 @@ def mma_e4m3(d, a0, a1, a2, a3, b0, b1):
 def cp_async16(dst, src, valid, l2_prefetch: int = 0):
     """16-byte ``cp.async.cg`` global -> shared copy (zero-filled where ``valid`` is 0);
     ``l2_prefetch`` 64, 128 or 256: the ``.L2::<n>B`` hint that L2 fetch that many bytes
-    around the address (PTX ISA, cp.async ``.level::prefetch_size``)."""
-    if not l2_prefetch:
-        return cuda_func_call("k3_cp_async16", dst, src, valid, source_code=_CP_ASYNC)
-    if l2_prefetch not in (64, 128, 256):
-        raise ValueError(f"l2_prefetch must be 0, 64, 128 or 256, got {l2_prefetch}")
-    name = f"k3_cp_async16_l2_{l2_prefetch}"
-    src_code = _CP_ASYNC.replace("k3_cp_async16", name).replace(
-        "cp.async.cg.shared.global ", f"cp.async.cg.shared.global.L2::{l2_prefetch}B ")
-    return cuda_func_call(name, dst, src, valid, source_code=src_code)
+    around the address (PTX ISA, cp.async ``.level::prefetch_size``).
+
+    Raises:
+        ValueError: ``l2_prefetch`` not 0, 64, 128 or 256 (:func:`check_l2_prefetch`)."""
+    check_l2_prefetch(l2_prefetch)
+    name = f"k3_cp_async16_l2_{l2_prefetch}" if l2_prefetch else "k3_cp_async16"
+    hint = f".L2::{l2_prefetch}B" if l2_prefetch else ""
+    return cuda_func_call(name, dst, src, valid, source_code=_CP_ASYNC.format(name=name, hint=hint))
 
 
 def cp_async4(dst, src):
