@@ -59,8 +59,22 @@ DECODE_TILINGS = ((32, 4, 1, 0), (64, 2, 1, 0), (16, 8, 1, 0), (32, 2, 1, 0), (1
                   (64, 4, 2, 5), (64, 4, 2, 6), (64, 8, 2, 0), (64, 8, 2, 3), (128, 8, 2, 2), (128, 8, 2, 0))
 
 
-def _tiling_name(cb: int, ks: int, vec: int = 1, min_blocks: int = 0) -> str:
-    return f"cb{cb}_ks{ks}" + (f"_v{vec}" if vec > 1 else "") + (f"_mb{min_blocks}" if min_blocks else "")
+# the model's tiling also built with programmatic dependent launch (``pdl``: the state loaded
+# before griddepcontrol.wait); both timed standalone and behind a predecessor kernel that writes
+# the decode's b input (the ``stream`` fields: b = x W_b, x [B, HIDDEN], as K3's b_proj), so
+# that the launch gap between two kernels is in the time
+DECODE_PDL_TILING = (64, 4, 2, 0)
+HIDDEN = 7168
+
+
+def _tiling_name(cb: int, ks: int, vec: int = 1, min_blocks: int = 0, pdl: bool = False) -> str:
+    return (f"cb{cb}_ks{ks}" + (f"_v{vec}" if vec > 1 else "") + (f"_mb{min_blocks}" if min_blocks else "")
+            + ("_pdl" if pdl else ""))
+
+
+def _decode_variants():
+    """(cols_per_block, k_split, vec, min_blocks, pdl) of every decode library built."""
+    return [t + (False,) for t in DECODE_TILINGS] + [DECODE_PDL_TILING + (True,)]
 
 
 def build(out_dir: Path, prefill: bool = True) -> None:
@@ -76,13 +90,13 @@ def build(out_dir: Path, prefill: bool = True) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     spec = get_target("cuda-sm90a")
     for h in HEADS:
-        for cb, ks, vec, mb in DECODE_TILINGS:
+        for cb, ks, vec, mb, pdl in _decode_variants():
             f = kda_decode_fused_kernel(h, K, V, LOWER_BOUND, cols_per_block=cb, k_split=ks, vec=vec,
-                                        min_blocks=mb)
+                                        min_blocks=mb, pdl=pdl)
             f = f.with_attr("global_symbol", "kda_decode_fused")
             with precompiled_cuda(spec.nvcc_arch):
                 lib = tvm.compile(tvm.IRModule({"kda_decode_fused": f}), target=spec.tvm_target())
-            path = out_dir / f"kda_decode_h{h}_{_tiling_name(cb, ks, vec, mb)}.so"
+            path = out_dir / f"kda_decode_h{h}_{_tiling_name(cb, ks, vec, mb, pdl)}.so"
             lib.export_library(str(path))
             print(f"built {path}")
     if prefill:
@@ -304,7 +318,7 @@ def run(lib_dir: Path) -> dict:
     for H in HEADS:
         variants = {_tiling_name(*t): tvm.runtime.load_module(
             str(lib_dir / f"kda_decode_h{H}_{_tiling_name(*t)}.so"))["kda_decode_fused"]
-            for t in DECODE_TILINGS}
+            for t in _decode_variants() if (lib_dir / f"kda_decode_h{H}_{_tiling_name(*t)}.so").exists()}
         A_log = torch.log(torch.empty(H, device=dev).uniform_(1, 16))
         dt_bias = torch.randn(H * K, device=dev) * 0.5
         for B in DECODE_BATCHES:
@@ -331,6 +345,8 @@ def run(lib_dir: Path) -> dict:
                 calls = [lambda a=a, fn=fn: fn(*a, 0, o_t) for a in rot_args]
                 tilings[name] = time_cuda(rotate(calls))
                 tilings_graph[name] = time_cuda_graph(rotate(calls))
+            stream = _behind_predecessor(variants, rot_args, o_t, o, b, pool, pool0, args, B, H) \
+                if _tiling_name(*DECODE_PDL_TILING, True) in variants else None
             del rot_args, calls
             # every variant's one step vs the best's (from the same initial pool)
             outs = {}
@@ -387,6 +403,9 @@ def run(lib_dir: Path) -> dict:
             del fla_pools, fla_calls
             state_bytes = 2 * B * H * K * V * 4
             roof_ms = state_bytes / bw * 1e3
+            if stream:
+                for name in (_tiling_name(*DECODE_PDL_TILING), _tiling_name(*DECODE_PDL_TILING, True)):
+                    stream[f"{name}_marginal_pct_roofline"] = 100 * roof_ms / stream[f"{name}_marginal_ms"]
             # what a device copy of the same bytes reaches, timed the same way (rotated copies,
             # CUDA graph): small states cannot reach the 2 GiB copy's bandwidth either
             srcs = [torch.empty(B * H * K * V, device=dev) for _ in range(nrot)]
@@ -401,13 +420,63 @@ def run(lib_dir: Path) -> dict:
                    "same_size_copy_graph_ms": copy_g, "ours_vs_same_size_copy": copy_g / ours_g,
                    "max_err_o_vs_naive": err_o, "max_err_state_vs_naive": err_s,
                    "fla_max_err_o_vs_naive": err_fla, "best_tiling": best,
-                   "tilings_ms": tilings, "tilings_graph_ms": tilings_graph,
+                   "tilings_ms": tilings, "tilings_graph_ms": tilings_graph, "stream": stream,
                    "variants_max_abs_diff_vs_best": variant_diff}
             results["decode"].append(row)
             print(json.dumps(row))
     results["prefill"] = (run_prefill(lib_dir) if any(lib_dir.glob("kda_prefill_tc_*.so"))
                           or any(lib_dir.glob("kda_prefill_fused_*.so")) else [])
     return results
+
+
+def _behind_predecessor(variants: dict, rot_args: list, o_t, o, b, pool, pool0, args, B: int, H: int) -> dict:
+    """The model's decode tiling with and without programmatic dependent launch, each behind a
+    predecessor kernel that writes the decode's ``b`` input (``b = x W_b``, fp32, x [B, HIDDEN],
+    the shape of K3's b_proj), as in a model step: CUDA graphs of 10 (predecessor, decode)
+    pairs, every decode on its own state copy. Returns the predecessor's time alone, each
+    pair's, the decode's marginal time (pair − predecessor) and, as a check that the decode
+    waited for the predecessor's write, each variant's max |o − o of the plain variant| after one
+    graph replay whose predecessor writes a ``b`` that was garbage before (0 when it waited)."""
+    import torch
+    import tvm_ffi
+
+    plain, pdl = _tiling_name(*DECODE_PDL_TILING), _tiling_name(*DECODE_PDL_TILING, True)
+    dev = b.device
+    x = torch.randn(B, HIDDEN, device=dev)
+    w = torch.randn(HIDDEN, H, device=dev) * HIDDEN ** -0.5
+    b_true = b.clone()
+
+    def pred():
+        torch.matmul(x, w, out=b)
+
+    out = {"predecessor": f"torch.matmul fp32 [{B}, {HIDDEN}] x [{HIDDEN}, {H}] -> b",
+           "predecessor_graph_ms": time_cuda_graph(pred)}
+    for name in (plain, pdl):
+        fn = variants[name]
+        calls = [lambda a=a, fn=fn: (pred(), fn(*a, 0, o_t)) for a in rot_args]
+        out[f"{name}_pair_graph_ms"] = time_cuda_graph(rotate(calls))
+        out[f"{name}_marginal_ms"] = out[f"{name}_pair_graph_ms"] - out["predecessor_graph_ms"]
+    # the check: b holds garbage until the predecessor in the graph overwrites it
+    outs = {}
+    for name in (plain, pdl):
+        fn = variants[name]
+        g = torch.cuda.CUDAGraph()
+        pool.copy_(pool0)
+        torch.cuda.synchronize()
+        with tvm_ffi.use_torch_stream(torch.cuda.graph(g)):
+            pred()
+            fn(*args, 0, o_t)
+        pool.copy_(pool0)
+        b.fill_(1e4)
+        torch.cuda.synchronize()
+        g.replay()
+        torch.cuda.synchronize()
+        outs[name] = o.clone()
+        del g
+    out["pdl_max_abs_diff_o_vs_plain"] = (outs[pdl] - outs[plain]).abs().max().item()
+    b.copy_(b_true)
+    pool.copy_(pool0)
+    return out
 
 
 def run_prefill(lib_dir: Path, log: Path | None = None, fla_checks: bool = True, quick: bool = False,

@@ -373,7 +373,12 @@ class KimiDeltaAttention(nn.Module):
         f = op.astype(op.reshape(self.f_b_proj(self.f_a_proj(x)), (T, H, K)), "float32")
         b = op.astype(self.b_proj(x), "float32")
         cb, ks, vec = self.decode_tiling
-        kernel = kda_decode_fused_kernel(H, K, K, self.lower_bound, cols_per_block=cb, k_split=ks, vec=vec)
+        # programmatic dependent launch (sm_90+, every CUDA target here): the state is loaded
+        # while the kernel ahead of it (b_proj) finishes. 12 heads behind b_proj in a CUDA graph:
+        # 7.1-7.2 instead of 8.2-8.3 µs at batch 16, 28.1-28.4 instead of 28.3-28.7 at 64; 96
+        # heads unchanged (benchmarks/results/kda_decode_pdl_h200_2026-12-02.json, _pdl_b_)
+        kernel = kda_decode_fused_kernel(H, K, K, self.lower_bound, cols_per_block=cb, k_split=ks, vec=vec,
+                                         pdl=True)
         kda_state, o = op.tensor_ir_inplace_op(
             kernel, "kda_decode_fused",
             [q, k, v, f, b, self.A_log, self.dt_bias, meta.seq_slots, kda_state, _i32(kda_index)],

@@ -41,6 +41,10 @@ import functools
 import numpy as np
 from tvm.script import tirx as T
 
+# TVM's launch tag for programmatic dependent launch (the runtime then launches the kernel with
+# cuLaunchKernelEx and CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+PDL_LAUNCH_TAG = "tirx.use_programtic_dependent_launch"
+
 
 def _check_tiling(K: int, V: int, cols_per_block: int, k_split: int, vec: int = 1) -> None:
     CB, KS = cols_per_block, k_split
@@ -201,7 +205,7 @@ def _step_macros(K: int, V: int, lower_bound: float | None, CB: int, KS: int, VE
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def kda_decode_fused_kernel(H: int, K: int, V: int, lower_bound: float | None,
                             cols_per_block: int = 32, k_split: int = 4, vec: int = 1,
-                            min_blocks: int = 0):
+                            min_blocks: int = 0, pdl: bool = False):
     """Build the fused decode PrimFunc (CUDA only: uses thread bindings and shared memory).
 
     A block is (sequence, head, ``cols_per_block`` columns) with ``cols_per_block / vec ×
@@ -214,6 +218,16 @@ def kda_decode_fused_kernel(H: int, K: int, V: int, lower_bound: float | None,
     loads in flight — fit per SM.
     ``min_blocks`` > 0 asks ptxas for that many blocks per SM (``__launch_bounds__``).
     :func:`decode_tiling` gives the model's choice and the measurements behind it.
+
+    ``pdl``: programmatic dependent launch (CUDA ``cudaLaunchAttributeProgrammaticStream
+    Serialization``, TVM's launch tag :data:`PDL_LAUNCH_TAG`): the kernel may start before the
+    kernel ahead of it in the stream has finished. Each thread first loads its pool slot
+    and its slice of the state — which no kernel of the same decode step writes — and only
+    then waits (``griddepcontrol.wait``) for the earlier kernels' writes before it reads q, k,
+    v, f and b and before it writes anything. The kernel never triggers its own dependents
+    early (the trigger is implicit at block exit), so a kernel after it cannot overtake the
+    wait. Its effect is measured behind a predecessor that writes its input
+    (``benchmarks/kda.py``, ``stream`` rows).
 
     PrimFunc arguments (in order)::
 
@@ -238,6 +252,9 @@ def kda_decode_fused_kernel(H: int, K: int, V: int, lower_bound: float | None,
     CB, KS, VEC = cols_per_block, k_split, vec
     _, NT, NCB, KR, row, column = _geometry(K, V, CB, KS, VEC)
     stage, norms, update, output, load = _step_macros(K, V, lower_bound, CB, KS, VEC)
+    attrs = {"tir.noalias": True, "tirx.is_scheduled": True}
+    if pdl:
+        attrs["tirx.kernel_launch_params"] = [PDL_LAUNCH_TAG]
 
     @T.macro
     def block(q, k, v, f, bb, A_log, dt_bias, slots, S, layer, o, blk, tx):
@@ -251,10 +268,18 @@ def kda_decode_fused_kernel(H: int, K: int, V: int, lower_bound: float | None,
         bi = blk // (H * NCB)
         h = blk % (H * NCB) // NCB
         slot = slots[bi]
-        stage(q_s, k_s, d_s, red, lambda r: q[bi, h, r], lambda r: k[bi, h, r],
-              lambda r: f[bi, h, r], A_log, dt_bias, h, tx)
-        # this thread's slice of the state, loaded once (the loads overlap the norms' barrier)
-        load(col, S, lambda i, j: (layer, slot, h, row(tx, i), column(blk, tx, j)))
+        if pdl:
+            # the slot and the state depend on no kernel of this step: loaded while the
+            # kernel ahead finishes, then wait for its writes (q, k, v, f, b)
+            load(col, S, lambda i, j: (layer, slot, h, row(tx, i), column(blk, tx, j)))
+            T.ptx.griddepcontrol.wait()
+            stage(q_s, k_s, d_s, red, lambda r: q[bi, h, r], lambda r: k[bi, h, r],
+                  lambda r: f[bi, h, r], A_log, dt_bias, h, tx)
+        else:
+            stage(q_s, k_s, d_s, red, lambda r: q[bi, h, r], lambda r: k[bi, h, r],
+                  lambda r: f[bi, h, r], A_log, dt_bias, h, tx)
+            # this thread's slice of the state, loaded once (the loads overlap the norms' barrier)
+            load(col, S, lambda i, j: (layer, slot, h, row(tx, i), column(blk, tx, j)))
         norms(nrm, red, tx)
         update(col, q_s, k_s, d_s, part, red, bb[bi, h], lambda j: v[bi, h, column(blk, tx, j)], S,
                lambda i, j: (layer, slot, h, row(tx, i), column(blk, tx, j)), tx)
@@ -264,7 +289,7 @@ def kda_decode_fused_kernel(H: int, K: int, V: int, lower_bound: float | None,
     def kda_decode_fused(q_h: T.handle, k_h: T.handle, v_h: T.handle, f_h: T.handle,
                          b_h: T.handle, alog_h: T.handle, dtb_h: T.handle, slots_h: T.handle,
                          state_h: T.handle, layer: T.int32, o_h: T.handle):
-        T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
+        T.func_attr(attrs)
         n_seq, n_layer, n_slot = T.int64(), T.int64(), T.int64()
         q = T.match_buffer(q_h, (n_seq, H, K), "float32")
         k = T.match_buffer(k_h, (n_seq, H, K), "float32")

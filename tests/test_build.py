@@ -37,7 +37,8 @@ def _prim_funcs(mod):
 
 def test_gpu_export_uses_scheduled_kernels():
     """export_model(gpu=True): every hand-written kernel is a thread-bound, scheduled variant;
-    the tuned export dispatches the fused KDA decode kernel, ``tuned=False`` (``k3 compile
+    the tuned export dispatches the fused KDA decode kernel (launched with programmatic
+    dependent launch), ``tuned=False`` (``k3 compile
     --generic-kernels``) the generic one; gpu=False keeps the CPU loop nests."""
     cfg = K3Config.from_file(NANO)
     gpu = _prim_funcs(export_model(cfg, "float32", gpu=True, tuned=False).mod)
@@ -47,6 +48,9 @@ def test_gpu_export_uses_scheduled_kernels():
     assert {n.rstrip("0123456789_") for n in found} >= set(HAND_WRITTEN) - {"moe_gemv"}
     assert "kda_decode_fused" in tuned and "kda_decode" not in tuned
     assert "kda_decode_fused" not in gpu
+    # launched with programmatic dependent launch (schedules/kda_decode_cuda.py, ``pdl``)
+    assert list(tuned["kda_decode_fused"].attrs["tirx.kernel_launch_params"]) == [
+        "tirx.use_programtic_dependent_launch"]
     found += ["kda_decode_fused"]
     gpu.update(tuned)
     for name in found:

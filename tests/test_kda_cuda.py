@@ -96,6 +96,41 @@ def test_model_tiling_moves_the_state_in_8_byte_accesses(tmp_path):
     assert "make_float2(S_ptr[" not in src
 
 
+@needs_nvcc
+def test_pdl_kernel_loads_the_state_before_the_wait_and_nothing_else(tmp_path):
+    """With programmatic dependent launch the kernel may run while the kernel ahead of it is
+    still writing q, k, v, f and b: only the pool slot and the state may be read before
+    ``griddepcontrol.wait``, and nothing may be written before it. The model's kernel carries
+    TVM's launch tag (else the runtime launches it plainly and the wait has nothing to order)."""
+    build_sm90a_fatbin(
+        "from schedules.kda_decode_cuda import decode_tiling, kda_decode_fused_kernel\n"
+        "f = kda_decode_fused_kernel(12, 128, 128, -5.0, *decode_tiling(128), pdl=True)"
+        ".with_attr('global_symbol', 'k')\n"
+        "mod = tvm.IRModule({'k': f})", tmp_path, keep_src=True)
+    src = "".join(p.read_text() for p in (tmp_path / "src").glob("*.cu"))
+    body = src[src.index("__global__"):]
+    before, after = body.split("tvm_builtin_ptx_griddepcontrol_wait();", 1)
+    assert before.count("*(float2*)(S_ptr + ") == 32          # the state's loads ...
+    assert after.count("*(float2*)(S_ptr + ") == 32           # ... its stores after the wait
+    assert "slots_ptr[" in before
+    for name in ("q_ptr[", "k_ptr[", "v_ptr[", "f_ptr[", "bb_ptr[", "o_ptr["):
+        assert name not in before and name in after, name
+    from schedules.kda_decode_cuda import PDL_LAUNCH_TAG
+    f = kda_decode_fused_kernel(12, 128, 128, -5.0, *decode_tiling(128), pdl=True)
+    assert list(f.attrs["tirx.kernel_launch_params"]) == [PDL_LAUNCH_TAG]
+    assert "tirx.kernel_launch_params" not in kda_decode_fused_kernel(12, 128, 128, -5.0, *decode_tiling(128)).attrs
+
+
+def test_every_cuda_target_has_griddepcontrol():
+    """The model builds its decode kernel with programmatic dependent launch on every CUDA
+    target (relax_modules/kda.py; tests/test_build.py checks the launch tag); griddepcontrol
+    needs sm_90 or newer, so a CUDA target below it would have to turn it off."""
+    from targets import get_target, list_targets
+
+    archs = [get_target(n).nvcc_arch for n in list_targets() if get_target(n).is_cuda]
+    assert archs and all(int(a[3:].rstrip("a")) >= 90 for a in archs), archs
+
+
 @pytest.mark.parametrize("lower_bound", [-5.0, None])
 def test_verify_reference_matches_fla_naive_recurrence(lower_bound):
     """The verify reference for 5 tokens of 3 sequences: every token's output and the final
