@@ -77,6 +77,46 @@ def _decode_variants():
     return [t + (False,) for t in DECODE_TILINGS] + [DECODE_PDL_TILING + (True,)]
 
 
+def _b_proj_kernel(H: int, trigger: bool):
+    """A stand-in for the model's b_proj GEMV as a TVM kernel, the decode's predecessor in the
+    ``stream`` rows: ``b [n, H] = x [n, HIDDEN] · w [H, HIDDEN]ᵀ`` (fp32), a block of 256 threads
+    per output. ``trigger``: every thread first executes ``griddepcontrol.launch_dependents``,
+    so that a PDL-launched decode may start while this kernel runs (its pre-wait part reads
+    only the state, which this kernel does not write)."""
+    from tvm.script import tirx as T
+
+    NT, NI = 256, HIDDEN // 256
+
+    @T.prim_func(private=True)
+    def b_proj(x_h: T.handle, w_h: T.handle, b_h: T.handle):
+        T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
+        n = T.int64()
+        x = T.match_buffer(x_h, (n, HIDDEN), "float32")
+        w = T.match_buffer(w_h, (H, HIDDEN), "float32")
+        b = T.match_buffer(b_h, (n, H), "float32")
+        for blk in T.thread_binding(n * H, thread="blockIdx.x"):
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                part = T.alloc_buffer((NT // 32,), "float32", scope="shared")
+                acc = T.alloc_buffer((1,), "float32", scope="local")
+                if trigger:
+                    T.ptx.griddepcontrol.launch_dependents()
+                acc[0] = T.float32(0)
+                for i in range(NI):
+                    acc[0] = acc[0] + x[blk // H, i * NT + tx] * w[blk % H, i * NT + tx]
+                for o in T.unroll(5):
+                    acc[0] = acc[0] + T.call_extern("float32", "__shfl_xor_sync", T.uint32(0xFFFFFFFF),
+                                                    acc[0], 16 >> o, 32)
+                if tx % 32 == 0:
+                    part[tx // 32] = acc[0]
+                T.tvm_storage_sync("shared")
+                if tx == 0:
+                    for j in range(1, NT // 32):
+                        acc[0] = acc[0] + part[j]
+                    b[blk // H, blk % H] = acc[0]
+
+    return b_proj
+
+
 def build(out_dir: Path, prefill: bool = True) -> None:
     """Compile the decode kernel for each head count into ``out_dir`` (run where nvcc is), and
     the prefill kernels unless ``prefill`` is false."""
@@ -97,6 +137,13 @@ def build(out_dir: Path, prefill: bool = True) -> None:
             with precompiled_cuda(spec.nvcc_arch):
                 lib = tvm.compile(tvm.IRModule({"kda_decode_fused": f}), target=spec.tvm_target())
             path = out_dir / f"kda_decode_h{h}_{_tiling_name(cb, ks, vec, mb, pdl)}.so"
+            lib.export_library(str(path))
+            print(f"built {path}")
+        for trigger in (False, True):
+            f = _b_proj_kernel(h, trigger).with_attr("global_symbol", "b_proj")
+            with precompiled_cuda(spec.nvcc_arch):
+                lib = tvm.compile(tvm.IRModule({"b_proj": f}), target=spec.tvm_target())
+            path = out_dir / f"b_proj_h{h}{'_trigger' if trigger else ''}.so"
             lib.export_library(str(path))
             print(f"built {path}")
     if prefill:
@@ -319,6 +366,9 @@ def run(lib_dir: Path) -> dict:
         variants = {_tiling_name(*t): tvm.runtime.load_module(
             str(lib_dir / f"kda_decode_h{H}_{_tiling_name(*t)}.so"))["kda_decode_fused"]
             for t in _decode_variants() if (lib_dir / f"kda_decode_h{H}_{_tiling_name(*t)}.so").exists()}
+        tvm_preds = {tag: tvm.runtime.load_module(str(lib_dir / f"b_proj_h{H}{suffix}.so"))["b_proj"]
+                     for tag, suffix in (("plain", ""), ("trigger", "_trigger"))
+                     if (lib_dir / f"b_proj_h{H}{suffix}.so").exists()}
         A_log = torch.log(torch.empty(H, device=dev).uniform_(1, 16))
         dt_bias = torch.randn(H * K, device=dev) * 0.5
         for B in DECODE_BATCHES:
@@ -345,7 +395,7 @@ def run(lib_dir: Path) -> dict:
                 calls = [lambda a=a, fn=fn: fn(*a, 0, o_t) for a in rot_args]
                 tilings[name] = time_cuda(rotate(calls))
                 tilings_graph[name] = time_cuda_graph(rotate(calls))
-            stream = _behind_predecessor(variants, rot_args, o_t, o, b, pool, pool0, args, B, H) \
+            stream = _behind_predecessor(variants, rot_args, o_t, o, b, pool, pool0, args, B, H, tvm_preds) \
                 if _tiling_name(*DECODE_PDL_TILING, True) in variants else None
             del rot_args, calls
             # every variant's one step vs the best's (from the same initial pool)
@@ -404,8 +454,8 @@ def run(lib_dir: Path) -> dict:
             state_bytes = 2 * B * H * K * V * 4
             roof_ms = state_bytes / bw * 1e3
             if stream:
-                for name in (_tiling_name(*DECODE_PDL_TILING), _tiling_name(*DECODE_PDL_TILING, True)):
-                    stream[f"{name}_marginal_pct_roofline"] = 100 * roof_ms / stream[f"{name}_marginal_ms"]
+                for key in [k for k in stream if k.endswith("_marginal_ms")]:
+                    stream[key.replace("_marginal_ms", "_marginal_pct_roofline")] = 100 * roof_ms / stream[key]
             # what a device copy of the same bytes reaches, timed the same way (rotated copies,
             # CUDA graph): small states cannot reach the 2 GiB copy's bandwidth either
             srcs = [torch.empty(B * H * K * V, device=dev) for _ in range(nrot)]
@@ -429,7 +479,8 @@ def run(lib_dir: Path) -> dict:
     return results
 
 
-def _behind_predecessor(variants: dict, rot_args: list, o_t, o, b, pool, pool0, args, B: int, H: int) -> dict:
+def _behind_predecessor(variants: dict, rot_args: list, o_t, o, b, pool, pool0, args, B: int, H: int,
+                        tvm_preds: dict | None = None) -> dict:
     """The model's decode tiling with and without programmatic dependent launch, each behind a
     predecessor kernel that writes the decode's ``b`` input (``b = x W_b``, fp32, x [B, HIDDEN],
     the shape of K3's b_proj), as in a model step: CUDA graphs of 10 (predecessor, decode)
@@ -438,6 +489,7 @@ def _behind_predecessor(variants: dict, rot_args: list, o_t, o, b, pool, pool0, 
     waited for the predecessor's write, each variant's max |o − o of the plain variant| after one
     graph replay whose predecessor writes a ``b`` that was garbage before (0 when it waited)."""
     import torch
+    import tvm
     import tvm_ffi
 
     plain, pdl = _tiling_name(*DECODE_PDL_TILING), _tiling_name(*DECODE_PDL_TILING, True)
@@ -456,6 +508,34 @@ def _behind_predecessor(variants: dict, rot_args: list, o_t, o, b, pool, pool0, 
         calls = [lambda a=a, fn=fn: (pred(), fn(*a, 0, o_t)) for a in rot_args]
         out[f"{name}_pair_graph_ms"] = time_cuda_graph(rotate(calls))
         out[f"{name}_marginal_ms"] = out[f"{name}_pair_graph_ms"] - out["predecessor_graph_ms"]
+    # the same behind a TVM kernel (_b_proj_kernel), and behind it with an early trigger
+    if tvm_preds:
+        xt, wt, bt = (tvm.runtime.from_dlpack(t) for t in (x, w.t().contiguous(), b))
+        for tag, kfn in tvm_preds.items():
+            out[f"tvm_{tag}_predecessor_graph_ms"] = time_cuda_graph(lambda kfn=kfn: kfn(xt, wt, bt))
+            for name in (plain, pdl):
+                fn = variants[name]
+                calls = [lambda a=a, fn=fn, kfn=kfn: (kfn(xt, wt, bt), fn(*a, 0, o_t)) for a in rot_args]
+                out[f"tvm_{tag}_{name}_pair_graph_ms"] = t = time_cuda_graph(rotate(calls))
+                out[f"tvm_{tag}_{name}_marginal_ms"] = t - out[f"tvm_{tag}_predecessor_graph_ms"]
+        # the check of the early trigger: b garbage until the triggering predecessor writes it
+        kfn = tvm_preds["trigger"]
+        g = torch.cuda.CUDAGraph()
+        with tvm_ffi.use_torch_stream(torch.cuda.graph(g)):
+            kfn(xt, wt, bt)
+            variants[pdl](*args, 0, o_t)
+        pool.copy_(pool0)
+        b.fill_(1e4)
+        torch.cuda.synchronize()
+        g.replay()
+        torch.cuda.synchronize()
+        o_trig = o.clone()
+        pool.copy_(pool0)
+        tvm_preds["plain"](xt, wt, bt)
+        variants[plain](*args, 0, o_t)
+        torch.cuda.synchronize()
+        out["trigger_max_abs_diff_o_vs_plain"] = (o_trig - o).abs().max().item()
+        del g
     # the check: b holds garbage until the predecessor in the graph overwrites it
     outs = {}
     for name in (plain, pdl):

@@ -374,9 +374,10 @@ class KimiDeltaAttention(nn.Module):
         b = op.astype(self.b_proj(x), "float32")
         cb, ks, vec = self.decode_tiling
         # programmatic dependent launch (sm_90+, every CUDA target here): the state is loaded
-        # while the kernel ahead of it (b_proj) finishes. 12 heads behind b_proj in a CUDA graph:
-        # 7.1-7.2 instead of 8.2-8.3 µs at batch 16, 28.1-28.4 instead of 28.3-28.7 at 64; 96
-        # heads unchanged (benchmarks/results/kda_decode_pdl_h200_2026-12-02.json, _pdl_b_)
+        # while the kernel ahead of it, b_proj's GEMV, runs (k3_compile/pdl.py makes that kernel
+        # trigger at entry). 12 heads, batch 16 / 64: 7.2 / 26.9-27.1 µs instead of 8.0-8.1 /
+        # 28.8-29.0 behind a b_proj-like TVM kernel in a CUDA graph (benchmarks/results/
+        # kda_decode_pdl_trigger_h200_2026-12-02.json, _trigger_b_)
         kernel = kda_decode_fused_kernel(H, K, K, self.lower_bound, cols_per_block=cb, k_split=ks, vec=vec,
                                          pdl=True)
         kda_state, o = op.tensor_ir_inplace_op(

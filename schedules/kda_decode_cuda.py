@@ -226,8 +226,12 @@ def kda_decode_fused_kernel(H: int, K: int, V: int, lower_bound: float | None,
     then waits (``griddepcontrol.wait``) for the earlier kernels' writes before it reads q, k,
     v, f and b and before it writes anything. The kernel never triggers its own dependents
     early (the trigger is implicit at block exit), so a kernel after it cannot overtake the
-    wait. Its effect is measured behind a predecessor that writes its input
-    (``benchmarks/kda.py``, ``stream`` rows).
+    wait. The loads overlap the kernel ahead only if that kernel triggers its dependents
+    early (``griddepcontrol.launch_dependents``; the model's b_proj GEMV does, through the
+    pass of :mod:`k3_compile.pdl`); behind one that does not, PDL was 1–4% slower on the H200
+    at batch ≥ 16 and 0.5 µs slower at batch 1.
+    Measured behind a predecessor that writes the kernel's b input (``benchmarks/kda.py``,
+    ``stream`` rows; benchmarks/results/kda_decode_pdl_trigger_h200_2026-12-02.json, ``_b_``).
 
     PrimFunc arguments (in order)::
 

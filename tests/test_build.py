@@ -252,6 +252,12 @@ def test_gpu_pipeline_dense_matmuls_read_weights_as_stored_and_branch_on_tokens(
     # and all but b_proj, the 32-row and the 96-row projections fit the prefill kernel
     assert n_wg >= len(dense) - 4, (n_wg, sorted(dense))
     assert n_gemv >= 1, sorted(dense)
+    # the kernel launched before the PDL KDA decode kernel, b_proj's GEMV (all four token-count
+    # branches), triggers its dependents at entry; no other function does (k3_compile/pdl.py)
+    trig = {n: f.script().count("T.ptx.griddepcontrol(\"launch_dependents\"") for n, f in out.items()
+            if "launch_dependents" in f.script()}
+    b_proj = [n for n, f in out.items() if any(p.name.endswith("self_attn.b_proj.weight") for p in f.params)]
+    assert len(b_proj) == 1 and trig == {b_proj[0]: 4}, (trig, b_proj)
     # the router weight is read by the router's matmul only (no fp32 copy made per call)
     readers = {n for n, f in out.items() for p in f.params
                if p.name.endswith("block_sparse_moe.gate.weight")}
