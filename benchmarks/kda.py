@@ -60,9 +60,10 @@ DECODE_TILINGS = ((32, 4, 1, 0), (64, 2, 1, 0), (16, 8, 1, 0), (32, 2, 1, 0), (1
 
 
 # the model's tiling also built with programmatic dependent launch (``pdl``: the state loaded
-# before griddepcontrol.wait); both timed standalone and behind a predecessor kernel that writes
-# the decode's b input (the ``stream`` fields: b = x W_b, x [B, HIDDEN], as K3's b_proj), so
-# that the launch gap between two kernels is in the time
+# before griddepcontrol.wait); both timed standalone and behind predecessor kernels that write
+# one of the decode's inputs (the ``stream`` fields: torch.matmul and the TVM stand-ins of
+# _predecessor_kernels, plain and triggering their dependents at entry),
+# so that the launch gap between two kernels is in the time
 DECODE_PDL_TILING = (64, 4, 2, 0)
 HIDDEN = 7168
 
@@ -77,44 +78,85 @@ def _decode_variants():
     return [t + (False,) for t in DECODE_TILINGS] + [DECODE_PDL_TILING + (True,)]
 
 
-def _b_proj_kernel(H: int, trigger: bool):
-    """A stand-in for the model's b_proj GEMV as a TVM kernel, the decode's predecessor in the
-    ``stream`` rows: ``b [n, H] = x [n, HIDDEN] · w [H, HIDDEN]ᵀ`` (fp32), a block of 256 threads
-    per output. ``trigger``: every thread first executes ``griddepcontrol.launch_dependents``,
-    so that a PDL-launched decode may start while this kernel runs (its pre-wait part reads
-    only the state, which this kernel does not write)."""
+def _predecessor_kernels(H: int) -> dict:
+    """Stand-ins, as TVM kernels, for the kernel that the compiled model launches right before
+    the KDA decode, each writing one of the decode's inputs: ``b_proj`` (k3-nano's: ``b [n, H] =
+    x [n, HIDDEN] · w [H, HIDDEN]ᵀ``, fp32, a block of 256 threads per output), ``cast`` (K3's,
+    where b_proj joins the sibling GEMV: f_b_proj's bf16 output cast to the fp32 ``f [n, H·K]``)
+    and ``f_b`` (f_b_proj itself, ``f [n, H·K] = f_a [n, K] · w [K, H·K]``, fp32, one output a
+    thread). Each plain and triggering its dependents at entry (``griddepcontrol.
+    launch_dependents`` as the first statement inside the thread bindings). Returns ``{name:
+    PrimFunc}``: ``b_proj``, ``b_proj_trigger``, ``cast``, ``cast_trigger``, ``f_b``,
+    ``f_b_trigger``."""
     from tvm.script import tirx as T
 
     NT, NI = 256, HIDDEN // 256
+    NB = H * K // NT     # blocks a token for the cast and f_b
 
-    @T.prim_func(private=True)
-    def b_proj(x_h: T.handle, w_h: T.handle, b_h: T.handle):
-        T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
-        n = T.int64()
-        x = T.match_buffer(x_h, (n, HIDDEN), "float32")
-        w = T.match_buffer(w_h, (H, HIDDEN), "float32")
-        b = T.match_buffer(b_h, (n, H), "float32")
-        for blk in T.thread_binding(n * H, thread="blockIdx.x"):
-            for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                part = T.alloc_buffer((NT // 32,), "float32", scope="shared")
-                acc = T.alloc_buffer((1,), "float32", scope="local")
-                if trigger:
-                    T.ptx.griddepcontrol.launch_dependents()
-                acc[0] = T.float32(0)
-                for i in range(NI):
-                    acc[0] = acc[0] + x[blk // H, i * NT + tx] * w[blk % H, i * NT + tx]
-                for o in T.unroll(5):
-                    acc[0] = acc[0] + T.call_extern("float32", "__shfl_xor_sync", T.uint32(0xFFFFFFFF),
-                                                    acc[0], 16 >> o, 32)
-                if tx % 32 == 0:
-                    part[tx // 32] = acc[0]
-                T.tvm_storage_sync("shared")
-                if tx == 0:
-                    for j in range(1, NT // 32):
-                        acc[0] = acc[0] + part[j]
-                    b[blk // H, blk % H] = acc[0]
+    def build(trigger: bool):
+        @T.prim_func(private=True)
+        def b_proj(x_h: T.handle, w_h: T.handle, b_h: T.handle):
+            T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
+            n = T.int64()
+            x = T.match_buffer(x_h, (n, HIDDEN), "float32")
+            w = T.match_buffer(w_h, (H, HIDDEN), "float32")
+            b = T.match_buffer(b_h, (n, H), "float32")
+            for blk in T.thread_binding(n * H, thread="blockIdx.x"):
+                for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                    if trigger:
+                        T.ptx.griddepcontrol.launch_dependents()
+                    part = T.alloc_buffer((NT // 32,), "float32", scope="shared")
+                    acc = T.alloc_buffer((1,), "float32", scope="local")
+                    acc[0] = T.float32(0)
+                    for i in range(NI):
+                        acc[0] = acc[0] + x[blk // H, i * NT + tx] * w[blk % H, i * NT + tx]
+                    for o in T.unroll(5):
+                        acc[0] = acc[0] + T.call_extern("float32", "__shfl_xor_sync", T.uint32(0xFFFFFFFF),
+                                                        acc[0], 16 >> o, 32)
+                    if tx % 32 == 0:
+                        part[tx // 32] = acc[0]
+                    T.tvm_storage_sync("shared")
+                    if tx == 0:
+                        for j in range(1, NT // 32):
+                            acc[0] = acc[0] + part[j]
+                        b[blk // H, blk % H] = acc[0]
 
-    return b_proj
+        @T.prim_func(private=True)
+        def cast(src_h: T.handle, dst_h: T.handle):
+            T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
+            n = T.int64()
+            src = T.match_buffer(src_h, (n, H * K), "bfloat16")
+            dst = T.match_buffer(dst_h, (n, H * K), "float32")
+            for blk in T.thread_binding(n * NB, thread="blockIdx.x"):
+                for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                    if trigger:
+                        T.ptx.griddepcontrol.launch_dependents()
+                    dst[blk // NB, blk % NB * NT + tx] = T.Cast("float32", src[blk // NB, blk % NB * NT + tx])
+
+        @T.prim_func(private=True)
+        def f_b(fa_h: T.handle, w_h: T.handle, dst_h: T.handle):
+            T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
+            n = T.int64()
+            fa = T.match_buffer(fa_h, (n, K), "float32")
+            w = T.match_buffer(w_h, (K, H * K), "float32")
+            dst = T.match_buffer(dst_h, (n, H * K), "float32")
+            for blk in T.thread_binding(n * NB, thread="blockIdx.x"):
+                for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                    if trigger:
+                        T.ptx.griddepcontrol.launch_dependents()
+                    acc = T.alloc_buffer((1,), "float32", scope="local")
+                    acc[0] = T.float32(0)
+                    for r in range(K):
+                        acc[0] = acc[0] + fa[blk // NB, r] * w[r, blk % NB * NT + tx]
+                    dst[blk // NB, blk % NB * NT + tx] = acc[0]
+
+        return {"b_proj": b_proj, "cast": cast, "f_b": f_b}
+
+    out = {}
+    for trigger in (False, True):
+        for name, f in build(trigger).items():
+            out[name + ("_trigger" if trigger else "")] = f
+    return out
 
 
 def build(out_dir: Path, prefill: bool = True) -> None:
@@ -139,11 +181,11 @@ def build(out_dir: Path, prefill: bool = True) -> None:
             path = out_dir / f"kda_decode_h{h}_{_tiling_name(cb, ks, vec, mb, pdl)}.so"
             lib.export_library(str(path))
             print(f"built {path}")
-        for trigger in (False, True):
-            f = _b_proj_kernel(h, trigger).with_attr("global_symbol", "b_proj")
+        for name, f in _predecessor_kernels(h).items():
             with precompiled_cuda(spec.nvcc_arch):
-                lib = tvm.compile(tvm.IRModule({"b_proj": f}), target=spec.tvm_target())
-            path = out_dir / f"b_proj_h{h}{'_trigger' if trigger else ''}.so"
+                lib = tvm.compile(tvm.IRModule({"main": f.with_attr("global_symbol", "main")}),
+                                  target=spec.tvm_target())
+            path = out_dir / f"pred_{name}_h{h}.so"
             lib.export_library(str(path))
             print(f"built {path}")
     if prefill:
@@ -366,9 +408,9 @@ def run(lib_dir: Path) -> dict:
         variants = {_tiling_name(*t): tvm.runtime.load_module(
             str(lib_dir / f"kda_decode_h{H}_{_tiling_name(*t)}.so"))["kda_decode_fused"]
             for t in _decode_variants() if (lib_dir / f"kda_decode_h{H}_{_tiling_name(*t)}.so").exists()}
-        tvm_preds = {tag: tvm.runtime.load_module(str(lib_dir / f"b_proj_h{H}{suffix}.so"))["b_proj"]
-                     for tag, suffix in (("plain", ""), ("trigger", "_trigger"))
-                     if (lib_dir / f"b_proj_h{H}{suffix}.so").exists()}
+        tvm_preds = {name: tvm.runtime.load_module(str(lib_dir / f"pred_{name}_h{H}.so"))["main"]
+                     for name in ("b_proj", "b_proj_trigger", "cast", "cast_trigger", "f_b", "f_b_trigger")
+                     if (lib_dir / f"pred_{name}_h{H}.so").exists()}
         A_log = torch.log(torch.empty(H, device=dev).uniform_(1, 16))
         dt_bias = torch.randn(H * K, device=dev) * 0.5
         for B in DECODE_BATCHES:
@@ -395,7 +437,7 @@ def run(lib_dir: Path) -> dict:
                 calls = [lambda a=a, fn=fn: fn(*a, 0, o_t) for a in rot_args]
                 tilings[name] = time_cuda(rotate(calls))
                 tilings_graph[name] = time_cuda_graph(rotate(calls))
-            stream = _behind_predecessor(variants, rot_args, o_t, o, b, pool, pool0, args, B, H, tvm_preds) \
+            stream = _behind_predecessor(variants, rot_args, o_t, o, b, f, pool, pool0, args, B, H, tvm_preds) \
                 if _tiling_name(*DECODE_PDL_TILING, True) in variants else None
             del rot_args, calls
             # every variant's one step vs the best's (from the same initial pool)
@@ -479,15 +521,17 @@ def run(lib_dir: Path) -> dict:
     return results
 
 
-def _behind_predecessor(variants: dict, rot_args: list, o_t, o, b, pool, pool0, args, B: int, H: int,
-                        tvm_preds: dict | None = None) -> dict:
+def _behind_predecessor(variants: dict, rot_args: list, o_t, o, b, f, pool, pool0, args, B: int, H: int,
+                        tvm_preds: dict) -> dict:
     """The model's decode tiling with and without programmatic dependent launch, each behind a
     predecessor kernel that writes the decode's ``b`` input (``b = x W_b``, fp32, x [B, HIDDEN],
     the shape of K3's b_proj), as in a model step: CUDA graphs of 10 (predecessor, decode)
-    pairs, every decode on its own state copy. Returns the predecessor's time alone, each
-    pair's, the decode's marginal time (pair − predecessor) and, as a check that the decode
-    waited for the predecessor's write, each variant's max |o − o of the plain variant| after one
-    graph replay whose predecessor writes a ``b`` that was garbage before (0 when it waited)."""
+    pairs, every decode on its own state copy; then the same behind the TVM stand-ins of
+    :func:`_predecessor_kernels` (``tvm_preds``: b_proj writing b, the cast writing f; each
+    plain and triggering at entry). Returns the predecessors' times alone, each pair's, the
+    decode's marginal time (pair − predecessor) and, as a check that the decode waited for the
+    predecessor's write, max |o − o of the plain variant| after one graph replay whose
+    predecessor writes an input that was garbage before (0 when it waited)."""
     import torch
     import tvm
     import tvm_ffi
@@ -508,34 +552,42 @@ def _behind_predecessor(variants: dict, rot_args: list, o_t, o, b, pool, pool0, 
         calls = [lambda a=a, fn=fn: (pred(), fn(*a, 0, o_t)) for a in rot_args]
         out[f"{name}_pair_graph_ms"] = time_cuda_graph(rotate(calls))
         out[f"{name}_marginal_ms"] = out[f"{name}_pair_graph_ms"] - out["predecessor_graph_ms"]
-    # the same behind a TVM kernel (_b_proj_kernel), and behind it with an early trigger
-    if tvm_preds:
-        xt, wt, bt = (tvm.runtime.from_dlpack(t) for t in (x, w.t().contiguous(), b))
-        for tag, kfn in tvm_preds.items():
-            out[f"tvm_{tag}_predecessor_graph_ms"] = time_cuda_graph(lambda kfn=kfn: kfn(xt, wt, bt))
+    # the same behind the TVM stand-ins (_predecessor_kernels), plain and triggering at entry
+    inputs = {"b_proj": (b, [tvm.runtime.from_dlpack(t) for t in (x, w.t().contiguous(), b)]),
+              "cast": (f, [tvm.runtime.from_dlpack(t) for t in (f.to(torch.bfloat16).view(B, -1), f.view(B, -1))]),
+              "f_b": (f, [tvm.runtime.from_dlpack(t) for t in (torch.randn(B, K, device=dev),
+                                                                 torch.randn(K, H * K, device=dev) * K ** -0.5,
+                                                                 f.view(B, -1))])}
+    for kind, (target, kargs) in inputs.items():
+        if kind not in tvm_preds or f"{kind}_trigger" not in tvm_preds:
+            continue
+        saved = target.clone()
+        for tag in (kind, f"{kind}_trigger"):
+            kfn = tvm_preds[tag]
+            out[f"{tag}_predecessor_graph_ms"] = time_cuda_graph(lambda kfn=kfn: kfn(*kargs))
             for name in (plain, pdl):
                 fn = variants[name]
-                calls = [lambda a=a, fn=fn, kfn=kfn: (kfn(xt, wt, bt), fn(*a, 0, o_t)) for a in rot_args]
-                out[f"tvm_{tag}_{name}_pair_graph_ms"] = t = time_cuda_graph(rotate(calls))
-                out[f"tvm_{tag}_{name}_marginal_ms"] = t - out[f"tvm_{tag}_predecessor_graph_ms"]
-        # the check of the early trigger: b garbage until the triggering predecessor writes it
-        kfn = tvm_preds["trigger"]
+                calls = [lambda a=a, fn=fn, kfn=kfn: (kfn(*kargs), fn(*a, 0, o_t)) for a in rot_args]
+                out[f"{tag}_{name}_pair_graph_ms"] = t = time_cuda_graph(rotate(calls))
+                out[f"{tag}_{name}_marginal_ms"] = t - out[f"{tag}_predecessor_graph_ms"]
+        # the check of the early trigger: the input garbage until the triggering kernel writes it
         g = torch.cuda.CUDAGraph()
         with tvm_ffi.use_torch_stream(torch.cuda.graph(g)):
-            kfn(xt, wt, bt)
+            tvm_preds[f"{kind}_trigger"](*kargs)
             variants[pdl](*args, 0, o_t)
         pool.copy_(pool0)
-        b.fill_(1e4)
+        target.fill_(1e4)
         torch.cuda.synchronize()
         g.replay()
         torch.cuda.synchronize()
         o_trig = o.clone()
         pool.copy_(pool0)
-        tvm_preds["plain"](xt, wt, bt)
+        tvm_preds[kind](*kargs)
         variants[plain](*args, 0, o_t)
         torch.cuda.synchronize()
-        out["trigger_max_abs_diff_o_vs_plain"] = (o_trig - o).abs().max().item()
+        out[f"{kind}_trigger_max_abs_diff_o_vs_plain"] = (o_trig - o).abs().max().item()
         del g
+        target.copy_(saved)
     # the check: b holds garbage until the predecessor in the graph overwrites it
     outs = {}
     for name in (plain, pdl):

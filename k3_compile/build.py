@@ -248,8 +248,6 @@ def gpu_relax_pipeline(target, cuda_graph: bool = False, low_batch=LOW_BATCH, wg
     dlight schedule per function; ignored on Metal, where its tiled branch would crash).
 
     ``wgmma``: the target has Hopper's warpgroup MMA (:func:`low_batch_specialize`).
-    On CUDA, :func:`k3_compile.pdl.trigger_dependents_early` lets the kernel launched before
-    each programmatic-dependent-launch kernel (the KDA decode) trigger it at entry.
     ``tensor_cores``: the dense projections may take the hand-written kernels
     (:func:`low_batch_specialize`; False: dlight's schedules alone, ``k3 compile --generic-kernels``).
 
@@ -266,7 +264,6 @@ def gpu_relax_pipeline(target, cuda_graph: bool = False, low_batch=LOW_BATCH, wg
     from tvm import relax
     from tvm.s_tir import dlight as dl
 
-    from .pdl import trigger_dependents_early
     from .sibling_gemvs import fuse_sibling_gemvs
 
     rules = [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(),
@@ -304,8 +301,6 @@ def gpu_relax_pipeline(target, cuda_graph: bool = False, low_batch=LOW_BATCH, wg
                                                                           wgmma=wgmma and tensor_cores)] if low_batch else []),
                                dl.ApplyDefaultSchedule(*rules)]),
             relax.transform.RewriteDataflowReshape(),
-            # the kernel launched before each PDL kernel triggers its dependents at entry
-            *([trigger_dependents_early()] if target.kind.name == "cuda" else []),
             relax.transform.ToNonDataflow(),
             relax.transform.RemovePurityChecking(),
             relax.transform.CallTIRRewrite(),

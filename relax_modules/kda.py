@@ -373,13 +373,7 @@ class KimiDeltaAttention(nn.Module):
         f = op.astype(op.reshape(self.f_b_proj(self.f_a_proj(x)), (T, H, K)), "float32")
         b = op.astype(self.b_proj(x), "float32")
         cb, ks, vec = self.decode_tiling
-        # programmatic dependent launch (sm_90+, every CUDA target here): the state is loaded
-        # while the kernel ahead of it, b_proj's GEMV, runs (k3_compile/pdl.py makes that kernel
-        # trigger at entry). 12 heads, batch 16 / 64: 7.2 / 26.9-27.1 µs instead of 8.0-8.1 /
-        # 28.8-29.0 behind a b_proj-like TVM kernel in a CUDA graph (benchmarks/results/
-        # kda_decode_pdl_trigger_h200_2026-12-02.json, _trigger_b_)
-        kernel = kda_decode_fused_kernel(H, K, K, self.lower_bound, cols_per_block=cb, k_split=ks, vec=vec,
-                                         pdl=True)
+        kernel = kda_decode_fused_kernel(H, K, K, self.lower_bound, cols_per_block=cb, k_split=ks, vec=vec)
         kda_state, o = op.tensor_ir_inplace_op(
             kernel, "kda_decode_fused",
             [q, k, v, f, b, self.A_log, self.dt_bias, meta.seq_slots, kda_state, _i32(kda_index)],

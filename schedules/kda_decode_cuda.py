@@ -219,19 +219,20 @@ def kda_decode_fused_kernel(H: int, K: int, V: int, lower_bound: float | None,
     ``min_blocks`` > 0 asks ptxas for that many blocks per SM (``__launch_bounds__``).
     :func:`decode_tiling` gives the model's choice and the measurements behind it.
 
-    ``pdl``: programmatic dependent launch (CUDA ``cudaLaunchAttributeProgrammaticStream
-    Serialization``, TVM's launch tag :data:`PDL_LAUNCH_TAG`): the kernel may start before the
-    kernel ahead of it in the stream has finished. Each thread first loads its pool slot
-    and its slice of the state — which no kernel of the same decode step writes — and only
-    then waits (``griddepcontrol.wait``) for the earlier kernels' writes before it reads q, k,
-    v, f and b and before it writes anything. The kernel never triggers its own dependents
-    early (the trigger is implicit at block exit), so a kernel after it cannot overtake the
-    wait. The loads overlap the kernel ahead only if that kernel triggers its dependents
-    early (``griddepcontrol.launch_dependents``; the model's b_proj GEMV does, through the
-    pass of :mod:`k3_compile.pdl`); behind one that does not, PDL was 1–4% slower on the H200
-    at batch ≥ 16 and 0.5 µs slower at batch 1.
-    Measured behind a predecessor that writes the kernel's b input (``benchmarks/kda.py``,
-    ``stream`` rows; benchmarks/results/kda_decode_pdl_trigger_h200_2026-12-02.json, ``_b_``).
+    ``pdl`` (measured, not dispatched): programmatic dependent launch (CUDA
+    ``cudaLaunchAttributeProgrammaticStreamSerialization``, TVM's launch tag
+    :data:`PDL_LAUNCH_TAG`): the kernel may start once the kernel ahead of it in the stream has
+    triggered (``griddepcontrol.launch_dependents``, else at its blocks' exit). Each thread
+    loads its pool slot and its slice of the state first, then waits (``griddepcontrol.wait``)
+    for the kernel ahead before it reads q, k, v, f and b — through L2 (``__ldcg``: on the
+    kernel's ``__restrict__`` pointers nvcc emits ``ld.global.nc``, whose data must not change
+    while the kernel runs; such a build read f before the kernel ahead had written it) — and
+    before it writes anything. It never triggers its own dependents early. On the H200 behind
+    a predecessor that triggers at entry (``benchmarks/kda.py`` ``stream`` rows,
+    benchmarks/results/kda_decode_pdl_final_h200_2026-12-02.json): 7.3 instead of 7.9 µs at 12
+    heads and batch 16 behind a b_proj-like GEMV, within ±1% elsewhere, and no gain behind
+    K3's real predecessor (a cast); timed back to back 4% faster at 12 heads and batch 16 and
+    0.2–1.2% slower at batch 64. So the model does not use it.
 
     PrimFunc arguments (in order)::
 
@@ -260,6 +261,16 @@ def kda_decode_fused_kernel(H: int, K: int, V: int, lower_bound: float | None,
     if pdl:
         attrs["tirx.kernel_launch_params"] = [PDL_LAUNCH_TAG]
 
+    def coherent(load):
+        """With PDL, a load of an input the kernel ahead writes (q, k, v, f, b) as ``__ldcg``
+        (``ld.global.cg``, through L2). On the kernel's ``__restrict__`` pointers nvcc would
+        emit ``ld.global.nc``, whose data must not change while the kernel runs, which the
+        kernel ahead may still be doing until the wait: on the H200 such a kernel read f
+        before the kernel ahead of it had written it (tests/test_kda_cuda.py checks the PTX)."""
+        if not pdl:
+            return load
+        return T.call_extern("float32", "__ldcg", T.address_of(load))
+
     @T.macro
     def block(q, k, v, f, bb, A_log, dt_bias, slots, S, layer, o, blk, tx):
         q_s = T.alloc_buffer((K,), "float32", scope="shared")
@@ -277,16 +288,16 @@ def kda_decode_fused_kernel(H: int, K: int, V: int, lower_bound: float | None,
             # kernel ahead finishes, then wait for its writes (q, k, v, f, b)
             load(col, S, lambda i, j: (layer, slot, h, row(tx, i), column(blk, tx, j)))
             T.ptx.griddepcontrol.wait()
-            stage(q_s, k_s, d_s, red, lambda r: q[bi, h, r], lambda r: k[bi, h, r],
-                  lambda r: f[bi, h, r], A_log, dt_bias, h, tx)
+            stage(q_s, k_s, d_s, red, lambda r: coherent(q[bi, h, r]), lambda r: coherent(k[bi, h, r]),
+                  lambda r: coherent(f[bi, h, r]), A_log, dt_bias, h, tx)
         else:
             stage(q_s, k_s, d_s, red, lambda r: q[bi, h, r], lambda r: k[bi, h, r],
                   lambda r: f[bi, h, r], A_log, dt_bias, h, tx)
             # this thread's slice of the state, loaded once (the loads overlap the norms' barrier)
             load(col, S, lambda i, j: (layer, slot, h, row(tx, i), column(blk, tx, j)))
         norms(nrm, red, tx)
-        update(col, q_s, k_s, d_s, part, red, bb[bi, h], lambda j: v[bi, h, column(blk, tx, j)], S,
-               lambda i, j: (layer, slot, h, row(tx, i), column(blk, tx, j)), tx)
+        update(col, q_s, k_s, d_s, part, red, coherent(bb[bi, h]), lambda j: coherent(v[bi, h, column(blk, tx, j)]),
+               S, lambda i, j: (layer, slot, h, row(tx, i), column(blk, tx, j)), tx)
         output(part, red, o, lambda j: (bi, h, column(blk, tx, j)), tx)
 
     @T.prim_func(private=True)

@@ -96,18 +96,36 @@ def test_model_tiling_moves_the_state_in_8_byte_accesses(tmp_path):
     assert "make_float2(S_ptr[" not in src
 
 
+def test_pdl_option_sets_the_launch_tag():
+    """``pdl=True`` carries TVM's launch tag (else the runtime launches the kernel plainly and
+    its wait orders nothing); the default does not."""
+    from schedules.kda_decode_cuda import PDL_LAUNCH_TAG
+
+    assert PDL_LAUNCH_TAG == "tirx.use_programtic_dependent_launch"   # TVM 0.27's spelling
+    f = kda_decode_fused_kernel(12, 128, 128, -5.0, *decode_tiling(128), pdl=True)
+    assert list(f.attrs["tirx.kernel_launch_params"]) == [PDL_LAUNCH_TAG]
+    assert "tirx.kernel_launch_params" not in kda_decode_fused_kernel(12, 128, 128, -5.0, *decode_tiling(128)).attrs
+
+
 @needs_nvcc
-def test_pdl_kernel_loads_the_state_before_the_wait_and_nothing_else(tmp_path):
+def test_pdl_kernel_reads_its_inputs_only_after_the_wait(tmp_path):
     """With programmatic dependent launch the kernel may run while the kernel ahead of it is
-    still writing q, k, v, f and b: only the pool slot and the state may be read before
-    ``griddepcontrol.wait``, and nothing may be written before it. The model's kernel carries
-    TVM's launch tag (else the runtime launches it plainly and the wait has nothing to order)."""
+    still writing q, k, v, f and b: before ``griddepcontrol.wait`` only the pool slot and the
+    state may be read and nothing written, in the source and in the PTX nvcc makes of it. After
+    the wait those inputs must be read through L2 (``ld.global.cg``), not as ``ld.global.nc``
+    (read-only for the kernel's lifetime): the build that let nvcc choose ``.nc`` read f
+    before the kernel ahead had written it on the H200
+    (benchmarks/results/kda_decode_pdl_race_h200_2026-12-02.json)."""
+    import shutil
+    import subprocess
+
     build_sm90a_fatbin(
         "from schedules.kda_decode_cuda import decode_tiling, kda_decode_fused_kernel\n"
         "f = kda_decode_fused_kernel(12, 128, 128, -5.0, *decode_tiling(128), pdl=True)"
         ".with_attr('global_symbol', 'k')\n"
         "mod = tvm.IRModule({'k': f})", tmp_path, keep_src=True)
-    src = "".join(p.read_text() for p in (tmp_path / "src").glob("*.cu"))
+    cu = next((tmp_path / "src").glob("*.cu"))
+    src = cu.read_text()
     body = src[src.index("__global__"):]
     before, after = body.split("tvm_builtin_ptx_griddepcontrol_wait();", 1)
     assert before.count("*(float2*)(S_ptr + ") == 32          # the state's loads ...
@@ -115,20 +133,15 @@ def test_pdl_kernel_loads_the_state_before_the_wait_and_nothing_else(tmp_path):
     assert "slots_ptr[" in before
     for name in ("q_ptr[", "k_ptr[", "v_ptr[", "f_ptr[", "bb_ptr[", "o_ptr["):
         assert name not in before and name in after, name
-    from schedules.kda_decode_cuda import PDL_LAUNCH_TAG
-    f = kda_decode_fused_kernel(12, 128, 128, -5.0, *decode_tiling(128), pdl=True)
-    assert list(f.attrs["tirx.kernel_launch_params"]) == [PDL_LAUNCH_TAG]
-    assert "tirx.kernel_launch_params" not in kda_decode_fused_kernel(12, 128, 128, -5.0, *decode_tiling(128)).attrs
-
-
-def test_every_cuda_target_has_griddepcontrol():
-    """The model builds its decode kernel with programmatic dependent launch on every CUDA
-    target (relax_modules/kda.py; tests/test_build.py checks the launch tag); griddepcontrol
-    needs sm_90 or newer, so a CUDA target below it would have to turn it off."""
-    from targets import get_target, list_targets
-
-    archs = [get_target(n).nvcc_arch for n in list_targets() if get_target(n).is_cuda]
-    assert archs and all(int(a[3:].rstrip("a")) >= 90 for a in archs), archs
+    ptx = tmp_path / "k.ptx"
+    subprocess.run([shutil.which("nvcc"), "-ptx", "-arch=sm_90a", "-O3", str(cu), "-o", str(ptx)], check=True,
+                   capture_output=True)
+    pre, post = ptx.read_text().split("griddepcontrol.wait;", 1)
+    assert pre.count("ld.global") == 33 and "st.global" not in pre    # 32 state pairs + the slot
+    # after it: q, k, f, v (a column pair) and b through L2; only the weights A_log and dt_bias,
+    # which no kernel writes, as .nc
+    assert post.count("ld.global.cg") == 11 and post.count("ld.global.nc") == 2, (
+        post.count("ld.global.cg"), post.count("ld.global.nc"))
 
 
 @pytest.mark.parametrize("lower_bound", [-5.0, None])
