@@ -283,17 +283,15 @@ def kda_decode_fused_kernel(H: int, K: int, V: int, lower_bound: float | None,
         bi = blk // (H * NCB)
         h = blk % (H * NCB) // NCB
         slot = slots[bi]
+        # this thread's slice of the state, loaded once: with PDL first (the slot and the state
+        # depend on no kernel of this step), then wait for the kernel ahead's writes (q, k, v,
+        # f, b); else after the staging, so that the loads overlap the norms' barrier
         if pdl:
-            # the slot and the state depend on no kernel of this step: loaded while the
-            # kernel ahead finishes, then wait for its writes (q, k, v, f, b)
             load(col, S, lambda i, j: (layer, slot, h, row(tx, i), column(blk, tx, j)))
             T.ptx.griddepcontrol.wait()
-            stage(q_s, k_s, d_s, red, lambda r: coherent(q[bi, h, r]), lambda r: coherent(k[bi, h, r]),
-                  lambda r: coherent(f[bi, h, r]), A_log, dt_bias, h, tx)
-        else:
-            stage(q_s, k_s, d_s, red, lambda r: q[bi, h, r], lambda r: k[bi, h, r],
-                  lambda r: f[bi, h, r], A_log, dt_bias, h, tx)
-            # this thread's slice of the state, loaded once (the loads overlap the norms' barrier)
+        stage(q_s, k_s, d_s, red, lambda r: coherent(q[bi, h, r]), lambda r: coherent(k[bi, h, r]),
+              lambda r: coherent(f[bi, h, r]), A_log, dt_bias, h, tx)
+        if not pdl:
             load(col, S, lambda i, j: (layer, slot, h, row(tx, i), column(blk, tx, j)))
         norms(nrm, red, tx)
         update(col, q_s, k_s, d_s, part, red, coherent(bb[bi, h]), lambda j: coherent(v[bi, h, column(blk, tx, j)]),
