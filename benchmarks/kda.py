@@ -66,6 +66,7 @@ DECODE_TILINGS = ((32, 4, 1, 0), (64, 2, 1, 0), (16, 8, 1, 0), (32, 2, 1, 0), (1
 # so that the launch gap between two kernels is in the time
 DECODE_PDL_TILING = (64, 4, 2, 0)
 HIDDEN = 7168
+PREDECESSORS = ("b_proj", "cast", "f_b")   # the stand-ins of _predecessor_kernels
 
 
 def _tiling_name(cb: int, ks: int, vec: int = 1, min_blocks: int = 0, pdl: bool = False) -> str:
@@ -150,7 +151,7 @@ def _predecessor_kernels(H: int) -> dict:
                         acc[0] = acc[0] + fa[blk // NB, r] * w[r, blk % NB * NT + tx]
                     dst[blk // NB, blk % NB * NT + tx] = acc[0]
 
-        return {"b_proj": b_proj, "cast": cast, "f_b": f_b}
+        return dict(zip(PREDECESSORS, (b_proj, cast, f_b)))
 
     out = {}
     for trigger in (False, True):
@@ -409,7 +410,7 @@ def run(lib_dir: Path) -> dict:
             str(lib_dir / f"kda_decode_h{H}_{_tiling_name(*t)}.so"))["kda_decode_fused"]
             for t in _decode_variants() if (lib_dir / f"kda_decode_h{H}_{_tiling_name(*t)}.so").exists()}
         tvm_preds = {name: tvm.runtime.load_module(str(lib_dir / f"pred_{name}_h{H}.so"))["main"]
-                     for name in ("b_proj", "b_proj_trigger", "cast", "cast_trigger", "f_b", "f_b_trigger")
+                     for kind in PREDECESSORS for name in (kind, f"{kind}_trigger")
                      if (lib_dir / f"pred_{name}_h{H}.so").exists()}
         A_log = torch.log(torch.empty(H, device=dev).uniform_(1, 16))
         dt_bias = torch.randn(H * K, device=dev) * 0.5
@@ -524,89 +525,73 @@ def run(lib_dir: Path) -> dict:
 def _behind_predecessor(variants: dict, rot_args: list, o_t, o, b, f, pool, pool0, args, B: int, H: int,
                         tvm_preds: dict) -> dict:
     """The model's decode tiling with and without programmatic dependent launch, each behind a
-    predecessor kernel that writes the decode's ``b`` input (``b = x W_b``, fp32, x [B, HIDDEN],
-    the shape of K3's b_proj), as in a model step: CUDA graphs of 10 (predecessor, decode)
-    pairs, every decode on its own state copy; then the same behind the TVM stand-ins of
-    :func:`_predecessor_kernels` (``tvm_preds``: b_proj writing b, the cast writing f; each
-    plain and triggering at entry). Returns the predecessors' times alone, each pair's, the
+    predecessor kernel that writes one of the decode's inputs, as in a model step: CUDA graphs
+    of 10 (predecessor, decode) pairs, every decode on its own state copy. Predecessors:
+    ``torch.matmul`` writing ``b = x W_b`` (fp32, x [B, HIDDEN], the shape of K3's b_proj; keys
+    without a prefix), then each TVM stand-in of :func:`_predecessor_kernels` found in
+    ``tvm_preds`` (b_proj writing b, the cast and f_b writing f), plain and triggering at
+    entry (keys prefixed by its name). Returns each predecessor's time alone, each pair's, the
     decode's marginal time (pair − predecessor) and, as a check that the decode waited for the
-    predecessor's write, max |o − o of the plain variant| after one graph replay whose
-    predecessor writes an input that was garbage before (0 when it waited)."""
+    predecessor's write, max |o − o of the plain decode behind the plain predecessor| after one
+    graph replay whose predecessor writes an input that held garbage before (0 when it
+    waited): ``pdl_max_abs_diff_o_vs_plain`` behind torch, ``<name>_trigger_max_abs_diff_o_vs_plain``
+    with the PDL decode behind the triggering stand-in. The inputs and the pool are restored."""
     import torch
     import tvm
     import tvm_ffi
 
     plain, pdl = _tiling_name(*DECODE_PDL_TILING), _tiling_name(*DECODE_PDL_TILING, True)
     dev = b.device
+    b_true, f_true = b.clone(), f.clone()
     x = torch.randn(B, HIDDEN, device=dev)
     w = torch.randn(HIDDEN, H, device=dev) * HIDDEN ** -0.5
-    b_true = b.clone()
+    kernel_args = {"b_proj": (b, (x, w.t().contiguous(), b)),
+                   "cast": (f, (f.to(torch.bfloat16).view(B, -1), f.view(B, -1))),
+                   "f_b": (f, (torch.randn(B, K, device=dev), torch.randn(K, H * K, device=dev) * K ** -0.5,
+                               f.view(B, -1)))}
 
-    def pred():
-        torch.matmul(x, w, out=b)
+    def tvm_call(tag, kind):
+        kargs = [tvm.runtime.from_dlpack(t) for t in kernel_args[kind][1]]
+        return lambda: tvm_preds[tag](*kargs)
 
-    out = {"predecessor": f"torch.matmul fp32 [{B}, {HIDDEN}] x [{HIDDEN}, {H}] -> b",
-           "predecessor_graph_ms": time_cuda_graph(pred)}
-    for name in (plain, pdl):
-        fn = variants[name]
-        calls = [lambda a=a, fn=fn: (pred(), fn(*a, 0, o_t)) for a in rot_args]
-        out[f"{name}_pair_graph_ms"] = time_cuda_graph(rotate(calls))
-        out[f"{name}_marginal_ms"] = out[f"{name}_pair_graph_ms"] - out["predecessor_graph_ms"]
-    # the same behind the TVM stand-ins (_predecessor_kernels), plain and triggering at entry
-    inputs = {"b_proj": (b, [tvm.runtime.from_dlpack(t) for t in (x, w.t().contiguous(), b)]),
-              "cast": (f, [tvm.runtime.from_dlpack(t) for t in (f.to(torch.bfloat16).view(B, -1), f.view(B, -1))]),
-              "f_b": (f, [tvm.runtime.from_dlpack(t) for t in (torch.randn(B, K, device=dev),
-                                                                 torch.randn(K, H * K, device=dev) * K ** -0.5,
-                                                                 f.view(B, -1))])}
-    for kind, (target, kargs) in inputs.items():
-        if kind not in tvm_preds or f"{kind}_trigger" not in tvm_preds:
-            continue
-        saved = target.clone()
+    # (key prefix, the predecessor's call, the decode input it writes)
+    preds = {"": (lambda: torch.matmul(x, w, out=b), b)}
+    kinds = [k for k in PREDECESSORS if k in tvm_preds and f"{k}_trigger" in tvm_preds]
+    for kind in kinds:
         for tag in (kind, f"{kind}_trigger"):
-            kfn = tvm_preds[tag]
-            out[f"{tag}_predecessor_graph_ms"] = time_cuda_graph(lambda kfn=kfn: kfn(*kargs))
-            for name in (plain, pdl):
-                fn = variants[name]
-                calls = [lambda a=a, fn=fn, kfn=kfn: (kfn(*kargs), fn(*a, 0, o_t)) for a in rot_args]
-                out[f"{tag}_{name}_pair_graph_ms"] = t = time_cuda_graph(rotate(calls))
-                out[f"{tag}_{name}_marginal_ms"] = t - out[f"{tag}_predecessor_graph_ms"]
-        # the check of the early trigger: the input garbage until the triggering kernel writes it
+            preds[tag] = (tvm_call(tag, kind), kernel_args[kind][0])
+
+    out = {"predecessor": f"torch.matmul fp32 [{B}, {HIDDEN}] x [{HIDDEN}, {H}] -> b"}
+    for tag, (call, _) in preds.items():
+        pre = f"{tag}_" if tag else ""
+        out[f"{pre}predecessor_graph_ms"] = time_cuda_graph(call)
+        for name in (plain, pdl):
+            fn = variants[name]
+            calls = [lambda a=a, fn=fn, call=call: (call(), fn(*a, 0, o_t)) for a in rot_args]
+            out[f"{pre}{name}_pair_graph_ms"] = t = time_cuda_graph(rotate(calls))
+            out[f"{pre}{name}_marginal_ms"] = t - out[f"{pre}predecessor_graph_ms"]
+
+    def after_garbage(tag, name):
+        """o after one replay of a graph of (predecessor ``tag``, decode ``name``), the input the
+        predecessor writes set to garbage (1e4) and the pool to its initial state before."""
+        call, target = preds[tag]
         g = torch.cuda.CUDAGraph()
         with tvm_ffi.use_torch_stream(torch.cuda.graph(g)):
-            tvm_preds[f"{kind}_trigger"](*kargs)
-            variants[pdl](*args, 0, o_t)
+            call()
+            variants[name](*args, 0, o_t)
         pool.copy_(pool0)
         target.fill_(1e4)
         torch.cuda.synchronize()
         g.replay()
         torch.cuda.synchronize()
-        o_trig = o.clone()
-        pool.copy_(pool0)
-        tvm_preds[kind](*kargs)
-        variants[plain](*args, 0, o_t)
-        torch.cuda.synchronize()
-        out[f"{kind}_trigger_max_abs_diff_o_vs_plain"] = (o_trig - o).abs().max().item()
-        del g
-        target.copy_(saved)
-    # the check: b holds garbage until the predecessor in the graph overwrites it
-    outs = {}
-    for name in (plain, pdl):
-        fn = variants[name]
-        g = torch.cuda.CUDAGraph()
-        pool.copy_(pool0)
-        torch.cuda.synchronize()
-        with tvm_ffi.use_torch_stream(torch.cuda.graph(g)):
-            pred()
-            fn(*args, 0, o_t)
-        pool.copy_(pool0)
-        b.fill_(1e4)
-        torch.cuda.synchronize()
-        g.replay()
-        torch.cuda.synchronize()
-        outs[name] = o.clone()
-        del g
-    out["pdl_max_abs_diff_o_vs_plain"] = (outs[pdl] - outs[plain]).abs().max().item()
+        return o.clone()
+
+    out["pdl_max_abs_diff_o_vs_plain"] = (after_garbage("", pdl) - after_garbage("", plain)).abs().max().item()
+    for kind in kinds:
+        out[f"{kind}_trigger_max_abs_diff_o_vs_plain"] = (
+            after_garbage(f"{kind}_trigger", pdl) - after_garbage(kind, plain)).abs().max().item()
     b.copy_(b_true)
+    f.copy_(f_true)
     pool.copy_(pool0)
     return out
 
