@@ -325,6 +325,96 @@ def kda_decode_fused_kernel(H: int, K: int, V: int, lower_bound: float | None,
     return kda_decode_fused
 
 
+@functools.cache
+def kda_decode_bulk_kernel(H: int, K: int, V: int, lower_bound: float | None,
+                           cols_per_block: int = 64, k_split: int = 4, vec: int = 2):
+    """The fused decode step with the state moved by the bulk-copy (TMA) unit (sm_90+;
+    measured, not dispatched): the block's ``K × cols_per_block`` state tile is copied into
+    shared memory by ``cp.async.bulk`` (one copy of the whole head when ``cols_per_block`` is
+    ``V``, else one copy a row, issued by thread r for row r) completing on an mbarrier, while
+    the threads stage q, k and the gate; the update of :func:`kda_decode_fused_kernel` then
+    runs from shared memory (same thread mapping, same macros) and writes the tile back in
+    place, and the tile goes back to the pool by bulk copies. Same arguments, results and
+    errors as :func:`kda_decode_fused_kernel`; also ``ValueError`` when fewer threads than
+    rows would issue the copies."""
+    from schedules.wgmma_ptx import (bulk_commit, bulk_load, bulk_store, bulk_wait_read0,
+                                     fence_mbar_init, fence_proxy_async, global_address,
+                                     mbar_expect_tx, mbar_init, mbar_wait, smem_address)
+
+    CB, KS, VEC = cols_per_block, k_split, vec
+    TPR, NT, NCB, KR, row, column = _geometry(K, V, CB, KS, VEC)
+    stage, norms, update, output, load = _step_macros(K, V, lower_bound, CB, KS, VEC)
+    whole = CB == V                       # the head's state is contiguous: one copy
+    n_copies = 1 if whole else K
+    copy_rows = K if whole else 1
+    copy_bytes = copy_rows * CB * 4
+    if n_copies > NT:
+        raise ValueError(f"{NT} threads cannot issue {n_copies} row copies")
+
+    def tile_index(tx, i, j):
+        return row(tx, i) * CB + (tx % TPR) * VEC + j
+
+    @T.prim_func(private=True)
+    def kda_decode_bulk(q_h: T.handle, k_h: T.handle, v_h: T.handle, f_h: T.handle,
+                        b_h: T.handle, alog_h: T.handle, dtb_h: T.handle, slots_h: T.handle,
+                        state_h: T.handle, layer: T.int32, o_h: T.handle):
+        T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
+        n_seq, n_layer, n_slot = T.int64(), T.int64(), T.int64()
+        q = T.match_buffer(q_h, (n_seq, H, K), "float32")
+        k = T.match_buffer(k_h, (n_seq, H, K), "float32")
+        v = T.match_buffer(v_h, (n_seq, H, V), "float32")
+        f = T.match_buffer(f_h, (n_seq, H, K), "float32")
+        bb = T.match_buffer(b_h, (n_seq, H), "float32")
+        A_log = T.match_buffer(alog_h, (H,), "float32")
+        dt_bias = T.match_buffer(dtb_h, (H * K,), "float32")
+        slots = T.match_buffer(slots_h, (n_seq,), "int32")
+        S = T.match_buffer(state_h, (n_layer, n_slot, H, K, V), "float32")
+        o = T.match_buffer(o_h, (n_seq, H, V), "float32")
+        for blk in T.thread_binding(n_seq * (H * NCB), thread="blockIdx.x"):
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                tile = T.alloc_buffer((K * CB,), "float32", scope="shared.dyn")
+                bar = T.alloc_buffer((1,), "uint64", scope="shared")
+                q_s = T.alloc_buffer((K,), "float32", scope="shared")
+                k_s = T.alloc_buffer((K,), "float32", scope="shared")
+                d_s = T.alloc_buffer((K,), "float32", scope="shared")
+                part = T.alloc_buffer((KS, CB), "float32", scope="shared")
+                nrm = T.alloc_buffer((NT // 32, 2), "float32", scope="shared")
+                col = T.alloc_buffer((KR * VEC,), "float32", scope="local")
+                red = T.alloc_buffer((2 + 2 * VEC,), "float32", scope="local")
+                bi = blk // (H * NCB)
+                h = blk % (H * NCB) // NCB
+                slot = slots[bi]
+                if tx == 0:
+                    T.evaluate(mbar_init(T.address_of(bar[0]), 1))
+                    T.evaluate(fence_mbar_init())
+                T.tvm_storage_sync("shared")
+                if tx == 0:
+                    T.evaluate(mbar_expect_tx(T.address_of(bar[0]), T.uint32(K * CB * 4)))
+                if tx < n_copies:
+                    T.evaluate(bulk_load(smem_address(T.address_of(tile[tx * copy_rows * CB])),
+                                         global_address(T.address_of(S[layer, slot, h, tx * copy_rows, blk % NCB * CB])),
+                                         T.uint32(copy_bytes), T.address_of(bar[0])))
+                stage(q_s, k_s, d_s, red, lambda r: q[bi, h, r], lambda r: k[bi, h, r],
+                      lambda r: f[bi, h, r], A_log, dt_bias, h, tx)
+                norms(nrm, red, tx)
+                T.evaluate(mbar_wait(T.address_of(bar[0]), T.uint32(0)))
+                load(col, tile, lambda i, j: tile_index(tx, i, j))
+                update(col, q_s, k_s, d_s, part, red, bb[bi, h], lambda j: v[bi, h, column(blk, tx, j)],
+                       tile, lambda i, j: tile_index(tx, i, j), tx)
+                T.evaluate(fence_proxy_async())
+                T.tvm_storage_sync("shared")
+                if tx < n_copies:
+                    T.evaluate(bulk_store(global_address(T.address_of(S[layer, slot, h, tx * copy_rows, blk % NCB * CB])),
+                                          smem_address(T.address_of(tile[tx * copy_rows * CB])),
+                                          T.uint32(copy_bytes)))
+                    T.evaluate(bulk_commit())
+                output(part, red, o, lambda j: (bi, h, column(blk, tx, j)), tx)
+                if tx < n_copies:
+                    T.evaluate(bulk_wait_read0())
+
+    return kda_decode_bulk
+
+
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def kda_verify_fused_kernel(H: int, K: int, V: int, lower_bound: float | None, tokens: int,
                             cols_per_block: int | None = None, k_split: int | None = None,
