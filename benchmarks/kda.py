@@ -65,22 +65,18 @@ DECODE_TILINGS = ((32, 4, 1, 0), (64, 2, 1, 0), (16, 8, 1, 0), (32, 2, 1, 0), (1
 # _predecessor_kernels, plain and triggering their dependents at entry),
 # so that the launch gap between two kernels is in the time
 DECODE_PDL_TILING = (64, 4, 2, 0)
-# the state moved by the bulk-copy unit (kda_decode_bulk_kernel): (cols_per_block, k_split, vec)
-DECODE_BULK_TILINGS = ((64, 4, 2), (64, 8, 2), (128, 4, 2), (128, 8, 4), (128, 8, 2))
 HIDDEN = 7168
 PREDECESSORS = ("b_proj", "cast", "f_b")   # the stand-ins of _predecessor_kernels
 
 
-def _tiling_name(cb: int, ks: int, vec: int = 1, min_blocks: int = 0, pdl: bool = False,
-                 bulk: bool = False) -> str:
+def _tiling_name(cb: int, ks: int, vec: int = 1, min_blocks: int = 0, pdl: bool = False) -> str:
     return (f"cb{cb}_ks{ks}" + (f"_v{vec}" if vec > 1 else "") + (f"_mb{min_blocks}" if min_blocks else "")
-            + ("_pdl" if pdl else "") + ("_bulk" if bulk else ""))
+            + ("_pdl" if pdl else ""))
 
 
 def _decode_variants():
-    """(cols_per_block, k_split, vec, min_blocks, pdl, bulk) of every decode library built."""
-    return ([t + (False, False) for t in DECODE_TILINGS] + [DECODE_PDL_TILING + (True, False)]
-            + [t + (0, False, True) for t in DECODE_BULK_TILINGS])
+    """(cols_per_block, k_split, vec, min_blocks, pdl) of every decode library built."""
+    return [t + (False,) for t in DECODE_TILINGS] + [DECODE_PDL_TILING + (True,)]
 
 
 def _predecessor_kernels(H: int) -> dict:
@@ -171,20 +167,19 @@ def build(out_dir: Path, prefill: bool = True) -> None:
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from k3_compile.device_code import precompiled_cuda
-    from schedules.kda_decode_cuda import kda_decode_bulk_kernel, kda_decode_fused_kernel
+    from schedules.kda_decode_cuda import kda_decode_fused_kernel
     from targets import get_target
 
     out_dir.mkdir(parents=True, exist_ok=True)
     spec = get_target("cuda-sm90a")
     for h in HEADS:
-        for cb, ks, vec, mb, pdl, bulk in _decode_variants():
-            f = (kda_decode_bulk_kernel(h, K, V, LOWER_BOUND, cols_per_block=cb, k_split=ks, vec=vec) if bulk
-                 else kda_decode_fused_kernel(h, K, V, LOWER_BOUND, cols_per_block=cb, k_split=ks, vec=vec,
-                                              min_blocks=mb, pdl=pdl))
+        for cb, ks, vec, mb, pdl in _decode_variants():
+            f = kda_decode_fused_kernel(h, K, V, LOWER_BOUND, cols_per_block=cb, k_split=ks, vec=vec,
+                                        min_blocks=mb, pdl=pdl)
             f = f.with_attr("global_symbol", "kda_decode_fused")
             with precompiled_cuda(spec.nvcc_arch):
                 lib = tvm.compile(tvm.IRModule({"kda_decode_fused": f}), target=spec.tvm_target())
-            path = out_dir / f"kda_decode_h{h}_{_tiling_name(cb, ks, vec, mb, pdl, bulk)}.so"
+            path = out_dir / f"kda_decode_h{h}_{_tiling_name(cb, ks, vec, mb, pdl)}.so"
             lib.export_library(str(path))
             print(f"built {path}")
         for name, f in _predecessor_kernels(h).items():

@@ -68,24 +68,6 @@ _SRC = {
                          '{ return (unsigned long long)__cvta_generic_to_global(p); }\n',
     "k3_cp_async16_raw": '__forceinline__ __device__ void k3_cp_async16_raw(unsigned s, unsigned long long g) '
                          '{ asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\\n" :: "r"(s), "l"(g) : "memory"); }\n',
-    "k3_fence_mbar_init": '__forceinline__ __device__ void k3_fence_mbar_init() '
-                          '{ asm volatile("fence.mbarrier_init.release.cluster;\\n" ::: "memory"); }\n',
-    "k3_mbar_expect_tx": '__forceinline__ __device__ void k3_mbar_expect_tx(void* bar, unsigned bytes) '
-                         '{ asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\\n" :: '
-                         '"r"((unsigned)__cvta_generic_to_shared(bar)), "r"(bytes) : "memory"); }\n',
-    "k3_bulk_load": '__forceinline__ __device__ void k3_bulk_load(unsigned s, unsigned long long g, '
-                    'unsigned bytes, void* bar) '
-                    '{ asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes '
-                    '[%0], [%1], %2, [%3];\\n" :: "r"(s), "l"(g), "r"(bytes), '
-                    '"r"((unsigned)__cvta_generic_to_shared(bar)) : "memory"); }\n',
-    "k3_bulk_store": '__forceinline__ __device__ void k3_bulk_store(unsigned long long g, unsigned s, '
-                     'unsigned bytes) '
-                     '{ asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\\n" '
-                     ':: "l"(g), "r"(s), "r"(bytes) : "memory"); }\n',
-    "k3_bulk_commit": '__forceinline__ __device__ void k3_bulk_commit() '
-                      '{ asm volatile("cp.async.bulk.commit_group;\\n" ::: "memory"); }\n',
-    "k3_bulk_wait_read0": '__forceinline__ __device__ void k3_bulk_wait_read0() '
-                          '{ asm volatile("cp.async.bulk.wait_group.read 0;\\n" ::: "memory"); }\n',
     "k3_trap_if": '__forceinline__ __device__ void k3_trap_if(int c) { if (c) asm volatile("trap;"); }\n',
     "k3_smem_address": '__forceinline__ __device__ unsigned k3_smem_address(const void* p) '
                        '{ return (unsigned)__cvta_generic_to_shared(p); }\n',
@@ -326,39 +308,3 @@ def cp_async16_raw(smem_addr, gaddr):
     ``smem_addr`` (uint32; :func:`smem_address`)."""
     return cuda_func_call("k3_cp_async16_raw", smem_addr, gaddr, source_code=_SRC["k3_cp_async16_raw"])
 
-
-
-def fence_mbar_init():
-    """``fence.mbarrier_init.release.cluster``: makes this thread's ``mbarrier.init`` visible to
-    the bulk-copy (TMA) unit before a copy completes on the barrier."""
-    return cuda_func_call("k3_fence_mbar_init", source_code=_SRC["k3_fence_mbar_init"])
-
-
-def mbar_expect_tx(bar, nbytes):
-    """``mbarrier.arrive.expect_tx``: one arrival of the executing thread on the mbarrier at
-    ``bar`` that also expects ``nbytes`` (uint32) more bytes of bulk copies in this phase."""
-    return cuda_func_call("k3_mbar_expect_tx", bar, nbytes, source_code=_SRC["k3_mbar_expect_tx"])
-
-
-def bulk_load(smem_addr, gaddr, nbytes, bar):
-    """``cp.async.bulk`` of ``nbytes`` (a multiple of 16; both addresses 16-byte aligned) from
-    global address ``gaddr`` (uint64) to shared address ``smem_addr`` (uint32), completing its
-    bytes on the mbarrier at ``bar`` (PTX ISA 9.7.9.25.4.1)."""
-    return cuda_func_call("k3_bulk_load", smem_addr, gaddr, nbytes, bar, source_code=_SRC["k3_bulk_load"])
-
-
-def bulk_store(gaddr, smem_addr, nbytes):
-    """``cp.async.bulk`` of ``nbytes`` from shared address ``smem_addr`` to global ``gaddr`` in
-    the thread's current bulk group (commit with :func:`bulk_commit`; before the shared memory
-    is reused or the block exits, :func:`bulk_wait_read0`). Generic-proxy writes to the source
-    must be fenced first (:func:`fence_proxy_async`)."""
-    return cuda_func_call("k3_bulk_store", gaddr, smem_addr, nbytes, source_code=_SRC["k3_bulk_store"])
-
-
-def bulk_commit():
-    return cuda_func_call("k3_bulk_commit", source_code=_SRC["k3_bulk_commit"])
-
-
-def bulk_wait_read0():
-    """Until every committed bulk group of this thread has finished reading shared memory."""
-    return cuda_func_call("k3_bulk_wait_read0", source_code=_SRC["k3_bulk_wait_read0"])
