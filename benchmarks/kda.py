@@ -298,6 +298,140 @@ PREFILL_SPLIT = ([("split", bv, ab, {}) for bv, ab in ((16, 8), (32, 8), (64, 8)
                     ("splitcombpre_w2", None, None, {"lower_bound": LOWER_BOUND, "combined": True, "p3_wg": 2})])
 
 
+# the decode step with the short convolutions inside (kda_decode_conv_fused_kernel, one block a
+# head): (k_split, vec); timed against the generic GPU convolution (two kernels a projection)
+# followed by the decode kernel at the model's tiling
+CONV_W = 4
+CONV_FUSED = ((4, 2), (8, 4), (8, 2))
+
+
+def build_conv(out_dir: Path) -> None:
+    """Compile, per head count, the conv-fused decode kernel for each ``CONV_FUSED`` entry
+    (``conv_fused_h{H}_ks{ks}_v{vec}.so``) and the unfused chain it replaces
+    (``conv_split_h{H}.so``: ``short_conv`` — the generic GPU short convolution, bf16 inputs —
+    and ``decode``, the model's decode kernel)."""
+    import tvm
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from k3_compile.device_code import precompiled_cuda
+    from schedules.kda_decode_cuda import decode_tiling, kda_decode_conv_fused_kernel, kda_decode_fused_kernel
+    from schedules.kda_generic import short_conv_kernel
+    from targets import get_target
+
+    spec = get_target("cuda-sm90a")
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    def export(funcs: dict, name: str) -> None:
+        mod = tvm.IRModule({n: f.with_attr("global_symbol", n) for n, f in funcs.items()})
+        with precompiled_cuda(spec.nvcc_arch):
+            lib = tvm.compile(mod, target=spec.tvm_target())
+        lib.export_library(str(out_dir / name))
+        print(f"built {out_dir / name}")
+
+    cb, ks, vec = decode_tiling(K)
+    for h in HEADS:
+        export({"short_conv": short_conv_kernel(h * K, CONV_W, "bfloat16", gpu=True),
+                "decode": kda_decode_fused_kernel(h, K, V, LOWER_BOUND, cols_per_block=cb, k_split=ks, vec=vec)},
+               f"conv_split_h{h}.so")
+        for ks_, vec_ in CONV_FUSED:
+            export({"decode_conv": kda_decode_conv_fused_kernel(h, K, CONV_W, LOWER_BOUND, "bfloat16",
+                                                                k_split=ks_, vec=vec_)},
+                   f"conv_fused_h{h}_ks{ks_}_v{vec_}.so")
+
+
+def run_conv(lib_dir: Path) -> list:
+    """The decode step from the projections' outputs to o, at K3's shapes (bf16 q/k/v
+    projections, W = 4): the conv-fused kernel against the generic short convolution of q, k
+    and v (two kernels each) plus the model's decode kernel, both on the same inputs, pools
+    and slots; CUDA-graph GPU time, every call on its own copy of the KDA and conv pools
+    (``state_copies_rotated``); also the decode kernel alone (``decode_only``, on the
+    convolutions' outputs) and the fused step's HBM roofline (state and conv windows read and
+    written, the projections read). Checks: o, the KDA state and the conv windows of each
+    fused variant against the unfused chain (``max_abs_diff``). Returns one row per (heads,
+    batch)."""
+    import torch
+    import tvm
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from k3_compile.device_code import load_cuda_runtime
+
+    load_cuda_runtime()
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    bw = copy_bandwidth()
+    rows = []
+    for H in HEADS:
+        split = tvm.runtime.load_module(str(lib_dir / f"conv_split_h{H}.so"))
+        conv_fn, dec_fn = split["short_conv"], split["decode"]
+        fused = {f"ks{ks}_v{vec}": tvm.runtime.load_module(str(lib_dir / f"conv_fused_h{H}_ks{ks}_v{vec}.so"))["decode_conv"]
+                 for ks, vec in CONV_FUSED}
+        D = H * K
+        A_log = torch.log(torch.empty(H, device=dev).uniform_(1, 16))
+        dt_bias = torch.randn(D, device=dev) * 0.5
+        ws = [torch.randn(D, 1, CONV_W, device=dev) * 0.5 for _ in range(3)]
+        for B in DECODE_BATCHES:
+            xs = [torch.randn(B, D, device=dev).bfloat16() for _ in range(3)]
+            f = torch.randn(B, H, K, device=dev)
+            b = torch.randn(B, H, device=dev)
+            slots = torch.randperm(B, device=dev, dtype=torch.int32)
+            cu = torch.arange(B + 1, device=dev, dtype=torch.int32)
+            tseq = torch.arange(B, device=dev, dtype=torch.int32)
+            pool0 = torch.randn(1, B, H, K, V, device=dev) * 0.1
+            conv0 = torch.randn(1, B, 3, CONV_W - 1, D, device=dev)
+            ys = [torch.empty(B, D, device=dev) for _ in range(3)]
+            o = torch.empty(B, H, V, device=dev)
+            nrot = copies_for((pool0.numel() + conv0.numel()) * 4)
+            pools = [(pool0.clone(), conv0.clone()) for _ in range(nrot)]
+            t = tvm.runtime.from_dlpack
+            fixed = [t(x) for x in (f, b, A_log, dt_bias, slots)]
+            xs_t, ws_t, ys_t = [t(x) for x in xs], [t(w) for w in ws], [t(y) for y in ys]
+            qkv = [t(y.view(B, H, K)) for y in ys]
+            o_t, cu_t, tseq_t = t(o), t(cu), t(tseq)
+
+            def unfused(pool, conv):
+                for p in range(3):
+                    conv_fn(xs_t[p], ws_t[p], cu_t, tseq_t, fixed[4], conv, 0, p, ys_t[p])
+                dec_fn(*qkv, *fixed, pool, 0, o_t)
+
+            def fused_call(fn, pool, conv):
+                fn(*xs_t, *ws_t, *fixed, pool, conv, 0, o_t)
+
+            pools_t = [(t(p), t(c)) for p, c in pools]
+            # HBM roofline of the fused step: the KDA state and the conv windows read and written,
+            # q/k/v projection outputs (bf16) read, at the 2 GiB copy's bandwidth
+            nbytes = 2 * (pool0.numel() + conv0.numel()) * 4 + 3 * B * D * 2
+            row = {"heads": H, "batch": B, "state_copies_rotated": nrot, "launches_unfused": 7,
+                   "launches_fused": 1, "copy_bandwidth_GBps": bw / 1e9, "bytes_fused": nbytes,
+                   "roofline_fused_ms": nbytes / bw * 1e3}
+            row["unfused_graph_ms"] = time_cuda_graph(rotate([lambda pc=pc: unfused(*pc) for pc in pools_t]))
+            row["decode_only_graph_ms"] = time_cuda_graph(
+                rotate([lambda pc=pc: dec_fn(*qkv, *fixed, pc[0], 0, o_t) for pc in pools_t]))
+            for name, fn in fused.items():
+                row[f"fused_{name}_graph_ms"] = time_cuda_graph(
+                    rotate([lambda pc=pc, fn=fn: fused_call(fn, *pc) for pc in pools_t]))
+            # checks: one step from the same pools, fused vs unfused
+            ref_pool, ref_conv = pool0.clone(), conv0.clone()
+            unfused(t(ref_pool), t(ref_conv))
+            torch.cuda.synchronize()
+            o_ref = o.clone()
+            diffs = {}
+            for name, fn in fused.items():
+                p_, c_ = pool0.clone(), conv0.clone()
+                fused_call(fn, t(p_), t(c_))
+                torch.cuda.synchronize()
+                diffs[name] = {"o": (o - o_ref).abs().max().item(), "kda_state": (p_ - ref_pool).abs().max().item(),
+                               "conv_state": (c_ - ref_conv).abs().max().item()}
+            row["max_abs_diff_vs_unfused"] = diffs
+            best = min(fused, key=lambda n: row[f"fused_{n}_graph_ms"])
+            row["best_fused"] = best
+            row["fused_pct_roofline"] = {n: 100 * row["roofline_fused_ms"] / row[f"fused_{n}_graph_ms"] for n in fused}
+            row["speedup_fused_vs_unfused"] = row["unfused_graph_ms"] / row[f"fused_{best}_graph_ms"]
+            print(json.dumps(row))
+            rows.append(row)
+            del pools, pools_t
+    return rows
+
+
 def _split_name(name: str, bv: int | None, ab: int | None) -> str:
     """A split variant's name: ``split_bv16_ab8``, or ``splitauto`` (block_v at run time)."""
     return name if bv is None else f"{name}_bv{bv}_ab{ab}"
@@ -877,7 +1011,7 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build")
     b.add_argument("out_dir", type=Path)
-    b.add_argument("--only", choices=("all", "prefill", "decode"), default="all")
+    b.add_argument("--only", choices=("all", "prefill", "decode", "conv"), default="all")
     b.add_argument("--model-tc", action="store_true",
                    help="prefill: of the two-kernel pair only the tiling the model dispatches")
     b.add_argument("--variants", metavar="REGEX",
@@ -885,8 +1019,9 @@ def main(argv=None) -> int:
     r = sub.add_parser("run")
     r.add_argument("lib_dir", type=Path)
     r.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    r.add_argument("--only", choices=("all", "prefill"), default="all",
-                   help="prefill: skip the decode benchmark")
+    r.add_argument("--only", choices=("all", "prefill", "conv"), default="all",
+                   help="prefill: skip the decode benchmark; conv: only the conv-fused decode against "
+                        "the unfused chain")
     r.add_argument("--quick", action="store_true", help="prefill: two checks, no long check, no fla accuracy")
     r.add_argument("--checks-only", action="store_true", help="prefill: every check of ours, no timing, no fla")
     r.add_argument("--no-fla", action="store_true", help="prefill: time ours only")
@@ -894,11 +1029,20 @@ def main(argv=None) -> int:
     if args.cmd == "build":
         if args.only == "prefill":
             build_prefill(args.out_dir, baseline=False, all_tc=not args.model_tc, only=args.variants)
+        elif args.only == "conv":
+            build_conv(args.out_dir)
         else:
             build(args.out_dir, prefill=args.only == "all")
         return 0
     import torch
 
+    if args.only == "conv":
+        rows = run_conv(args.lib_dir)
+        res = {"decode_conv": rows, "machine": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
+               "commit": git_commit(), "head_dim": K, "conv_width": CONV_W, "lower_bound": LOWER_BOUND}
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "kda_decode_conv_h200.json").write_text(json.dumps(res, indent=1))
+        return 0
     if args.only == "prefill":
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         from k3_compile.device_code import load_cuda_runtime

@@ -326,6 +326,123 @@ def kda_decode_fused_kernel(H: int, K: int, V: int, lower_bound: float | None,
 
 
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
+def kda_decode_conv_fused_kernel(H: int, K: int, W: int, lower_bound: float | None, in_dtype: str,
+                                 k_split: int = 4, vec: int = 2):
+    """The fused decode step with spec §3 step 1 inside: the short convolutions of q, k and v
+    and their conv-window updates, then :func:`kda_decode_fused_kernel`'s step 2–5 (V = K).
+
+    A block is one (sequence, head) — all ``K`` columns (``cols_per_block = K``), ``K / vec ×
+    k_split`` threads — so that it alone reads and rewrites the head's q, k and v conv windows:
+    with the head's columns split over blocks, each block would need every q and k channel's
+    old window, and one block's new window could overwrite it before another had read it.
+    Each thread first issues the loads of its slice of the state (they overlap the
+    convolutions), then the ``3 K`` channels (q, k, v of the head) are spread over the
+    threads: channel c of projection p computes ``y = SiLU(Σ_w w_p[c, 0, w] · [window, x][w])``
+    from its ``W − 1`` stored inputs and this token's ``x_p`` into shared memory, and writes the
+    window shifted by one with ``x_p`` last; the step then runs as in the kernel without the
+    convolutions, q, k and v read from shared memory. One launch replaces the convolution's
+    (two kernels per projection in the generic path) and the decode kernel; y never goes
+    through HBM.
+
+    PrimFunc arguments (in order)::
+
+        xq, xk, xv    [B, H*K]               in_dtype  q_proj(x), k_proj(x), v_proj(x)
+        wq, wk, wv    [H*K, 1, W]            float32   {q,k,v}_conv1d.weight
+        f             [B, H, K]              float32   f_b(f_a(x))
+        b             [B, H]                 float32   b_proj(x)
+        A_log         [H]                    float32
+        dt_bias       [H*K]                  float32
+        seq_slots     [B]                    int32
+        kda_state     [L, S, H, K, K]        float32   in place (argument index 11)
+        conv_state    [L, S, 3, W-1, H*K]    float32   in place (argument index 12)
+        layer         int32
+        o             [B, H, K]              float32   output
+
+    Raises:
+        ValueError: ``W < 2``, or a tiling :func:`kda_decode_fused_kernel` rejects for
+            ``cols_per_block = K``.
+    """
+    if W < 2:
+        raise ValueError(f"short_conv_kernel_size W={W}: the conv window needs W >= 2")
+    V, CB, KS, VEC = K, K, k_split, vec
+    _, NT, NCB, KR, row, column = _geometry(K, V, CB, KS, VEC)
+    stage, norms, update, output, load = _step_macros(K, V, lower_bound, CB, KS, VEC)
+    Wm1 = W - 1
+    per_thread = -(-3 * K // NT)   # channels a thread convolves (q, k, v of the head: 3K)
+
+    @T.macro
+    def conv(y_s, x, w, cs, bi, slot, h, layer, which, r):
+        # channel r of projection ``which``: the output from the old window, then the window
+        # shifted by one with this token's input last (read into registers first: no thread
+        # reads another's channel)
+        win = T.alloc_buffer((Wm1,), "float32", scope="local")
+        acc = T.alloc_buffer((1,), "float32", scope="local")
+        xt = T.Cast("float32", x[bi, h * K + r])
+        for i in T.unroll(Wm1):
+            win[i] = cs[layer, slot, which, i, h * K + r]
+        acc[0] = w[h * K + r, 0, Wm1] * xt
+        for i in T.unroll(Wm1):
+            acc[0] = acc[0] + w[h * K + r, 0, i] * win[i]
+        y_s[which, r] = acc[0] / (T.float32(1) + T.exp(T.float32(0) - acc[0]))
+        for i in T.unroll(Wm1 - 1):
+            cs[layer, slot, which, i, h * K + r] = win[i + 1]
+        cs[layer, slot, which, Wm1 - 1, h * K + r] = xt
+
+    @T.prim_func(private=True)
+    def kda_decode_conv_fused(xq_h: T.handle, xk_h: T.handle, xv_h: T.handle, wq_h: T.handle,
+                              wk_h: T.handle, wv_h: T.handle, f_h: T.handle, b_h: T.handle,
+                              alog_h: T.handle, dtb_h: T.handle, slots_h: T.handle,
+                              state_h: T.handle, conv_h: T.handle, layer: T.int32, o_h: T.handle):
+        T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
+        n_seq, n_layer, n_slot = T.int64(), T.int64(), T.int64()
+        xq = T.match_buffer(xq_h, (n_seq, H * K), in_dtype)
+        xk = T.match_buffer(xk_h, (n_seq, H * K), in_dtype)
+        xv = T.match_buffer(xv_h, (n_seq, H * K), in_dtype)
+        wq = T.match_buffer(wq_h, (H * K, 1, W), "float32")
+        wk = T.match_buffer(wk_h, (H * K, 1, W), "float32")
+        wv = T.match_buffer(wv_h, (H * K, 1, W), "float32")
+        f = T.match_buffer(f_h, (n_seq, H, K), "float32")
+        bb = T.match_buffer(b_h, (n_seq, H), "float32")
+        A_log = T.match_buffer(alog_h, (H,), "float32")
+        dt_bias = T.match_buffer(dtb_h, (H * K,), "float32")
+        slots = T.match_buffer(slots_h, (n_seq,), "int32")
+        S = T.match_buffer(state_h, (n_layer, n_slot, H, K, V), "float32")
+        cs = T.match_buffer(conv_h, (n_layer, n_slot, 3, Wm1, H * K), "float32")
+        o = T.match_buffer(o_h, (n_seq, H, V), "float32")
+        for blk in T.thread_binding(n_seq * H, thread="blockIdx.x"):
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                y_s = T.alloc_buffer((3, K), "float32", scope="shared")
+                q_s = T.alloc_buffer((K,), "float32", scope="shared")
+                k_s = T.alloc_buffer((K,), "float32", scope="shared")
+                d_s = T.alloc_buffer((K,), "float32", scope="shared")
+                part = T.alloc_buffer((KS, CB), "float32", scope="shared")
+                nrm = T.alloc_buffer((NT // 32, 2), "float32", scope="shared")
+                col = T.alloc_buffer((KR * VEC,), "float32", scope="local")
+                red = T.alloc_buffer((2 + 2 * VEC,), "float32", scope="local")
+                bi = blk // H
+                h = blk % H
+                slot = slots[bi]
+                load(col, S, lambda i, j: (layer, slot, h, row(tx, i), column(blk, tx, j)))
+                for i in T.unroll(per_thread):
+                    if i * NT + tx < 3 * K:
+                        if (i * NT + tx) // K == 0:
+                            conv(y_s, xq, wq, cs, bi, slot, h, layer, 0, (i * NT + tx) % K)
+                        elif (i * NT + tx) // K == 1:
+                            conv(y_s, xk, wk, cs, bi, slot, h, layer, 1, (i * NT + tx) % K)
+                        else:
+                            conv(y_s, xv, wv, cs, bi, slot, h, layer, 2, (i * NT + tx) % K)
+                T.tvm_storage_sync("shared")
+                stage(q_s, k_s, d_s, red, lambda r: y_s[0, r], lambda r: y_s[1, r],
+                      lambda r: f[bi, h, r], A_log, dt_bias, h, tx)
+                norms(nrm, red, tx)
+                update(col, q_s, k_s, d_s, part, red, bb[bi, h], lambda j: y_s[2, column(blk, tx, j)],
+                       S, lambda i, j: (layer, slot, h, row(tx, i), column(blk, tx, j)), tx)
+                output(part, red, o, lambda j: (bi, h, column(blk, tx, j)), tx)
+
+    return kda_decode_conv_fused
+
+
+@functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def kda_verify_fused_kernel(H: int, K: int, V: int, lower_bound: float | None, tokens: int,
                             cols_per_block: int | None = None, k_split: int | None = None,
                             vec: int | None = None):
@@ -454,6 +571,21 @@ def kda_verify_fused_reference(q, k, v, f, b, A_log, dt_bias, seq_slots, kda_sta
     return np.stack(o, 1), np.stack(states, 1).astype(np.float32)
 
 
+def decode_conv_tiling(head_dim: int) -> tuple[int, int] | None:
+    """The (k_split, vec) of :func:`kda_decode_conv_fused_kernel` the model uses for
+    ``head_dim`` (one block a head: ``head_dim / vec × k_split`` threads), or None if none of
+    its candidates fits. (8, 2) — 512 threads of 16 rows × 2 columns — was the fastest of (4, 2),
+    (8, 4), (8, 2) at K3's shapes on the H200 but for 12 heads at batch 16, where (4, 2) was
+    0.4% faster (benchmarks/results/kda_decode_conv_h200_2026-12-02.json)."""
+    for ks, vec in ((8, 2), (4, 2), (4, 1), (2, 1), (1, 1)):
+        try:
+            _check_tiling(head_dim, head_dim, head_dim, ks, vec)
+        except ValueError:
+            continue
+        return ks, vec
+    return None
+
+
 def decode_tiling(head_dim: int) -> tuple[int, int, int] | None:
     """The (cols_per_block, k_split, vec) the model uses for ``head_dim``, or None if none of
     its four candidates fits (``head_dim`` a multiple of the columns and of the threads).
@@ -469,6 +601,25 @@ def decode_tiling(head_dim: int) -> tuple[int, int, int] | None:
         if head_dim % cb == 0 and head_dim % (cb // vec * ks) == 0:
             return cb, ks, vec
     return None
+
+
+def kda_decode_conv_fused_reference(xq, xk, xv, wq, wk, wv, f, b, A_log, dt_bias, seq_slots,
+                                    kda_state, conv_state, layer, lower_bound):
+    """NumPy reference of :func:`kda_decode_conv_fused_kernel`: the generic short convolution's
+    reference (:func:`schedules.kda_generic.short_conv_reference`, one token per sequence) for
+    q, k and v, then :func:`kda_decode_fused_reference`. Updates ``kda_state`` and
+    ``conv_state`` in place; shapes as in the kernel; returns ``o [B, H, K]`` float32."""
+    from schedules.kda_generic import short_conv_reference
+
+    B, H = np.asarray(b).shape
+    K = np.asarray(xq).shape[1] // H
+    cu_seqlens = np.arange(B + 1, dtype=np.int32)
+    ys = []
+    for which, (x, w) in enumerate(((xq, wq), (xk, wk), (xv, wv))):
+        y, new_state = short_conv_reference(x, w, cu_seqlens, seq_slots, conv_state, layer, which)
+        conv_state[...] = new_state
+        ys.append(y.reshape(B, H, K))
+    return kda_decode_fused_reference(*ys, f, b, A_log, dt_bias, seq_slots, kda_state, layer, lower_bound)
 
 
 def kda_decode_fused_reference(q, k, v, f, b, A_log, dt_bias, seq_slots, kda_state, layer,

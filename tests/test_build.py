@@ -37,17 +37,22 @@ def _prim_funcs(mod):
 
 def test_gpu_export_uses_scheduled_kernels():
     """export_model(gpu=True): every hand-written kernel is a thread-bound, scheduled variant;
-    the tuned export dispatches the fused KDA decode kernel, ``tuned=False`` (``k3 compile
-    --generic-kernels``) the generic one; gpu=False keeps the CPU loop nests."""
+    the tuned export dispatches the KDA decode kernel with the short convolutions inside
+    (no separate convolution on the decode path: ``kda_short_conv`` then serves prefill
+    only), ``tuned=False`` (``k3 compile --generic-kernels``) the generic one; gpu=False keeps
+    the CPU loop nests."""
     cfg = K3Config.from_file(NANO)
     gpu = _prim_funcs(export_model(cfg, "float32", gpu=True, tuned=False).mod)
-    tuned = _prim_funcs(export_model(cfg, "float32", gpu=True).mod)
+    tuned_mod = export_model(cfg, "float32", gpu=True).mod
+    tuned = _prim_funcs(tuned_mod)
+    assert "kda_short_conv" not in tuned_mod["decode"].script()
+    assert "kda_short_conv" in tuned_mod["prefill"].script()
     cpu = _prim_funcs(export_model(cfg, "float32").mod)
     found = [n for n in gpu if n.startswith(HAND_WRITTEN)]
     assert {n.rstrip("0123456789_") for n in found} >= set(HAND_WRITTEN) - {"moe_gemv"}
-    assert "kda_decode_fused" in tuned and "kda_decode" not in tuned
-    assert "kda_decode_fused" not in gpu
-    found += ["kda_decode_fused"]
+    assert "kda_decode_conv_fused" in tuned and "kda_decode" not in tuned and "kda_decode_fused" not in tuned
+    assert "kda_decode_conv_fused" not in gpu
+    found += ["kda_decode_conv_fused"]
     gpu.update(tuned)
     for name in found:
         f = gpu[name]

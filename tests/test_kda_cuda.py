@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from helpers_tvm import build_sm90a_fatbin, needs_nvcc
-from schedules.kda_decode_cuda import (decode_tiling, kda_decode_fused_kernel, kda_decode_fused_reference,
-                                       kda_verify_fused_kernel, kda_verify_fused_reference)
+from schedules.kda_decode_cuda import (decode_tiling, kda_decode_conv_fused_kernel,
+                                       kda_decode_conv_fused_reference, kda_decode_fused_kernel,
+                                       kda_decode_fused_reference, kda_verify_fused_kernel,
+                                       kda_verify_fused_reference)
 
 
 @pytest.mark.parametrize("lower_bound", [-5.0, None])
@@ -41,6 +43,54 @@ def test_reference_matches_fla_naive_recurrence(lower_bound):
                                        initial_state=t(S0), output_final_state=True)
     np.testing.assert_allclose(o, o_ref[:, 0].numpy(), atol=1e-5)
     np.testing.assert_allclose(pool[1, slots], S_ref.numpy(), atol=1e-5)
+
+
+def test_conv_fused_reference_matches_torch_conv_and_fla():
+    """The conv-fused decode step's reference against an independent chain: torch's depthwise
+    conv1d over [stored window, x] with SiLU, the window shifted by hand, then fla's naive
+    recurrence (odd batch, heads and head_dim; scattered slots; layer 1 of 2)."""
+    from fla.ops.kda.naive import naive_recurrent_kda
+
+    rng = np.random.default_rng(1)
+    B, H, K, W = 3, 3, 24, 4
+    xs = [rng.standard_normal((B, H * K)).astype(np.float32) for _ in range(3)]
+    ws = [(rng.standard_normal((H * K, 1, W)) * 0.5).astype(np.float32) for _ in range(3)]
+    f = rng.standard_normal((B, H, K)).astype(np.float32)
+    b = rng.standard_normal((B, H)).astype(np.float32)
+    A_log = np.log(rng.uniform(1, 16, H)).astype(np.float32)
+    dt_bias = (rng.standard_normal(H * K) * 0.5).astype(np.float32)
+    slots = np.array([4, 0, 2], np.int32)
+    pool = (rng.standard_normal((2, 5, H, K, K)) * 0.1).astype(np.float32)
+    conv = rng.standard_normal((2, 5, 3, W - 1, H * K)).astype(np.float32)
+    S0, win0, conv0 = pool[1, slots].copy(), conv[1, slots].copy(), conv.copy()
+    o = kda_decode_conv_fused_reference(*xs, *ws, f, b, A_log, dt_bias, slots, pool, conv, 1, -5.0)
+
+    t = lambda x: torch.from_numpy(np.ascontiguousarray(x)).double()  # noqa: E731
+    ys = []
+    for p in range(3):
+        xpad = torch.cat([t(win0[:, p]), t(xs[p])[:, None]], dim=1)          # [B, W, H*K]
+        z = torch.nn.functional.conv1d(xpad.transpose(1, 2), t(ws[p]), groups=H * K)[:, :, 0]
+        ys.append(torch.nn.functional.silu(z).view(B, H, K))
+        np.testing.assert_allclose(conv[1, slots, p], xpad[:, 1:].numpy(), atol=0)
+    z = torch.exp(t(A_log))[None, :, None] * (t(f) + t(dt_bias).view(1, H, K))
+    g = -5.0 * torch.sigmoid(z)
+    l2 = lambda x: x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)  # noqa: E731
+    o_ref, S_ref = naive_recurrent_kda(l2(ys[0])[:, None], l2(ys[1])[:, None], ys[2][:, None],
+                                       g[:, None], torch.sigmoid(t(b))[:, None],
+                                       initial_state=t(S0), output_final_state=True)
+    np.testing.assert_allclose(o, o_ref[:, 0].numpy(), atol=1e-5)
+    np.testing.assert_allclose(pool[1, slots], S_ref.numpy(), atol=1e-5)
+    # other slots and the other layer keep their windows
+    np.testing.assert_array_equal(conv[1, [1, 3]], conv0[1, [1, 3]])
+    np.testing.assert_array_equal(conv[0], conv0[0])
+
+
+def test_conv_fused_kernel_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="W >= 2"):
+        kda_decode_conv_fused_kernel(2, 128, 1, -5.0, "bfloat16")
+    # one block a head: K / vec × k_split threads must be whole warps
+    with pytest.raises(ValueError, match="itself a multiple of 32"):
+        kda_decode_conv_fused_kernel(2, 64, 4, -5.0, "bfloat16", k_split=1, vec=4)
 
 
 def test_kernel_rejects_bad_tiling():
@@ -94,6 +144,39 @@ def test_model_tiling_moves_the_state_in_8_byte_accesses(tmp_path):
     src = "".join(p.read_text() for p in (tmp_path / "src").glob("*.cu"))
     assert src.count("*(float2*)(S_ptr + ") == 2 * 32
     assert "make_float2(S_ptr[" not in src
+
+
+@needs_nvcc
+def test_conv_fused_kernel_compiles_with_8_byte_state_accesses(tmp_path):
+    """The conv-fused decode kernel at the model's tiling builds for sm_90a; its 16 rows of a
+    column pair per thread are loaded and stored as float2 (as the plain decode kernel's), and
+    every channel's conv window is read and written in place in the pool."""
+    from schedules.kda_decode_cuda import decode_conv_tiling
+
+    assert decode_conv_tiling(128) == (8, 2)
+    build_sm90a_fatbin(
+        "from schedules.kda_decode_cuda import decode_conv_tiling, kda_decode_conv_fused_kernel\n"
+        "f = kda_decode_conv_fused_kernel(12, 128, 4, -5.0, 'bfloat16', *decode_conv_tiling(128))"
+        ".with_attr('global_symbol', 'k')\n"
+        "mod = tvm.IRModule({'k': f})", tmp_path, keep_src=True)
+    src = "".join(p.read_text() for p in (tmp_path / "src").glob("*.cu"))
+    assert src.count("*(float2*)(S_ptr + ") == 2 * 16
+    assert "make_float2(S_ptr[" not in src
+    # three projections × (3 window reads + 3 window writes), each a cs_ptr access
+    assert src.count("cs_ptr[") == 3 * 6
+
+
+def test_model_dispatches_the_conv_fused_decode():
+    """A GPU build of the KDA layer takes the conv-fused decode where the fused decode fits;
+    ``tuned=False`` (``--generic-kernels``) and CPU builds keep the generic path."""
+    from k3_compile.config import K3Config
+    from relax_modules.kda import KimiDeltaAttention
+
+    cfg = K3Config(hidden_size=64, kda_num_heads=2, kda_head_dim=128, short_conv_kernel_size=4,
+                   gate_lower_bound=-5.0, rms_norm_eps=1e-5)
+    assert KimiDeltaAttention(cfg, "bfloat16", gpu=True).decode_conv_tiling == (8, 2)
+    assert KimiDeltaAttention(cfg, "bfloat16", gpu=True, tuned=False).decode_conv_tiling is None
+    assert KimiDeltaAttention(cfg, "float32", gpu=False).decode_conv_tiling is None
 
 
 def test_pdl_option_sets_the_launch_tag():
