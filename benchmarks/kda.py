@@ -302,7 +302,47 @@ PREFILL_SPLIT = ([("split", bv, ab, {}) for bv, ab in ((16, 8), (32, 8), (64, 8)
 # head): (k_split, vec); timed against the generic GPU convolution (two kernels a projection)
 # followed by the decode kernel at the model's tiling
 CONV_W = 4
-CONV_FUSED = ((4, 2), (8, 4), (8, 2))
+# (k_split, vec, min_blocks)
+CONV_FUSED = ((4, 2, 0), (8, 4, 0), (8, 2, 0), (8, 2, 2), (4, 1, 0))
+# ... with step 6's head norm and gate inside (out_norm_eps)
+CONV_FUSED_NORM = ((8, 2, 0), (8, 2, 2), (4, 1, 2), (4, 2, 0))
+
+
+def _conv_name(ks: int, vec: int, mb: int) -> str:
+    return f"ks{ks}_v{vec}" + (f"_mb{mb}" if mb else "")
+
+
+NORM_EPS = 1e-5   # K3's rms_norm_eps
+
+
+def _output_step_kernel(H: int):
+    """The kernel the GPU pipeline (k3_compile.build.gpu_relax_pipeline) makes of step 6's head
+    norm and gate as the model writes them (o [n, H, K] f32, o_norm.weight [K], g_proj(x) [n,
+    H·K] bf16 → rms_norm(o) · σ(g), f32): the fused ``rms_norm … sigmoid multiply`` PrimFunc,
+    arguments (o, weight, g viewed [n, H, K], out)."""
+    import tvm
+    from tvm.relax.frontend import nn
+    from tvm.relax.frontend.nn import op
+
+    from k3_compile.build import gpu_relax_pipeline
+    from targets import get_target
+
+    class OutputStep(nn.Module):
+        def __init__(self):
+            self.w = nn.Parameter((K,), "float32")
+
+        def forward(self, o, g):
+            n = o.shape[0]
+            o = op.rms_norm(o, self.w, axes=-1, epsilon=NORM_EPS)
+            gate = op.sigmoid(op.astype(op.reshape(g, (n, H, K)), "float32"))
+            return op.astype(op.reshape(o * gate, (n, H * K)), "bfloat16")
+
+    mod, _ = OutputStep().export_tvm(spec={"forward": {"o": nn.spec.Tensor(("n", H, K), "float32"),
+                                                       "g": nn.spec.Tensor(("n", H * K), "bfloat16")}})
+    out = gpu_relax_pipeline(get_target("cuda-sm90a").tvm_target(), wgmma=True)(mod)
+    (f,) = [f for gv, f in out.functions_items()
+            if isinstance(f, tvm.tirx.PrimFunc) and gv.name_hint.startswith("fused_rms_norm")]
+    return f
 
 
 def build_conv(out_dir: Path) -> None:
@@ -314,7 +354,8 @@ def build_conv(out_dir: Path) -> None:
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from k3_compile.device_code import precompiled_cuda
-    from schedules.kda_decode_cuda import decode_tiling, kda_decode_conv_fused_kernel, kda_decode_fused_kernel
+    from schedules.kda_decode_cuda import (decode_conv_tiling, decode_tiling, kda_decode_conv_fused_kernel,
+                                           kda_decode_fused_kernel)
     from schedules.kda_generic import short_conv_kernel
     from targets import get_target
 
@@ -333,10 +374,18 @@ def build_conv(out_dir: Path) -> None:
         export({"short_conv": short_conv_kernel(h * K, CONV_W, "bfloat16", gpu=True),
                 "decode": kda_decode_fused_kernel(h, K, V, LOWER_BOUND, cols_per_block=cb, k_split=ks, vec=vec)},
                f"conv_split_h{h}.so")
-        for ks_, vec_ in CONV_FUSED:
+        # step 6's head norm and gate: inside the kernel, and as the separate kernel the GPU
+        # pipeline makes of the model's ops (KimiDeltaAttention._output up to o_proj)
+        for t in CONV_FUSED_NORM:
+            export({"decode_conv_norm": kda_decode_conv_fused_kernel(h, K, CONV_W, LOWER_BOUND, "bfloat16",
+                                                                     k_split=t[0], vec=t[1], min_blocks=t[2],
+                                                                     out_norm_eps=NORM_EPS)},
+                   f"conv_fusednorm_h{h}_{_conv_name(*t)}.so")
+        export({"out_norm": _output_step_kernel(h)}, f"conv_outnorm_h{h}.so")
+        for t in CONV_FUSED:
             export({"decode_conv": kda_decode_conv_fused_kernel(h, K, CONV_W, LOWER_BOUND, "bfloat16",
-                                                                k_split=ks_, vec=vec_)},
-                   f"conv_fused_h{h}_ks{ks_}_v{vec_}.so")
+                                                                k_split=t[0], vec=t[1], min_blocks=t[2])},
+                   f"conv_fused_h{h}_{_conv_name(*t)}.so")
 
 
 def run_conv(lib_dir: Path) -> list:
@@ -363,8 +412,11 @@ def run_conv(lib_dir: Path) -> list:
     for H in HEADS:
         split = tvm.runtime.load_module(str(lib_dir / f"conv_split_h{H}.so"))
         conv_fn, dec_fn = split["short_conv"], split["decode"]
-        fused = {f"ks{ks}_v{vec}": tvm.runtime.load_module(str(lib_dir / f"conv_fused_h{H}_ks{ks}_v{vec}.so"))["decode_conv"]
-                 for ks, vec in CONV_FUSED}
+        fused = {_conv_name(*t): tvm.runtime.load_module(str(lib_dir / f"conv_fused_h{H}_{_conv_name(*t)}.so"))["decode_conv"]
+                 for t in CONV_FUSED}
+        normed = {_conv_name(*t): tvm.runtime.load_module(
+            str(lib_dir / f"conv_fusednorm_h{H}_{_conv_name(*t)}.so"))["decode_conv_norm"] for t in CONV_FUSED_NORM}
+        out_norm = tvm.runtime.load_module(str(lib_dir / f"conv_outnorm_h{H}.so"))["out_norm"]
         D = H * K
         A_log = torch.log(torch.empty(H, device=dev).uniform_(1, 16))
         dt_bias = torch.randn(D, device=dev) * 0.5
@@ -422,6 +474,39 @@ def run_conv(lib_dir: Path) -> list:
                 diffs[name] = {"o": (o - o_ref).abs().max().item(), "kda_state": (p_ - ref_pool).abs().max().item(),
                                "conv_state": (c_ - ref_conv).abs().max().item()}
             row["max_abs_diff_vs_unfused"] = diffs
+            # step 6's head norm and gate inside the kernel, against the model's tiling followed
+            # by the separate kernel it replaces (o leaves in bf16 instead of f32)
+            g = torch.randn(B, D, device=dev).bfloat16()
+            onw = torch.rand(K, device=dev) + 0.5
+            o16, o32 = torch.empty(B, H, V, device=dev, dtype=torch.bfloat16), torch.empty(B, H, V, device=dev)
+            g_t, g3_t, onw_t, o16_t, o32_t = t(g), t(g.view(B, H, K)), t(onw), t(o16), t(o32)
+            model = fused["ks8_v2"]
+
+            def fused_then_out(pool, conv):
+                fused_call(model, pool, conv)
+                out_norm(o_t, onw_t, g3_t, o32_t)
+
+            def fused_norm(fn, pool, conv):
+                fn(*xs_t, *ws_t, *fixed, pool, conv, 0, g_t, onw_t, o16_t)
+
+            row["fused_then_output_kernel_graph_ms"] = time_cuda_graph(
+                rotate([lambda pc=pc: fused_then_out(*pc) for pc in pools_t]))
+            p_, c_ = pool0.clone(), conv0.clone()
+            fused_then_out(t(p_), t(c_))
+            torch.cuda.synchronize()
+            row["fused_norm_checks"] = {}
+            for name, fn in normed.items():
+                row[f"fused_norm_{name}_graph_ms"] = time_cuda_graph(
+                    rotate([lambda pc=pc, fn=fn: fused_norm(fn, *pc) for pc in pools_t]))
+                p2, c2 = pool0.clone(), conv0.clone()
+                fused_norm(fn, t(p2), t(c2))
+                torch.cuda.synchronize()
+                # bf16 rounding of o: at most 2^-8 of |o| (round to nearest), plus fp32 noise
+                excess = ((o16.float() - o32).abs() - o32.abs() * 2 ** -8).max().item()
+                row["fused_norm_checks"][name] = {"o_max_abs_diff": (o16.float() - o32).abs().max().item(),
+                                                  "o_max_excess_over_bf16_rounding": excess,
+                                                  "kda_state": (p2 - p_).abs().max().item(),
+                                                  "conv_state": (c2 - c_).abs().max().item()}
             best = min(fused, key=lambda n: row[f"fused_{n}_graph_ms"])
             row["best_fused"] = best
             row["fused_pct_roofline"] = {n: 100 * row["roofline_fused_ms"] / row[f"fused_{n}_graph_ms"] for n in fused}

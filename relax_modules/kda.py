@@ -20,7 +20,7 @@ from tvm.relax.frontend.nn import op
 from k3_compile.config import K3Config
 from relax_modules.common import ForwardMeta
 from relax_modules.layers import Linear
-from schedules.kda_decode_cuda import (decode_conv_tiling, decode_tiling, kda_decode_conv_fused_kernel,
+from schedules.kda_decode_cuda import (decode_tiling, kda_decode_conv_dispatch, kda_decode_conv_fused_kernel,
                                        kda_decode_fused_kernel)
 from schedules.kda_prefill_cuda import C as TC_CHUNK
 from schedules.kda_prefill_cuda import max_chunks
@@ -124,9 +124,10 @@ class KimiDeltaAttention(nn.Module):
         self.W = W = config.short_conv_kernel_size
         # ... and with the short convolutions inside (one block a head, kda_decode_conv_fused_kernel:
         # one launch instead of the generic convolution's six and the decode kernel; 1.65-21x the
-        # pair's speed at K3's shapes, benchmarks/results/kda_decode_conv_h200_2026-12-02.json)
-        self.decode_conv_tiling = (decode_conv_tiling(K) if self.decode_tiling is not None and W >= 2
-                                   else None)
+        # pair's speed at K3's shapes, benchmarks/results/kda_decode_conv_h200_2026-12-02.json):
+        # (k_split, vec, norm_inside), step 6's head norm and gate inside below 48 heads
+        self.decode_conv = (kda_decode_conv_dispatch(H, K) if self.decode_tiling is not None and W >= 2
+                            else None)
         self.lower_bound = lb = config.gate_lower_bound
         # GPU prefill: the chunked kernels on tensor cores (schedules/kda_prefill_tc.py: TF32
         # products, fp32 state) for bf16 models with K = V = 128 and the lower-bound gate
@@ -214,7 +215,7 @@ class KimiDeltaAttention(nn.Module):
         """
         H, K = self.H, self.K
         T = x.shape[0]
-        if decode and self.decode_conv_tiling is not None:
+        if decode and self.decode_conv is not None:
             return self._conv_fused_decode(x, meta, kda_state, conv_state, kda_index)
         # 1. q, k, v = SiLU(causal depthwise conv1d(W x)), conv state = last W-1 inputs
         q, conv_state = self._short_conv(self.q_proj(x), self.q_conv1d, CONV_Q, meta,
@@ -391,24 +392,30 @@ class KimiDeltaAttention(nn.Module):
 
 
     def _conv_fused_decode(self, x, meta, kda_state, conv_state, kda_index):
-        """Steps 1–6 with 1–5 in one CUDA kernel (the q, k, v short convolutions and their
-        window updates, L2 norms, gate, β, recurrence; both pools in place). Returns ``(out [T,
-        hidden], kda_state, conv_state)``."""
+        """Steps 1–5 in one CUDA kernel (the q, k, v short convolutions and their window
+        updates, L2 norms, gate, β, recurrence; both pools in place), with ``norm_inside`` of
+        :attr:`decode_conv` also step 6's head norm and gate (RMSNorm · σ(g_proj x)); then
+        o_proj. Returns ``(out [T, hidden], kda_state, conv_state)``."""
         T, H, K = x.shape[0], self.H, self.K
         # the projections in the order of the prefill path, so that the sibling-GEMV pass merges
         # them into the same function there and here
         xq, xk, xv = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         f = op.astype(op.reshape(self.f_b_proj(self.f_a_proj(x)), (T, H, K)), "float32")
         b = op.astype(self.b_proj(x), "float32")
-        ks, vec = self.decode_conv_tiling
-        kernel = kda_decode_conv_fused_kernel(H, K, self.W, self.lower_bound, self.dtype, k_split=ks, vec=vec)
+        ks, vec, norm_inside = self.decode_conv
+        args = [xq, xk, xv, self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight, f, b,
+                self.A_log, self.dt_bias, meta.seq_slots, kda_state, conv_state, _i32(kda_index)]
+        if norm_inside:
+            args += [self.g_proj(x), self.o_norm.weight]
+        kernel = kda_decode_conv_fused_kernel(H, K, self.W, self.lower_bound, self.dtype, k_split=ks, vec=vec,
+                                              out_norm_eps=self.eps if norm_inside else None)
         kda_state, conv_state, o = op.tensor_ir_inplace_op(
-            kernel, "kda_decode_conv_fused",
-            [xq, xk, xv, self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight, f, b,
-             self.A_log, self.dt_bias, meta.seq_slots, kda_state, conv_state, _i32(kda_index)],
+            kernel, "kda_decode_conv_fused", args,
             [11, 12, -1], [nn.Tensor.placeholder(kda_state.shape, "float32"),
                            nn.Tensor.placeholder(conv_state.shape, "float32"),
-                           nn.Tensor.placeholder((T, H, K), "float32")])
+                           nn.Tensor.placeholder((T, H, K), self.dtype if norm_inside else "float32")])
+        if norm_inside:
+            return self.o_proj(op.reshape(o, (T, H * K))), kda_state, conv_state
         return self._output(x, o), kda_state, conv_state
 
 

@@ -327,7 +327,8 @@ def kda_decode_fused_kernel(H: int, K: int, V: int, lower_bound: float | None,
 
 @functools.cache  # a pure function of its sizes: one PrimFunc per model, not per layer
 def kda_decode_conv_fused_kernel(H: int, K: int, W: int, lower_bound: float | None, in_dtype: str,
-                                 k_split: int = 4, vec: int = 2):
+                                 k_split: int = 4, vec: int = 2, out_norm_eps: float | None = None,
+                                 min_blocks: int = 0):
     """The fused decode step with spec §3 step 1 inside: the short convolutions of q, k and v
     and their conv-window updates, then :func:`kda_decode_fused_kernel`'s step 2–5 (V = K).
 
@@ -344,6 +345,12 @@ def kda_decode_conv_fused_kernel(H: int, K: int, W: int, lower_bound: float | No
     (two kernels per projection in the generic path) and the decode kernel; y never goes
     through HBM.
 
+    ``out_norm_eps`` (step 6's head norm and gate, inside): the block also holds its head's
+    whole o, so it applies the per-head output RMSNorm and the sigmoid gate itself, ``o ←
+    o / sqrt(mean(o²) + eps) · o_norm.weight · σ(g)`` with ``g = g_proj(x)``, and writes o in
+    ``in_dtype`` (the model's), ready for o_proj; two more arguments before o.
+    ``min_blocks`` > 0 asks ptxas for that many blocks per SM (``__launch_bounds__``).
+
     PrimFunc arguments (in order)::
 
         xq, xk, xv    [B, H*K]               in_dtype  q_proj(x), k_proj(x), v_proj(x)
@@ -356,7 +363,9 @@ def kda_decode_conv_fused_kernel(H: int, K: int, W: int, lower_bound: float | No
         kda_state     [L, S, H, K, K]        float32   in place (argument index 11)
         conv_state    [L, S, 3, W-1, H*K]    float32   in place (argument index 12)
         layer         int32
-        o             [B, H, K]              float32   output
+        g             [B, H*K]               in_dtype  g_proj(x)          (with out_norm_eps)
+        o_norm_w      [K]                    float32   o_norm.weight      (with out_norm_eps)
+        o             [B, H, K]              float32   output (in_dtype with out_norm_eps)
 
     Raises:
         ValueError: ``W < 2``, or a tiling :func:`kda_decode_fused_kernel` rejects for
@@ -369,6 +378,9 @@ def kda_decode_conv_fused_kernel(H: int, K: int, W: int, lower_bound: float | No
     stage, norms, update, output, load = _step_macros(K, V, lower_bound, CB, KS, VEC)
     Wm1 = W - 1
     per_thread = -(-3 * K // NT)   # channels a thread convolves (q, k, v of the head: 3K)
+    norm = out_norm_eps is not None
+    o_dtype = in_dtype if norm else "float32"
+    per_col = -(-K // NT)          # columns of o a thread normalizes
 
     @T.macro
     def conv(y_s, x, w, cs, bi, slot, h, layer, which, r):
@@ -388,6 +400,113 @@ def kda_decode_conv_fused_kernel(H: int, K: int, W: int, lower_bound: float | No
             cs[layer, slot, which, i, h * K + r] = win[i + 1]
         cs[layer, slot, which, Wm1 - 1, h * K + r] = xt
 
+    @T.macro
+    def head_norm(o_s, g_l, w_l, nrm, red, o, bi, h, tx):
+        # step 6 on the block's head: Σ o² over the K columns (threads past K add 0), then each
+        # column scaled by 1/rms, o_norm.weight and σ(g), written in the model dtype
+        red[0] = T.float32(0)
+        for i in T.unroll(per_col):
+            if i * NT + tx < K:
+                red[0] = red[0] + o_s[i * NT + tx] * o_s[i * NT + tx]
+        for sh in T.unroll(5):
+            red[0] = red[0] + T.call_extern("float32", "__shfl_xor_sync", T.uint32(0xFFFFFFFF),
+                                            red[0], 16 >> sh, 32)
+        if tx % 32 == 0:
+            nrm[tx // 32, 0] = red[0]
+        T.tvm_storage_sync("shared")
+        red[0] = T.float32(0)
+        for wp in T.unroll(NT // 32):
+            red[0] = red[0] + nrm[wp, 0]
+        red[0] = T.float32(1) / T.sqrt(red[0] / T.float32(K) + T.float32(out_norm_eps if norm else 0.0))
+        for i in T.unroll(per_col):
+            if i * NT + tx < K:
+                o[bi, h, i * NT + tx] = T.Cast(o_dtype, o_s[i * NT + tx] * red[0] * w_l[i]
+                                               * T.sigmoid(T.Cast("float32", g_l[i])))
+
+    @T.macro
+    def step(xq, xk, xv, wq, wk, wv, f, bb, A_log, dt_bias, slots, S, cs, layer, o, g, onw, blk, tx):
+        y_s = T.alloc_buffer((3, K), "float32", scope="shared")
+        q_s = T.alloc_buffer((K,), "float32", scope="shared")
+        k_s = T.alloc_buffer((K,), "float32", scope="shared")
+        d_s = T.alloc_buffer((K,), "float32", scope="shared")
+        part = T.alloc_buffer((KS, CB), "float32", scope="shared")
+        nrm = T.alloc_buffer((NT // 32, 2), "float32", scope="shared")
+        o_s = T.alloc_buffer((K,), "float32", scope="shared")
+        col = T.alloc_buffer((KR * VEC,), "float32", scope="local")
+        red = T.alloc_buffer((2 + 2 * VEC,), "float32", scope="local")
+        g_l = T.alloc_buffer((per_col,), in_dtype, scope="local")
+        w_l = T.alloc_buffer((per_col,), "float32", scope="local")
+        bi = blk // H
+        h = blk % H
+        slot = slots[bi]
+        load(col, S, lambda i, j: (layer, slot, h, row(tx, i), column(blk, tx, j)))
+        if norm:  # step 6's operands, loaded now and used last
+            for i in T.unroll(per_col):
+                if i * NT + tx < K:
+                    g_l[i] = g[bi, h * K + i * NT + tx]
+                    w_l[i] = onw[i * NT + tx]
+        for i in T.unroll(per_thread):
+            if i * NT + tx < 3 * K:
+                if (i * NT + tx) // K == 0:
+                    conv(y_s, xq, wq, cs, bi, slot, h, layer, 0, (i * NT + tx) % K)
+                elif (i * NT + tx) // K == 1:
+                    conv(y_s, xk, wk, cs, bi, slot, h, layer, 1, (i * NT + tx) % K)
+                else:
+                    conv(y_s, xv, wv, cs, bi, slot, h, layer, 2, (i * NT + tx) % K)
+        T.tvm_storage_sync("shared")
+        stage(q_s, k_s, d_s, red, lambda r: y_s[0, r], lambda r: y_s[1, r],
+              lambda r: f[bi, h, r], A_log, dt_bias, h, tx)
+        norms(nrm, red, tx)
+        update(col, q_s, k_s, d_s, part, red, bb[bi, h], lambda j: y_s[2, column(blk, tx, j)],
+               S, lambda i, j: (layer, slot, h, row(tx, i), column(blk, tx, j)), tx)
+        if norm:
+            output(part, red, o_s, lambda j: column(blk, tx, j), tx)
+            T.tvm_storage_sync("shared")
+            head_norm(o_s, g_l, w_l, nrm, red, o, bi, h, tx)
+        else:
+            output(part, red, o, lambda j: (bi, h, column(blk, tx, j)), tx)
+
+    @T.macro
+    def bounded_step(xq, xk, xv, wq, wk, wv, f, bb, A_log, dt_bias, slots, S, cs, layer, o, g, onw, blk, tx):
+        if min_blocks > 0:
+            with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", min_blocks):
+                step(xq, xk, xv, wq, wk, wv, f, bb, A_log, dt_bias, slots, S, cs, layer, o, g, onw, blk, tx)
+        else:
+            step(xq, xk, xv, wq, wk, wv, f, bb, A_log, dt_bias, slots, S, cs, layer, o, g, onw, blk, tx)
+
+    def buffers(n_seq, n_layer, n_slot, handles):
+        """The PrimFunc's buffers from its handles (shapes and dtypes as in the docstring)."""
+        (xq_h, xk_h, xv_h, wq_h, wk_h, wv_h, f_h, b_h, alog_h, dtb_h, slots_h, state_h, conv_h) = handles
+        return (T.match_buffer(xq_h, (n_seq, H * K), in_dtype), T.match_buffer(xk_h, (n_seq, H * K), in_dtype),
+                T.match_buffer(xv_h, (n_seq, H * K), in_dtype), T.match_buffer(wq_h, (H * K, 1, W), "float32"),
+                T.match_buffer(wk_h, (H * K, 1, W), "float32"), T.match_buffer(wv_h, (H * K, 1, W), "float32"),
+                T.match_buffer(f_h, (n_seq, H, K), "float32"), T.match_buffer(b_h, (n_seq, H), "float32"),
+                T.match_buffer(alog_h, (H,), "float32"), T.match_buffer(dtb_h, (H * K,), "float32"),
+                T.match_buffer(slots_h, (n_seq,), "int32"),
+                T.match_buffer(state_h, (n_layer, n_slot, H, K, V), "float32"),
+                T.match_buffer(conv_h, (n_layer, n_slot, 3, Wm1, H * K), "float32"))
+
+    if norm:  # (a PrimFunc is parsed where it is defined: only the one returned)
+        @T.prim_func(private=True)
+        def kda_decode_conv_fused_norm(xq_h: T.handle, xk_h: T.handle, xv_h: T.handle, wq_h: T.handle,
+                                       wk_h: T.handle, wv_h: T.handle, f_h: T.handle, b_h: T.handle,
+                                       alog_h: T.handle, dtb_h: T.handle, slots_h: T.handle,
+                                       state_h: T.handle, conv_h: T.handle, layer: T.int32, g_h: T.handle,
+                                       onw_h: T.handle, o_h: T.handle):
+            T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
+            n_seq, n_layer, n_slot = T.int64(), T.int64(), T.int64()
+            xq, xk, xv, wq, wk, wv, f, bb, A_log, dt_bias, slots, S, cs = buffers(
+                n_seq, n_layer, n_slot, (xq_h, xk_h, xv_h, wq_h, wk_h, wv_h, f_h, b_h, alog_h, dtb_h, slots_h,
+                                         state_h, conv_h))
+            g = T.match_buffer(g_h, (n_seq, H * K), in_dtype)
+            onw = T.match_buffer(onw_h, (K,), "float32")
+            o = T.match_buffer(o_h, (n_seq, H, V), o_dtype)
+            for blk in T.thread_binding(n_seq * H, thread="blockIdx.x"):
+                for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                    bounded_step(xq, xk, xv, wq, wk, wv, f, bb, A_log, dt_bias, slots, S, cs, layer, o, g, onw, blk, tx)
+
+        return kda_decode_conv_fused_norm
+
     @T.prim_func(private=True)
     def kda_decode_conv_fused(xq_h: T.handle, xk_h: T.handle, xv_h: T.handle, wq_h: T.handle,
                               wk_h: T.handle, wv_h: T.handle, f_h: T.handle, b_h: T.handle,
@@ -395,49 +514,14 @@ def kda_decode_conv_fused_kernel(H: int, K: int, W: int, lower_bound: float | No
                               state_h: T.handle, conv_h: T.handle, layer: T.int32, o_h: T.handle):
         T.func_attr({"tir.noalias": True, "tirx.is_scheduled": True})
         n_seq, n_layer, n_slot = T.int64(), T.int64(), T.int64()
-        xq = T.match_buffer(xq_h, (n_seq, H * K), in_dtype)
-        xk = T.match_buffer(xk_h, (n_seq, H * K), in_dtype)
-        xv = T.match_buffer(xv_h, (n_seq, H * K), in_dtype)
-        wq = T.match_buffer(wq_h, (H * K, 1, W), "float32")
-        wk = T.match_buffer(wk_h, (H * K, 1, W), "float32")
-        wv = T.match_buffer(wv_h, (H * K, 1, W), "float32")
-        f = T.match_buffer(f_h, (n_seq, H, K), "float32")
-        bb = T.match_buffer(b_h, (n_seq, H), "float32")
-        A_log = T.match_buffer(alog_h, (H,), "float32")
-        dt_bias = T.match_buffer(dtb_h, (H * K,), "float32")
-        slots = T.match_buffer(slots_h, (n_seq,), "int32")
-        S = T.match_buffer(state_h, (n_layer, n_slot, H, K, V), "float32")
-        cs = T.match_buffer(conv_h, (n_layer, n_slot, 3, Wm1, H * K), "float32")
+        xq, xk, xv, wq, wk, wv, f, bb, A_log, dt_bias, slots, S, cs = buffers(
+            n_seq, n_layer, n_slot, (xq_h, xk_h, xv_h, wq_h, wk_h, wv_h, f_h, b_h, alog_h, dtb_h, slots_h,
+                                     state_h, conv_h))
         o = T.match_buffer(o_h, (n_seq, H, V), "float32")
         for blk in T.thread_binding(n_seq * H, thread="blockIdx.x"):
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                y_s = T.alloc_buffer((3, K), "float32", scope="shared")
-                q_s = T.alloc_buffer((K,), "float32", scope="shared")
-                k_s = T.alloc_buffer((K,), "float32", scope="shared")
-                d_s = T.alloc_buffer((K,), "float32", scope="shared")
-                part = T.alloc_buffer((KS, CB), "float32", scope="shared")
-                nrm = T.alloc_buffer((NT // 32, 2), "float32", scope="shared")
-                col = T.alloc_buffer((KR * VEC,), "float32", scope="local")
-                red = T.alloc_buffer((2 + 2 * VEC,), "float32", scope="local")
-                bi = blk // H
-                h = blk % H
-                slot = slots[bi]
-                load(col, S, lambda i, j: (layer, slot, h, row(tx, i), column(blk, tx, j)))
-                for i in T.unroll(per_thread):
-                    if i * NT + tx < 3 * K:
-                        if (i * NT + tx) // K == 0:
-                            conv(y_s, xq, wq, cs, bi, slot, h, layer, 0, (i * NT + tx) % K)
-                        elif (i * NT + tx) // K == 1:
-                            conv(y_s, xk, wk, cs, bi, slot, h, layer, 1, (i * NT + tx) % K)
-                        else:
-                            conv(y_s, xv, wv, cs, bi, slot, h, layer, 2, (i * NT + tx) % K)
-                T.tvm_storage_sync("shared")
-                stage(q_s, k_s, d_s, red, lambda r: y_s[0, r], lambda r: y_s[1, r],
-                      lambda r: f[bi, h, r], A_log, dt_bias, h, tx)
-                norms(nrm, red, tx)
-                update(col, q_s, k_s, d_s, part, red, bb[bi, h], lambda j: y_s[2, column(blk, tx, j)],
-                       S, lambda i, j: (layer, slot, h, row(tx, i), column(blk, tx, j)), tx)
-                output(part, red, o, lambda j: (bi, h, column(blk, tx, j)), tx)
+                bounded_step(xq, xk, xv, wq, wk, wv, f, bb, A_log, dt_bias, slots, S, cs, layer, o, None, None, blk,
+                             tx)
 
     return kda_decode_conv_fused
 
@@ -571,6 +655,34 @@ def kda_verify_fused_reference(q, k, v, f, b, A_log, dt_bias, seq_slots, kda_sta
     return np.stack(o, 1), np.stack(states, 1).astype(np.float32)
 
 
+# from this many KDA heads the model's conv-fused decode leaves step 6's head norm and gate to
+# the separate kernel (kda_decode_conv_dispatch)
+NORM_INSIDE_BELOW_HEADS = 48
+
+
+def kda_decode_conv_dispatch(num_heads: int, head_dim: int) -> tuple[int, int, bool] | None:
+    """The model's choice for the conv-fused decode: ``(k_split, vec, norm_inside)``, or None
+    where no tiling fits ``head_dim`` (:func:`decode_conv_tiling`).
+
+    ``norm_inside`` (step 6's head norm and gate in the kernel, ``out_norm_eps``) below
+    :data:`NORM_INSIDE_BELOW_HEADS` heads, with (4, 2): on the H200 at 12 heads 10.6 / 35.3 µs at
+    batch 16 / 64 against 12.4 / 36.1 for the kernel without it followed by the separate norm
+    kernel, and 1.6 µs less at batch 1; at 96 heads the separate kernel is faster from batch 16
+    (62.0 / 224.5 against 65.3–77.1 / 229.6–294.5 µs for every tiling tried: the kernel's tail
+    grows by two barriers and a block reduction while the separate kernel costs 3–6 µs), so
+    there (8, 2) without it (benchmarks/results/kda_decode_conv_norm_h200_2026-12-02.json)."""
+    tiling = decode_conv_tiling(head_dim)
+    if tiling is None:
+        return None
+    if num_heads < NORM_INSIDE_BELOW_HEADS:
+        try:
+            _check_tiling(head_dim, head_dim, head_dim, 4, 2)
+            return 4, 2, True
+        except ValueError:
+            pass
+    return (*tiling, False)
+
+
 def decode_conv_tiling(head_dim: int) -> tuple[int, int] | None:
     """The (k_split, vec) of :func:`kda_decode_conv_fused_kernel` the model uses for
     ``head_dim`` (one block a head: ``head_dim / vec × k_split`` threads), or None if none of
@@ -604,11 +716,13 @@ def decode_tiling(head_dim: int) -> tuple[int, int, int] | None:
 
 
 def kda_decode_conv_fused_reference(xq, xk, xv, wq, wk, wv, f, b, A_log, dt_bias, seq_slots,
-                                    kda_state, conv_state, layer, lower_bound):
+                                    kda_state, conv_state, layer, lower_bound, g=None, o_norm_w=None,
+                                    out_norm_eps=None):
     """NumPy reference of :func:`kda_decode_conv_fused_kernel`: the generic short convolution's
     reference (:func:`schedules.kda_generic.short_conv_reference`, one token per sequence) for
-    q, k and v, then :func:`kda_decode_fused_reference`. Updates ``kda_state`` and
-    ``conv_state`` in place; shapes as in the kernel; returns ``o [B, H, K]`` float32."""
+    q, k and v, then :func:`kda_decode_fused_reference`, then with ``out_norm_eps`` step 6's
+    head norm and gate ``o / sqrt(mean(o²) + eps) · o_norm_w · σ(g)``. Updates ``kda_state``
+    and ``conv_state`` in place; shapes as in the kernel; returns ``o [B, H, K]`` float32."""
     from schedules.kda_generic import short_conv_reference
 
     B, H = np.asarray(b).shape
@@ -619,7 +733,13 @@ def kda_decode_conv_fused_reference(xq, xk, xv, wq, wk, wv, f, b, A_log, dt_bias
         y, new_state = short_conv_reference(x, w, cu_seqlens, seq_slots, conv_state, layer, which)
         conv_state[...] = new_state
         ys.append(y.reshape(B, H, K))
-    return kda_decode_fused_reference(*ys, f, b, A_log, dt_bias, seq_slots, kda_state, layer, lower_bound)
+    o = kda_decode_fused_reference(*ys, f, b, A_log, dt_bias, seq_slots, kda_state, layer, lower_bound)
+    if out_norm_eps is None:
+        return o
+    o = o.astype(np.float64)
+    o = o / np.sqrt((o * o).mean(-1, keepdims=True) + out_norm_eps) * np.asarray(o_norm_w, np.float64)
+    gate = 1 / (1 + np.exp(-np.asarray(g, np.float64).reshape(B, H, K)))
+    return (o * gate).astype(np.float32)
 
 
 def kda_decode_fused_reference(q, k, v, f, b, A_log, dt_bias, seq_slots, kda_state, layer,

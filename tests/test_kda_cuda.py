@@ -85,6 +85,29 @@ def test_conv_fused_reference_matches_torch_conv_and_fla():
     np.testing.assert_array_equal(conv[0], conv0[0])
 
 
+def test_conv_fused_reference_head_norm_and_gate_match_torch():
+    """With ``out_norm_eps`` the reference's o is torch's rms_norm of the plain step's o over
+    each head's K values, times o_norm.weight and σ(g) (spec §3 step 6)."""
+    rng = np.random.default_rng(2)
+    B, H, K, W = 2, 3, 16, 3
+    args = ([rng.standard_normal((B, H * K)).astype(np.float32) for _ in range(3)]
+            + [(rng.standard_normal((H * K, 1, W)) * 0.5).astype(np.float32) for _ in range(3)]
+            + [rng.standard_normal((B, H, K)).astype(np.float32), rng.standard_normal((B, H)).astype(np.float32),
+               np.log(rng.uniform(1, 16, H)).astype(np.float32),
+               (rng.standard_normal(H * K) * 0.5).astype(np.float32), np.array([1, 0], np.int32)])
+    pool = (rng.standard_normal((1, 2, H, K, K)) * 0.1).astype(np.float32)
+    conv = rng.standard_normal((1, 2, 3, W - 1, H * K)).astype(np.float32)
+    g = rng.standard_normal((B, H * K)).astype(np.float32)
+    w = rng.uniform(0.5, 1.5, K).astype(np.float32)
+    plain = kda_decode_conv_fused_reference(*args, pool.copy(), conv.copy(), 0, None)
+    normed = kda_decode_conv_fused_reference(*args, pool.copy(), conv.copy(), 0, None, g=g, o_norm_w=w,
+                                             out_norm_eps=1e-5)
+    want = (torch.nn.functional.rms_norm(torch.from_numpy(plain).double(), (K,), torch.from_numpy(w).double(),
+                                         eps=1e-5)
+            * torch.sigmoid(torch.from_numpy(g).double().view(B, H, K)))
+    np.testing.assert_allclose(normed, want.numpy(), rtol=1e-5, atol=1e-6)
+
+
 def test_conv_fused_kernel_rejects_bad_sizes():
     with pytest.raises(ValueError, match="W >= 2"):
         kda_decode_conv_fused_kernel(2, 128, 1, -5.0, "bfloat16")
@@ -166,17 +189,37 @@ def test_conv_fused_kernel_compiles_with_8_byte_state_accesses(tmp_path):
     assert src.count("cs_ptr[") == 3 * 6
 
 
+@needs_nvcc
+def test_conv_fused_kernel_with_head_norm_writes_the_model_dtype(tmp_path):
+    """With step 6 inside, o leaves the kernel once, in bf16 (each of the head's 128 columns by
+    one thread), after the head's Σ o² is reduced over the block."""
+    build_sm90a_fatbin(
+        "from schedules.kda_decode_cuda import decode_conv_tiling, kda_decode_conv_fused_kernel\n"
+        "f = kda_decode_conv_fused_kernel(12, 128, 4, -5.0, 'bfloat16', *decode_conv_tiling(128), "
+        "out_norm_eps=1e-5).with_attr('global_symbol', 'k')\n"
+        "mod = tvm.IRModule({'k': f})", tmp_path, keep_src=True)
+    src = "".join(p.read_text() for p in (tmp_path / "src").glob("*.cu"))
+    assert "nv_bfloat16* __restrict__ o_ptr" in src
+    assert src.count("o_ptr[") == 1 and "= ((nv_bfloat16)(" in src
+
+
 def test_model_dispatches_the_conv_fused_decode():
     """A GPU build of the KDA layer takes the conv-fused decode where the fused decode fits;
     ``tuned=False`` (``--generic-kernels``) and CPU builds keep the generic path."""
     from k3_compile.config import K3Config
     from relax_modules.kda import KimiDeltaAttention
 
-    cfg = K3Config(hidden_size=64, kda_num_heads=2, kda_head_dim=128, short_conv_kernel_size=4,
-                   gate_lower_bound=-5.0, rms_norm_eps=1e-5)
-    assert KimiDeltaAttention(cfg, "bfloat16", gpu=True).decode_conv_tiling == (8, 2)
-    assert KimiDeltaAttention(cfg, "bfloat16", gpu=True, tuned=False).decode_conv_tiling is None
-    assert KimiDeltaAttention(cfg, "float32", gpu=False).decode_conv_tiling is None
+    def layer(heads, **kw):
+        cfg = K3Config(hidden_size=64, kda_num_heads=heads, kda_head_dim=128, short_conv_kernel_size=4,
+                       gate_lower_bound=-5.0, rms_norm_eps=1e-5)
+        return KimiDeltaAttention(cfg, kw.pop("dtype", "bfloat16"), **kw)
+
+    # below 48 heads (k3-nano: 2; K3 at tensor parallel 8: 12) the head norm and gate go inside
+    assert layer(2, gpu=True).decode_conv == (4, 2, True)
+    assert layer(12, gpu=True).decode_conv == (4, 2, True)
+    assert layer(96, gpu=True).decode_conv == (8, 2, False)
+    assert layer(2, gpu=True, tuned=False).decode_conv is None
+    assert layer(2, dtype="float32").decode_conv is None
 
 
 def test_pdl_option_sets_the_launch_tag():
