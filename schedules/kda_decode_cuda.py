@@ -20,6 +20,14 @@ products meet in shared memory. A block is (sequence, head, group of ``cols_per_
 columns); q, k and the decay of the head are staged in shared memory, and the state loads are
 issued before the staging barrier so they overlap it.
 
+:func:`kda_decode_conv_fused_kernel` is the step the model dispatches: the same with spec §3
+step 1 inside — the short convolutions of q, k and v from their stored windows and the windows'
+update, in place — at one block a head (a head's q and k windows must not be rewritten while
+another block still needs them), and below 48 heads also step 6's head RMSNorm and sigmoid
+gate (:func:`kda_decode_conv_dispatch`). One launch replaces the generic convolution's six and
+this kernel: 1.65–21× the chain's speed on the H200
+(benchmarks/results/kda_decode_conv_h200_2026-12-02.json, _conv_norm_).
+
 :func:`kda_verify_fused_kernel` is the same step over a few tokens per sequence for
 speculative verification: the state is read once and stays in registers from token to token;
 the state after each token but the last is written to ``states`` so that a rejected suffix's
