@@ -17,10 +17,30 @@ from schedules.kda_decode_cuda import (decode_tiling, kda_decode_conv_fused_kern
                                        kda_verify_fused_reference)
 
 
-@pytest.mark.parametrize("lower_bound", [-5.0, None])
-def test_reference_matches_fla_naive_recurrence(lower_bound):
+def _t(x):
+    return torch.from_numpy(np.ascontiguousarray(x)).double()
+
+
+def _fla_step(q, k, v, f, b, A_log, dt_bias, S0, lower_bound):
+    """One decode step by fla's naive recurrence (float64), the gate and the L2 norms written
+    out in torch: q, k, v, f [B, H, K], b [B, H], the states S0 [B, H, K, V] (NumPy or torch).
+    Returns (o [B, H, V], S [B, H, K, V]) as NumPy."""
     from fla.ops.kda.naive import naive_recurrent_kda
 
+    t = lambda x: x.double() if torch.is_tensor(x) else _t(x)  # noqa: E731
+    B, H, K = f.shape
+    z = torch.exp(t(A_log))[None, :, None] * (t(f) + t(dt_bias).view(1, H, K))
+    g = lower_bound * torch.sigmoid(z) if lower_bound is not None else \
+        -torch.exp(t(A_log))[None, :, None] * torch.nn.functional.softplus(t(f) + t(dt_bias).view(1, H, K))
+    l2 = lambda x: x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)  # noqa: E731
+    o_ref, S_ref = naive_recurrent_kda(l2(t(q))[:, None], l2(t(k))[:, None], t(v)[:, None],
+                                       g[:, None], torch.sigmoid(t(b))[:, None],
+                                       initial_state=t(S0), output_final_state=True)
+    return o_ref[:, 0].numpy(), S_ref.numpy()
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_reference_matches_fla_naive_recurrence(lower_bound):
     rng = np.random.default_rng(0)
     B, H, K = 3, 5, 32  # odd batch and heads
     q, k, f = (rng.standard_normal((B, H, K)).astype(np.float32) for _ in range(3))
@@ -33,24 +53,15 @@ def test_reference_matches_fla_naive_recurrence(lower_bound):
     S0 = pool[1, slots].copy()
     o = kda_decode_fused_reference(q, k, v, f, b, A_log, dt_bias, slots, pool, 1, lower_bound)
 
-    t = lambda x: torch.from_numpy(np.ascontiguousarray(x)).double()  # noqa: E731
-    z = torch.exp(t(A_log))[None, :, None] * (t(f) + t(dt_bias).view(1, H, K))
-    g = lower_bound * torch.sigmoid(z) if lower_bound is not None else \
-        -torch.exp(t(A_log))[None, :, None] * torch.nn.functional.softplus(t(f) + t(dt_bias).view(1, H, K))
-    l2 = lambda x: x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)  # noqa: E731
-    o_ref, S_ref = naive_recurrent_kda(l2(t(q))[:, None], l2(t(k))[:, None], t(v)[:, None],
-                                       g[:, None], torch.sigmoid(t(b))[:, None],
-                                       initial_state=t(S0), output_final_state=True)
-    np.testing.assert_allclose(o, o_ref[:, 0].numpy(), atol=1e-5)
-    np.testing.assert_allclose(pool[1, slots], S_ref.numpy(), atol=1e-5)
+    o_ref, S_ref = _fla_step(q, k, v, f, b, A_log, dt_bias, S0, lower_bound)
+    np.testing.assert_allclose(o, o_ref, atol=1e-5)
+    np.testing.assert_allclose(pool[1, slots], S_ref, atol=1e-5)
 
 
 def test_conv_fused_reference_matches_torch_conv_and_fla():
     """The conv-fused decode step's reference against an independent chain: torch's depthwise
     conv1d over [stored window, x] with SiLU, the window shifted by hand, then fla's naive
     recurrence (odd batch, heads and head_dim; scattered slots; layer 1 of 2)."""
-    from fla.ops.kda.naive import naive_recurrent_kda
-
     rng = np.random.default_rng(1)
     B, H, K, W = 3, 3, 24, 4
     xs = [rng.standard_normal((B, H * K)).astype(np.float32) for _ in range(3)]
@@ -65,21 +76,15 @@ def test_conv_fused_reference_matches_torch_conv_and_fla():
     S0, win0, conv0 = pool[1, slots].copy(), conv[1, slots].copy(), conv.copy()
     o = kda_decode_conv_fused_reference(*xs, *ws, f, b, A_log, dt_bias, slots, pool, conv, 1, -5.0)
 
-    t = lambda x: torch.from_numpy(np.ascontiguousarray(x)).double()  # noqa: E731
     ys = []
     for p in range(3):
-        xpad = torch.cat([t(win0[:, p]), t(xs[p])[:, None]], dim=1)          # [B, W, H*K]
-        z = torch.nn.functional.conv1d(xpad.transpose(1, 2), t(ws[p]), groups=H * K)[:, :, 0]
+        xpad = torch.cat([_t(win0[:, p]), _t(xs[p])[:, None]], dim=1)          # [B, W, H*K]
+        z = torch.nn.functional.conv1d(xpad.transpose(1, 2), _t(ws[p]), groups=H * K)[:, :, 0]
         ys.append(torch.nn.functional.silu(z).view(B, H, K))
         np.testing.assert_allclose(conv[1, slots, p], xpad[:, 1:].numpy(), atol=0)
-    z = torch.exp(t(A_log))[None, :, None] * (t(f) + t(dt_bias).view(1, H, K))
-    g = -5.0 * torch.sigmoid(z)
-    l2 = lambda x: x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)  # noqa: E731
-    o_ref, S_ref = naive_recurrent_kda(l2(ys[0])[:, None], l2(ys[1])[:, None], ys[2][:, None],
-                                       g[:, None], torch.sigmoid(t(b))[:, None],
-                                       initial_state=t(S0), output_final_state=True)
-    np.testing.assert_allclose(o, o_ref[:, 0].numpy(), atol=1e-5)
-    np.testing.assert_allclose(pool[1, slots], S_ref.numpy(), atol=1e-5)
+    o_ref, S_ref = _fla_step(*ys, f, b, A_log, dt_bias, S0, -5.0)
+    np.testing.assert_allclose(o, o_ref, atol=1e-5)
+    np.testing.assert_allclose(pool[1, slots], S_ref, atol=1e-5)
     # other slots and the other layer keep their windows
     np.testing.assert_array_equal(conv[1, [1, 3]], conv0[1, [1, 3]])
     np.testing.assert_array_equal(conv[0], conv0[0])
