@@ -124,7 +124,7 @@ class KimiDeltaAttention(nn.Module):
         self.W = W = config.short_conv_kernel_size
         # ... and with the short convolutions inside (one block a head, kda_decode_conv_fused_kernel:
         # one launch instead of the generic convolution's six and the decode kernel; 1.65-21x the
-        # pair's speed at K3's shapes, benchmarks/results/kda_decode_conv_h200_2026-12-02.json):
+        # chain's speed at K3's shapes, benchmarks/results/kda_decode_conv_h200_2026-12-02.json):
         # (k_split, vec, norm_inside), step 6's head norm and gate inside below 48 heads
         self.decode_conv = (kda_decode_conv_dispatch(H, K) if self.decode_tiling is not None and W >= 2
                             else None)

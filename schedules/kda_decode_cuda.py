@@ -673,12 +673,13 @@ def kda_decode_conv_dispatch(num_heads: int, head_dim: int) -> tuple[int, int, b
     where no tiling fits ``head_dim`` (:func:`decode_conv_tiling`).
 
     ``norm_inside`` (step 6's head norm and gate in the kernel, ``out_norm_eps``) below
-    :data:`NORM_INSIDE_BELOW_HEADS` heads, with (4, 2): on the H200 at 12 heads 10.6 / 35.3 µs at
-    batch 16 / 64 against 12.4 / 36.1 for the kernel without it followed by the separate norm
-    kernel, and 1.6 µs less at batch 1; at 96 heads the separate kernel is faster from batch 16
-    (62.0 / 224.5 against 65.3–77.1 / 229.6–294.5 µs for every tiling tried: the kernel's tail
-    grows by two barriers and a block reduction while the separate kernel costs 3–6 µs), so
-    there (8, 2) without it (benchmarks/results/kda_decode_conv_norm_h200_2026-12-02.json)."""
+    :data:`NORM_INSIDE_BELOW_HEADS` heads, with (4, 2): on the H200 at 12 heads 5.0 / 10.7 / 35.0
+    µs at batch 1 / 16 / 64 against 7.6 / 13.7 / 37.3 for the kernel without it followed by the
+    two kernels the GPU pipeline makes of those ops (the norm's, in f32, and the cast to bf16);
+    at 96 heads that chain is faster from batch 16 (63.8 / 228.5 against 64.7–76.8 /
+    230.3–294.0 µs for every tiling tried: the kernel's tail grows by two barriers and a block
+    reduction), so there (8, 2) without it
+    (benchmarks/results/kda_decode_conv_norm_cast_h200_2026-12-02.json)."""
     tiling = decode_conv_tiling(head_dim)
     if tiling is None:
         return None
@@ -694,7 +695,7 @@ def kda_decode_conv_dispatch(num_heads: int, head_dim: int) -> tuple[int, int, b
 def decode_conv_tiling(head_dim: int) -> tuple[int, int] | None:
     """The (k_split, vec) of :func:`kda_decode_conv_fused_kernel` the model uses for
     ``head_dim`` (one block a head: ``head_dim / vec × k_split`` threads), or None if none of
-    its candidates fits. (8, 2) — 512 threads of 16 rows × 2 columns — was the fastest of (4, 2),
+    its candidates fits. (8, 2) — at head_dim 128, 512 threads of 16 rows × 2 columns — was the fastest of (4, 2),
     (8, 4), (8, 2) at K3's shapes on the H200 but for 12 heads at batch 16, where (4, 2) was
     0.4% faster (benchmarks/results/kda_decode_conv_h200_2026-12-02.json)."""
     for ks, vec in ((8, 2), (4, 2), (4, 1), (2, 1), (1, 1)):

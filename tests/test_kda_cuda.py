@@ -199,8 +199,8 @@ def test_conv_fused_kernel_with_head_norm_writes_the_model_dtype(tmp_path):
     """With step 6 inside, o leaves the kernel once, in bf16 (each of the head's 128 columns by
     one thread), after the head's Σ o² is reduced over the block."""
     build_sm90a_fatbin(
-        "from schedules.kda_decode_cuda import decode_conv_tiling, kda_decode_conv_fused_kernel\n"
-        "f = kda_decode_conv_fused_kernel(12, 128, 4, -5.0, 'bfloat16', *decode_conv_tiling(128), "
+        "from schedules.kda_decode_cuda import kda_decode_conv_dispatch, kda_decode_conv_fused_kernel\n"
+        "f = kda_decode_conv_fused_kernel(12, 128, 4, -5.0, 'bfloat16', *kda_decode_conv_dispatch(12, 128)[:2], "
         "out_norm_eps=1e-5).with_attr('global_symbol', 'k')\n"
         "mod = tvm.IRModule({'k': f})", tmp_path, keep_src=True)
     src = "".join(p.read_text() for p in (tmp_path / "src").glob("*.cu"))
