@@ -377,7 +377,9 @@ class KimiDeltaAttention(nn.Module):
 
     def _fused_decode(self, x, q, k, v, meta, kda_state, kda_index):
         """Steps 2–6 with 2–5 in one CUDA kernel (L2 norms, gate, β, recurrence; state in
-        place). Returns ``(out [T, hidden], kda_state)``."""
+        place), after the generic short convolution: the decode path where the conv-fused kernel
+        does not apply (``decode_conv`` None, e.g. W = 1). Returns ``(out [T, hidden],
+        kda_state)``."""
         T, H, K = x.shape[0], self.H, self.K
         f = op.astype(op.reshape(self.f_b_proj(self.f_a_proj(x)), (T, H, K)), "float32")
         b = op.astype(self.b_proj(x), "float32")
@@ -389,7 +391,6 @@ class KimiDeltaAttention(nn.Module):
             [8, -1], [nn.Tensor.placeholder(kda_state.shape, "float32"),
                       nn.Tensor.placeholder((T, H, K), "float32")])
         return self._output(x, o), kda_state
-
 
     def _conv_fused_decode(self, x, meta, kda_state, conv_state, kda_index):
         """Steps 1–5 in one CUDA kernel (the q, k, v short convolutions and their window
