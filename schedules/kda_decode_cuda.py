@@ -85,6 +85,30 @@ def _geometry(K: int, V: int, CB: int, KS: int, VEC: int):
     return TPR, TPR * KS, NCB, KR, row, column
 
 
+def _block_sum(NT: int, n: int):
+    """TVMScript macro ``block_sum(nrm, red, tx)``: each of ``red[0:n]`` (a thread's local
+    values) replaced by its sum over the block's ``NT`` threads — across each warp by shuffles,
+    then across the warps through ``nrm [NT / 32, ≥ n]`` (shared) after one barrier."""
+
+    @T.macro
+    def block_sum(nrm, red, tx):
+        for o in T.unroll(5):
+            for j in T.unroll(n):
+                red[j] = red[j] + T.call_extern("float32", "__shfl_xor_sync", T.uint32(0xFFFFFFFF),
+                                                red[j], 16 >> o, 32)
+        if tx % 32 == 0:
+            for j in T.unroll(n):
+                nrm[tx // 32, j] = red[j]
+        T.tvm_storage_sync("shared")
+        for j in T.unroll(n):
+            red[j] = T.float32(0)
+        for w in T.unroll(NT // 32):
+            for j in T.unroll(n):
+                red[j] = red[j] + nrm[w, j]
+
+    return block_sum
+
+
 def _step_macros(K: int, V: int, lower_bound: float | None, CB: int, KS: int, VEC: int = 1):
     """The per-token pieces of the fused step shared by the decode and verify kernels, as
     TVMScript macros (``x(r)`` etc. are callables giving the token's inputs). Thread ``tx``
@@ -134,24 +158,12 @@ def _step_macros(K: int, V: int, lower_bound: float | None, CB: int, KS: int, VE
             else:
                 stage_row(q_s, k_s, d_s, red, qv, kv, fv, A_log, dt_bias, h, i * NT + tx)
 
+    sum2 = _block_sum(NT, 2)
+
     @T.macro
     def norms(nrm, red, tx):
-        # the sums of squares meet across the warp (shuffles), then across the warps through
-        # shared memory
-        for o in T.unroll(5):
-            red[0] = red[0] + T.call_extern("float32", "__shfl_xor_sync", T.uint32(0xFFFFFFFF),
-                                            red[0], 16 >> o, 32)
-            red[1] = red[1] + T.call_extern("float32", "__shfl_xor_sync", T.uint32(0xFFFFFFFF),
-                                            red[1], 16 >> o, 32)
-        if tx % 32 == 0:
-            nrm[tx // 32, 0] = red[0]
-            nrm[tx // 32, 1] = red[1]
-        T.tvm_storage_sync("shared")
-        red[0] = T.float32(0)
-        red[1] = T.float32(0)
-        for w in T.unroll(NT // 32):
-            red[0] = red[0] + nrm[w, 0]
-            red[1] = red[1] + nrm[w, 1]
+        # the sums of squares over the block (across the warp by shuffles, then the warps)
+        sum2(nrm, red, tx)
         red[0] = T.float32(scale) / T.sqrt(red[0] + T.float32(1e-6))
         red[1] = T.float32(1) / T.sqrt(red[1] + T.float32(1e-6))
 
@@ -389,6 +401,7 @@ def kda_decode_conv_fused_kernel(H: int, K: int, W: int, lower_bound: float | No
     norm = out_norm_eps is not None
     o_dtype = in_dtype if norm else "float32"
     per_col = -(-K // NT)          # columns of o a thread normalizes
+    sum1 = _block_sum(NT, 1)
 
     @T.macro
     def conv(y_s, x, w, cs, bi, slot, h, layer, which, r):
@@ -416,15 +429,7 @@ def kda_decode_conv_fused_kernel(H: int, K: int, W: int, lower_bound: float | No
         for i in T.unroll(per_col):
             if i * NT + tx < K:
                 red[0] = red[0] + o_s[i * NT + tx] * o_s[i * NT + tx]
-        for sh in T.unroll(5):
-            red[0] = red[0] + T.call_extern("float32", "__shfl_xor_sync", T.uint32(0xFFFFFFFF),
-                                            red[0], 16 >> sh, 32)
-        if tx % 32 == 0:
-            nrm[tx // 32, 0] = red[0]
-        T.tvm_storage_sync("shared")
-        red[0] = T.float32(0)
-        for wp in T.unroll(NT // 32):
-            red[0] = red[0] + nrm[wp, 0]
+        sum1(nrm, red, tx)
         red[0] = T.float32(1) / T.sqrt(red[0] / T.float32(K) + T.float32(out_norm_eps if norm else 0.0))
         for i in T.unroll(per_col):
             if i * NT + tx < K:
