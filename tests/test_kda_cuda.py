@@ -39,15 +39,22 @@ def _fla_step(q, k, v, f, b, A_log, dt_bias, S0, lower_bound):
     return o_ref[:, 0].numpy(), S_ref.numpy()
 
 
+def _step_params(rng, B, H, K):
+    """Random gate inputs of a decode step: f [B, H, K], b [B, H], A_log [H] (its exp in
+    1..16), dt_bias [H·K], all float32."""
+    f = rng.standard_normal((B, H, K)).astype(np.float32)
+    b = rng.standard_normal((B, H)).astype(np.float32)
+    A_log = np.log(rng.uniform(1, 16, H)).astype(np.float32)
+    dt_bias = (rng.standard_normal(H * K) * 0.5).astype(np.float32)
+    return f, b, A_log, dt_bias
+
+
 @pytest.mark.parametrize("lower_bound", [-5.0, None])
 def test_reference_matches_fla_naive_recurrence(lower_bound):
     rng = np.random.default_rng(0)
     B, H, K = 3, 5, 32  # odd batch and heads
-    q, k, f = (rng.standard_normal((B, H, K)).astype(np.float32) for _ in range(3))
-    v = rng.standard_normal((B, H, K)).astype(np.float32)
-    b = rng.standard_normal((B, H)).astype(np.float32)
-    A_log = np.log(rng.uniform(1, 16, H)).astype(np.float32)
-    dt_bias = (rng.standard_normal(H * K) * 0.5).astype(np.float32)
+    q, k, v = (rng.standard_normal((B, H, K)).astype(np.float32) for _ in range(3))
+    f, b, A_log, dt_bias = _step_params(rng, B, H, K)
     slots = np.array([4, 0, 2], np.int32)
     pool = (rng.standard_normal((2, 5, H, K, K)) * 0.1).astype(np.float32)
     S0 = pool[1, slots].copy()
@@ -66,10 +73,7 @@ def test_conv_fused_reference_matches_torch_conv_and_fla():
     B, H, K, W = 3, 3, 24, 4
     xs = [rng.standard_normal((B, H * K)).astype(np.float32) for _ in range(3)]
     ws = [(rng.standard_normal((H * K, 1, W)) * 0.5).astype(np.float32) for _ in range(3)]
-    f = rng.standard_normal((B, H, K)).astype(np.float32)
-    b = rng.standard_normal((B, H)).astype(np.float32)
-    A_log = np.log(rng.uniform(1, 16, H)).astype(np.float32)
-    dt_bias = (rng.standard_normal(H * K) * 0.5).astype(np.float32)
+    f, b, A_log, dt_bias = _step_params(rng, B, H, K)
     slots = np.array([4, 0, 2], np.int32)
     pool = (rng.standard_normal((2, 5, H, K, K)) * 0.1).astype(np.float32)
     conv = rng.standard_normal((2, 5, 3, W - 1, H * K)).astype(np.float32)
@@ -97,9 +101,7 @@ def test_conv_fused_reference_head_norm_and_gate_match_torch():
     B, H, K, W = 2, 3, 16, 3
     args = ([rng.standard_normal((B, H * K)).astype(np.float32) for _ in range(3)]
             + [(rng.standard_normal((H * K, 1, W)) * 0.5).astype(np.float32) for _ in range(3)]
-            + [rng.standard_normal((B, H, K)).astype(np.float32), rng.standard_normal((B, H)).astype(np.float32),
-               np.log(rng.uniform(1, 16, H)).astype(np.float32),
-               (rng.standard_normal(H * K) * 0.5).astype(np.float32), np.array([1, 0], np.int32)])
+            + [*_step_params(rng, B, H, K), np.array([1, 0], np.int32)])
     pool = (rng.standard_normal((1, 2, H, K, K)) * 0.1).astype(np.float32)
     conv = rng.standard_normal((1, 2, 3, W - 1, H * K)).astype(np.float32)
     g = rng.standard_normal((B, H * K)).astype(np.float32)
@@ -150,6 +152,15 @@ def test_model_tiling():
     assert decode_tiling(48) is None
 
 
+def _kernel_source(tmp_path, imports: str, kernel: str) -> str:
+    """The CUDA source TVM generates for ``kernel`` (a Python expression building a PrimFunc
+    from schedules.kda_decode_cuda's ``imports``), built to an sm_90a fatbin by nvcc."""
+    build_sm90a_fatbin(f"from schedules.kda_decode_cuda import {imports}\n"
+                       f"f = ({kernel}).with_attr('global_symbol', 'k')\n"
+                       "mod = tvm.IRModule({'k': f})", tmp_path, keep_src=True)
+    return "".join(p.read_text() for p in (tmp_path / "src").glob("*.cu"))
+
+
 @needs_nvcc
 def test_kernel_compiles_to_fatbin_for_sm90a(tmp_path):
     out = build_sm90a_fatbin(
@@ -165,11 +176,8 @@ def test_model_tiling_moves_the_state_in_8_byte_accesses(tmp_path):
     as float2 (the codegen falls back to gathering single floats, ``make_float2(S_ptr[...])``,
     where it cannot prove the pair's address aligned, which would lose the 8-byte accesses the
     tiling was chosen for)."""
-    build_sm90a_fatbin(
-        "from schedules.kda_decode_cuda import decode_tiling, kda_decode_fused_kernel\n"
-        "f = kda_decode_fused_kernel(12, 128, 128, -5.0, *decode_tiling(128)).with_attr('global_symbol', 'k')\n"
-        "mod = tvm.IRModule({'k': f})", tmp_path, keep_src=True)
-    src = "".join(p.read_text() for p in (tmp_path / "src").glob("*.cu"))
+    src = _kernel_source(tmp_path, "decode_tiling, kda_decode_fused_kernel",
+                         "kda_decode_fused_kernel(12, 128, 128, -5.0, *decode_tiling(128))")
     assert src.count("*(float2*)(S_ptr + ") == 2 * 32
     assert "make_float2(S_ptr[" not in src
 
@@ -182,12 +190,8 @@ def test_conv_fused_kernel_compiles_with_8_byte_state_accesses(tmp_path):
     from schedules.kda_decode_cuda import decode_conv_tiling
 
     assert decode_conv_tiling(128) == (8, 2)
-    build_sm90a_fatbin(
-        "from schedules.kda_decode_cuda import decode_conv_tiling, kda_decode_conv_fused_kernel\n"
-        "f = kda_decode_conv_fused_kernel(12, 128, 4, -5.0, 'bfloat16', *decode_conv_tiling(128))"
-        ".with_attr('global_symbol', 'k')\n"
-        "mod = tvm.IRModule({'k': f})", tmp_path, keep_src=True)
-    src = "".join(p.read_text() for p in (tmp_path / "src").glob("*.cu"))
+    src = _kernel_source(tmp_path, "decode_conv_tiling, kda_decode_conv_fused_kernel",
+                         "kda_decode_conv_fused_kernel(12, 128, 4, -5.0, 'bfloat16', *decode_conv_tiling(128))")
     assert src.count("*(float2*)(S_ptr + ") == 2 * 16
     assert "make_float2(S_ptr[" not in src
     # three projections × (3 window reads + 3 window writes), each a cs_ptr access
@@ -198,12 +202,9 @@ def test_conv_fused_kernel_compiles_with_8_byte_state_accesses(tmp_path):
 def test_conv_fused_kernel_with_head_norm_writes_the_model_dtype(tmp_path):
     """With step 6 inside, o leaves the kernel once, in bf16 (each of the head's 128 columns by
     one thread), after the head's Σ o² is reduced over the block."""
-    build_sm90a_fatbin(
-        "from schedules.kda_decode_cuda import kda_decode_conv_dispatch, kda_decode_conv_fused_kernel\n"
-        "f = kda_decode_conv_fused_kernel(12, 128, 4, -5.0, 'bfloat16', *kda_decode_conv_dispatch(12, 128)[:2], "
-        "out_norm_eps=1e-5).with_attr('global_symbol', 'k')\n"
-        "mod = tvm.IRModule({'k': f})", tmp_path, keep_src=True)
-    src = "".join(p.read_text() for p in (tmp_path / "src").glob("*.cu"))
+    src = _kernel_source(tmp_path, "kda_decode_conv_dispatch, kda_decode_conv_fused_kernel",
+                         "kda_decode_conv_fused_kernel(12, 128, 4, -5.0, 'bfloat16', "
+                         "*kda_decode_conv_dispatch(12, 128)[:2], out_norm_eps=1e-5)")
     assert "nv_bfloat16* __restrict__ o_ptr" in src
     assert src.count("o_ptr[") == 1 and "= ((nv_bfloat16)(" in src
 
